@@ -1,0 +1,37 @@
+# kvchat — the two commands the README names:
+#   make serve   set up and run on the embedded defaults
+#   make test    set up and run the test suite
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+MODEL_DIR   ?= models/dev
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+PYTEST_WORKERS ?= 2
+
+.PHONY: setup serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned, so nothing below pulls a different (CUDA) build.
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(VENV)/bin/kvchat init-model $(MODEL_DIR) --preset dev
+
+serve: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/kvchat generate --model $(MODEL_DIR) --prompt "Hello, kvchat." --max-tokens 24 --seed 0
+
+test: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check app inference kernels memory tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

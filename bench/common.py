@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmarks: the machine header, a copy-bandwidth probe, tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def machine_header(title: str, settings: dict[str, object]) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads"
+        + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    ]
+    lines += [f"- {key}: {value}" for key, value in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
+    """Bytes per second of a large tensor copy (bytes read + bytes written), best of N."""
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * num_bytes / best
+
+
+def ensure_model(path: Path, preset: str) -> Path:
+    """Create a preset model the first time a benchmark needs it."""
+    if not (path / "config.json").exists():
+        from inference.dev_model import init_model
+
+        print(f"creating the {preset} model in {path}")
+        init_model(path, preset, seed=0)
+    return path

@@ -1,0 +1,46 @@
+"""Helpers shared by the torch reference paths: gathering KV out of the block pool and
+deciding which keys a query sees."""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import is_quantized
+
+
+def compute_dtype_for(query: torch.Tensor) -> torch.dtype:
+    """References accumulate in float32, or in float64 when handed float64 queries."""
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    scale_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] or None
+    block_ids: torch.Tensor,  # [..., n] int; negative entries are padding (read as block 0)
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Gather blocks -> [..., n * block_size, num_kv_heads, head_dim] in `dtype`."""
+    ids = block_ids.long().clamp_min(0)
+    kv = cache[ids]  # [..., n, block_size, num_kv_heads, head_dim]
+    if is_quantized(cache.dtype):
+        assert scale_cache is not None, "quantized cache needs its scale cache"
+        kv = kv.to(dtype) * scale_cache[ids].to(dtype).unsqueeze(-1)
+    else:
+        kv = kv.to(dtype)
+    shape = kv.shape
+    return kv.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+
+
+def visible(
+    query_pos: torch.Tensor,  # [..., q, 1] absolute positions of the queries
+    key_pos: torch.Tensor,  # [..., 1, k] absolute positions of the keys
+    sliding_window: int | None,
+    num_sink_tokens: int,
+) -> torch.Tensor:
+    """[..., q, k] True where the key is visible: causal, and inside the window (the last
+    `sliding_window` positions up to and including the query) or one of the first
+    `num_sink_tokens` positions."""
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask = mask & ((key_pos > query_pos - sliding_window) | (key_pos < num_sink_tokens))
+    return mask

@@ -1,0 +1,532 @@
+"""Paged decode attention: one query token per sequence over its block table.
+
+Triton kernel (flash-decoding): grid (num_seqs, num_kv_heads, num_splits). A program takes
+the GROUP query heads that share one KV head as a [GROUP_PAD, HEAD_DIM_PAD] tile, walks its
+split's share of the key tiles the query can see ([BLOCK_N tokens, HEAD_DIM_PAD], BLOCK_N a
+multiple of block_size, so one tile spans whole KV blocks) with an online softmax in
+float32, and either writes the normalized output (one split) or a partial output and its
+log-sum-exp to a float32 workspace that `_decode_reduce_kernel` combines.
+
+Quantized caches (int8, fp8 e4m3) are dequantized inside the loop: the raw codes are
+converted to the query dtype (exactly: |int8| <= 127 and e4m3 values fit bf16/fp16) and the
+per-token scales multiply the scores (K) and the probabilities (V), which is the same sum
+as dequantizing each element first.
+
+The helpers marked "shared" are used by the prefill kernel too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ._paged import compute_dtype_for, gather_kv, visible
+from .quant import is_quantized
+
+LOG2E = math.log2(math.e)
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+    key_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
+    value_scale_cache: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+) -> torch.Tensor:
+    """Torch reference (and the CPU path): all sequences at once, padded to the longest."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    dtype = compute_dtype_for(query)
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+
+    max_len = int(seq_lens.max())
+    num_blocks_used = (max_len + block_size - 1) // block_size
+    table = block_tables[:num_seqs, :num_blocks_used]
+    k = gather_kv(key_cache, key_scale_cache, table, dtype)  # [S, L, Hkv, D]
+    v = gather_kv(value_cache, value_scale_cache, table, dtype)
+    q = query.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
+
+    scores = torch.einsum("shgd,slhd->shgl", q, k) * scale  # [S, Hkv, G, L]
+    lens = seq_lens.to(torch.long).view(num_seqs, 1, 1)
+    key_pos = torch.arange(k.shape[1], device=query.device).view(1, 1, -1)
+    mask = visible(lens - 1, key_pos, sliding_window, num_sink_tokens) & (key_pos < lens)
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))  # mask: [S, 1, L] -> heads
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("shgl,slhd->shgd", probs, v)
+    out.copy_(o.reshape(num_seqs, num_heads, head_dim))
+    return out
+
+
+# --------------------------------------------------------------------------- shared (jit)
+
+# How tl.dot runs (a compile-time constant): 16-bit operands on the tensor cores, float32
+# in IEEE precision (not tf32), or 16-bit operands upcast to float32 first, for Triton's
+# interpreter, whose bf16 dot multiplies the raw uint16 bit patterns.
+DOT_NATIVE, DOT_IEEE, DOT_UPCAST = 0, 1, 2
+
+
+@triton.jit
+def _dot(a, b, DOT_MODE: tl.constexpr):
+    if DOT_MODE == 0:
+        c = tl.dot(a, b)
+    elif DOT_MODE == 1:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return c
+
+
+@triton.jit
+def _key_tile_span(
+    q_pos_lo, q_pos_hi, seq_len, sliding_window, num_sink_tokens,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Key tiles that queries at positions [q_pos_lo, q_pos_hi] can see, as a virtual range
+    0..num_tiles: index t is tile t below num_sink_tiles, else tile
+    t - num_sink_tiles + window_first_tile. Tiles between the sinks and the window are
+    never visited."""
+    end_tile = tl.cdiv(tl.minimum(q_pos_hi + 1, seq_len), BLOCK_N)
+    if HAS_WINDOW:
+        num_sink_tiles = tl.minimum(tl.cdiv(num_sink_tokens, BLOCK_N), end_tile)
+        first_key = tl.maximum(q_pos_lo - sliding_window + 1, 0)
+        window_first_tile = tl.maximum(first_key // BLOCK_N, num_sink_tiles)
+        num_tiles = num_sink_tiles + tl.maximum(end_tile - window_first_tile, 0)
+    else:
+        num_sink_tiles = 0
+        window_first_tile = 0
+        num_tiles = end_tile
+    return num_sink_tiles, window_first_tile, num_tiles
+
+
+@triton.jit
+def _tile_start(t, num_sink_tiles, window_first_tile, BLOCK_N: tl.constexpr):
+    """First key position of virtual tile t (see _key_tile_span)."""
+    tile = tl.where(t < num_sink_tiles, t, t - num_sink_tiles + window_first_tile)
+    return tile * BLOCK_N
+
+
+# --------------------------------------------------------------------------- decode kernels
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # same shape and strides as key_cache
+    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (quantized caches only)
+    value_scale_ptr,  # same shape and strides as key_scale
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_heads, head_dim], written here when not IS_SPLIT
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] float32 workspace
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, log2 domain
+    qk_scale,  # softmax scale * log2(e)
+    sliding_window,
+    num_sink_tokens,
+    num_splits,
+    stride_qs, stride_qh,  # query; head_dim stride is 1
+    stride_cb, stride_ct, stride_ch,  # key/value cache; head_dim stride is 1
+    stride_sb, stride_st, stride_sh,  # key/value scale cache
+    stride_bts,  # block_tables; block stride is 1
+    stride_os, stride_oh,  # out; head_dim stride is 1
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16 so tl.dot gets a full M tile
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_N: tl.constexpr,  # tokens per key tile, a multiple of BLOCK_SIZE
+    HAS_WINDOW: tl.constexpr,
+    IS_QUANTIZED: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos = seq_len - 1
+    num_sink_tiles, window_first_tile, num_tiles = _key_tile_span(
+        q_pos, q_pos, seq_len, sliding_window, num_sink_tokens, BLOCK_N, HAS_WINDOW
+    )
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    t_begin = split * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    q = tl.load(
+        query_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, HEAD_DIM_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for t in range(t_begin, t_end):
+        offs_key = _tile_start(t, num_sink_tiles, window_first_tile, BLOCK_N) + offs_n
+        # Visible keys only are loaded: blocks outside the window may be freed (-1).
+        mask_n = offs_key <= q_pos
+        if HAS_WINDOW:
+            mask_n = mask_n & ((offs_key > q_pos - sliding_window) | (offs_key < num_sink_tokens))
+        block_ids = tl.load(block_table + offs_key // BLOCK_SIZE, mask=mask_n, other=0)
+        offs_slot = block_ids.to(tl.int64) * stride_cb + (offs_key % BLOCK_SIZE) * stride_ct
+        offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_d[None, :]
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+
+        k = tl.load(key_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), DOT_MODE)  # [GROUP_PAD, BLOCK_N]
+        if IS_QUANTIZED:
+            offs_scale = block_ids.to(tl.int64) * stride_sb + (offs_key % BLOCK_SIZE) * stride_st
+            offs_scale += kv_head * stride_sh
+            k_scale = tl.load(key_scale_ptr + offs_scale, mask=mask_n, other=0.0)
+            s = s * k_scale[None, :]
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
+        if IS_QUANTIZED:
+            v_scale = tl.load(value_scale_ptr + offs_scale, mask=mask_n, other=0.0)
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
+        m_i = m_new
+
+    # An empty split (or an empty context) has l_i == 0: output 0, log-sum-exp -inf.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if IS_SPLIT:
+        row = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD]
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o,
+                 mask=mask_g[:, None])
+    else:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] float32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, log2 domain
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    num_splits,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))  # [NUM_SPLITS_PAD]
+    m = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(weight, axis=0)
+    o = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel (tile width and Triton's knobs)."""
+
+    block_n: int  # tokens per key tile, a power of two >= block_size
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Split-K sizing: aim for WAVES programs per SM, but give each split at least
+# MIN_TOKENS_PER_SPLIT keys and use at most MAX_SPLITS splits.
+_WAVES = 4
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+    key_scale_cache: torch.Tensor | None = None,
+    value_scale_cache: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged decode attention (same contract as `paged_decode_attention_ref`; an
+    empty context gives 0). `num_splits` (split-K over the visible keys) defaults to a
+    choice from the block-table width and the device's SM count; it needs no host sync."""
+    check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, sliding_window,
+        num_sink_tokens, key_scale_cache, value_scale_cache, out,
+    )
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} sequences but seq_lens has "
+                         f"{seq_lens.shape[0]}")
+    config = default_decode_config(query.dtype, key_cache.shape[1], query.shape[2])
+    return paged_decode_attention_with_config(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, config,
+        sliding_window=sliding_window, num_sink_tokens=num_sink_tokens,
+        key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache, out=out,
+        num_splits=num_splits,
+    )
+
+
+def default_decode_config(query_dtype: torch.dtype, block_size: int,
+                          head_dim: int) -> DecodeConfig:
+    """Chosen on an H200 with bench/gpu_kernels.py --sweep (Llama-3-8B shapes). bf16 KV
+    reaches 87-104% of the copy bandwidth at batch >= 32, context >= 4k. int8/fp8 KV are
+    fastest with the same tile but reach only ~45-57% (about bf16's wall time): converting
+    the codes to bf16 in the loop bounds them, not memory. Tried there and slower: a 64-row
+    query tile (wgmma), V loaded transposed, fp16 dots with per-tile V-scale normalization."""
+    if query_dtype == torch.float32:
+        config = DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    elif head_dim <= 128:
+        config = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+    else:
+        config = DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return replace(config, block_n=max(config.block_n, block_size))
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_visible_keys: int, device: torch.device
+) -> int:
+    """Enough splits that num_seqs * num_kv_heads * splits programs fill the device."""
+    want = triton.cdiv(_WAVES * _sm_count(device), max(num_seqs * num_kv_heads, 1))
+    useful = triton.cdiv(max(max_visible_keys, 1), _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, useful, _MAX_SPLITS))
+
+
+def paged_decode_attention_with_config(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    config: DecodeConfig,
+    *,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+    key_scale_cache: torch.Tensor | None = None,
+    value_scale_cache: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` with explicit launch parameters (benchmarks sweep these);
+    arguments are assumed checked."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if config.block_n % block_size or config.block_n & (config.block_n - 1):
+        raise ValueError(f"block_n must be a power-of-two multiple of block_size "
+                         f"{block_size}, got {config.block_n}")
+    if num_splits is None:
+        max_visible = block_tables.shape[1] * block_size  # an upper bound, no host sync
+        if sliding_window is not None:
+            max_visible = min(max_visible, sliding_window + num_sink_tokens + config.block_n)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_visible, query.device)
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    quantized = is_quantized(key_cache.dtype)
+    k_scale = key_scale_cache if quantized else key_cache  # placeholders when unquantized
+    v_scale = value_scale_cache if quantized else value_cache
+    scale_strides = key_scale_cache.stride() if key_scale_cache is not None else (0, 0, 0)
+    is_split = num_splits > 1
+    if is_split:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits,
+                               dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, out,
+        part_out, part_lse,
+        scale * LOG2E,
+        sliding_window if sliding_window is not None else 0,
+        num_sink_tokens,
+        num_splits,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        *scale_strides,
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        HAS_WINDOW=sliding_window is not None,
+        IS_QUANTIZED=quantized,
+        IS_SPLIT=is_split,
+        DOT_MODE=dot_mode(query),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if is_split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim_pad * num_splits >= 2048 else 2,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- shared (host)
+
+
+def dot_mode(query: torch.Tensor) -> int:
+    if query.dtype == torch.float32:
+        return DOT_IEEE
+    if query.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return DOT_UPCAST
+    return DOT_NATIVE
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+    key_scale_cache: torch.Tensor | None,
+    value_scale_cache: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Validate the arguments both attention kernels share; ValueError says what to fix."""
+    if query.dim() != 3 or query.dtype not in _QUERY_DTYPES or query.stride(-1) != 1:
+        raise ValueError(
+            "query must be [tokens, num_heads, head_dim] float16/bfloat16/float32 with a "
+            f"contiguous head_dim, got {tuple(query.shape)} {query.dtype} "
+            f"strides {query.stride()}"
+        )
+    if key_cache.dim() != 4:
+        raise ValueError("key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(key_cache.shape)}")
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must "
+                         f"match key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
+    if value_cache.stride() != key_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache must share strides with a contiguous "
+                         f"head_dim, got {key_cache.stride()} and {value_cache.stride()}")
+    if query.shape[2] != head_dim or head_dim > 256:
+        raise ValueError(f"query head_dim {query.shape[2]} must equal the cache's {head_dim} "
+                         "and be at most 256")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two <= 256, got {block_size}")
+    quantized = is_quantized(key_cache.dtype)
+    if not quantized and key_cache.dtype != query.dtype:
+        raise ValueError(f"an unquantized cache must hold the query dtype {query.dtype}, got "
+                         f"{key_cache.dtype}")
+    devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens)}
+    if quantized:
+        if key_scale_cache is None or value_scale_cache is None:
+            raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and "
+                             "value_scale_cache")
+        for name, s in (("key_scale_cache", key_scale_cache),
+                        ("value_scale_cache", value_scale_cache)):
+            if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
+                raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads] = "
+                                 f"{tuple(key_cache.shape[:3])} float32, got "
+                                 f"{tuple(s.shape)} {s.dtype}")
+            devices.add(s.device)
+        if value_scale_cache.stride() != key_scale_cache.stride():
+            raise ValueError("key_scale_cache and value_scale_cache must share strides, got "
+                             f"{key_scale_cache.stride()} and {value_scale_cache.stride()}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if num_seqs < 0 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be [num_seqs] int32, got {tuple(seq_lens.shape)} "
+                         f"{seq_lens.dtype}")
+    if (block_tables.dim() != 2 or block_tables.shape[0] < num_seqs
+            or block_tables.dtype not in (torch.int32, torch.int64)
+            or block_tables.stride(-1) != 1):
+        raise ValueError(
+            f"block_tables must be [num_seqs >= {num_seqs}, max_blocks_per_seq] int32 with "
+            f"contiguous rows, got {tuple(block_tables.shape)} {block_tables.dtype} "
+            f"strides {block_tables.stride()}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if num_sink_tokens < 0:
+        raise ValueError(f"num_sink_tokens must be >= 0, got {num_sink_tokens}")
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with a contiguous "
+                             f"head_dim, got {tuple(out.shape)} {out.dtype}")
+        devices.add(out.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

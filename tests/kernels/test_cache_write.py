@@ -1,0 +1,211 @@
+"""Triton cache write against its torch reference (interpreter on CPU).
+
+Bound: the kernel is bit-exact with `write_kv_cache_ref` / `quant.quantize_per_token_head`
+for every dtype: codes, scales and copies compare equal bit for bit (0 LSB), including int8
+ties (half to even, like torch.round) and fp8 values that round up into the next binade.
+Each test poisons the whole cache first (NaN; -128 for int8, a code the quantizer never
+produces), then checks written slots match and every other slot still holds the poison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
+
+
+def _poison_value(dtype: torch.dtype) -> float:
+    return -128.0 if dtype == torch.int8 else float("nan")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so NaN == NaN and -0.0 != 0.0."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(width[t.element_size()])
+
+
+@dataclass(frozen=True)
+class WriteCase:
+    cache: str
+    head_dim: int
+    num_kv_heads: int
+    block_size: int
+    key_dtype: str = "float32"  # input dtype for quantized caches
+
+    @property
+    def id(self) -> str:
+        return (f"{self.cache}-d{self.head_dim}-h{self.num_kv_heads}-bs{self.block_size}"
+                f"-{self.key_dtype}")
+
+
+CASES = [
+    WriteCase("float32", 64, 2, 16),
+    WriteCase("bfloat16", 80, 1, 32, "bfloat16"),
+    WriteCase("float16", 128, 3, 16, "float16"),
+    WriteCase("int8", 64, 3, 32),
+    WriteCase("int8", 80, 2, 16, "bfloat16"),
+    WriteCase("int8", 128, 1, 8),
+    WriteCase("fp8", 64, 1, 16, "bfloat16"),
+    WriteCase("fp8", 80, 3, 64),
+    WriteCase("fp8", 128, 2, 32, "float16"),
+    WriteCase("fp8", 32, 2, 16),
+]
+
+
+class _Pool:
+    """Poisoned caches (and scale caches) for one case, plus a copy for the reference."""
+
+    def __init__(self, cache_dtype: torch.dtype, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        poison = _poison_value(cache_dtype)
+        self.tensors = [torch.full(shape, poison).to(cache_dtype) for _ in range(2)]
+        if is_quantized(cache_dtype):
+            self.tensors += [torch.full(shape[:3], float("nan")) for _ in range(2)]
+
+    def clone(self) -> _Pool:
+        other = object.__new__(_Pool)
+        other.tensors = [t.clone() for t in self.tensors]
+        return other
+
+    def args(self) -> list[torch.Tensor]:
+        return self.tensors
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_write_matches_reference_and_leaves_other_slots(case: WriteCase, kv) -> None:
+    gen = kv.generator(case.id)
+    cache_dtype = kv.CACHE_DTYPES[case.cache]
+    key_dtype = kv.CACHE_DTYPES[case.key_dtype] if is_quantized(cache_dtype) else cache_dtype
+    num_blocks, num_tokens = 7, 3 * case.block_size + 5
+    shape = (num_tokens, case.num_kv_heads, case.head_dim)
+    # Magnitudes from 1e-3 to 1e3 per token and head; one all-zero vector (MIN_SCALE).
+    magnitude = torch.exp(3.0 * torch.randn(shape[:2] + (1,), generator=gen))
+    key = (torch.randn(shape, generator=gen) * magnitude).to(key_dtype)
+    value = torch.randn(shape, generator=gen).to(key_dtype)
+    key[0, 0] = 0.0
+    # Shuffled distinct slots over the pool, some tokens padded with -1.
+    slots = torch.randperm(num_blocks * case.block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:4]] = -1
+
+    pool = _Pool(cache_dtype, num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    ref_pool = pool.clone()
+    write_kv_cache(key, value, *pool.args()[:2], slots, *pool.args()[2:])
+    write_kv_cache_ref(key, value, *ref_pool.args()[:2], slots, *ref_pool.args()[2:])
+
+    written = torch.zeros(num_blocks * case.block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for got, want in zip(pool.args(), ref_pool.args()):
+        got_bits = _bits(got).reshape(num_blocks * case.block_size, -1)
+        want_bits = _bits(want).reshape(num_blocks * case.block_size, -1)
+        assert torch.equal(got_bits[written], want_bits[written])
+        poison = _bits(torch.full((1,), _poison_value(got.dtype)).to(got.dtype))
+        assert bool((got_bits[~written] == poison).all()), "a slot not in slot_mapping changed"
+
+
+def test_int8_rounds_half_to_even_like_torch() -> None:
+    # amax 127 -> scale 1, so x / scale is x itself: exact ties.
+    row = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -2.5, 3.49, 0.0])
+    key = torch.nn.functional.pad(row, (0, 6)).view(1, 1, 16)
+    cache = torch.full((1, 8, 1, 16), -128, dtype=torch.int8)
+    scales = torch.full((1, 8, 1), float("nan"))
+    write_kv_cache(key, key.clone(), cache, cache.clone(), torch.tensor([3]), scales,
+                   scales.clone())
+    expected = torch.tensor([127, 2, -4, 0, 0, 2, 126, -2, 3, 0], dtype=torch.int8)
+    assert torch.equal(cache[0, 3, 0, :10], expected)
+    assert scales[0, 3, 0].item() == 1.0
+
+
+def test_fp8_rounds_to_nearest_even_like_torch() -> None:
+    # amax 448 -> scale 1. Ties and carries into the next binade (1.97 -> 2, 15.9 -> 16),
+    # the subnormal range (multiples of 2**-9) and values next to the maximum.
+    row = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 1.97, 15.9, 2.0**-10, 3 * 2.0**-10,
+                        0.0137, 440.0, -433.0, 0.0, -1.97, 7.5 * 2.0**-9, 2.0**-6, 0.9999])
+    key = row.view(1, 1, 16)
+    cache = torch.full((1, 8, 1, 16), float("nan")).to(torch.float8_e4m3fn)
+    scales = torch.full((1, 8, 1), float("nan"))
+    write_kv_cache(key, key.clone(), cache, cache.clone(), torch.tensor([5]), scales,
+                   scales.clone())
+    expected = row.to(torch.float8_e4m3fn)
+    assert torch.equal(_bits(cache[0, 5, 0]), _bits(expected))
+    assert cache[0, 5, 0, 4].item() == 2.0 and cache[0, 5, 0, 1].item() == 1.0
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_dequantized_values_within_quantization_step(cache: str, kv) -> None:
+    """|x - q * scale| <= scale / 2 for int8; for fp8 e4m3, half a unit in the last place:
+    2**-4 relative, and 2**-10 * scale in the subnormal range."""
+    gen = kv.generator(f"roundtrip-{cache}")
+    cache_dtype = kv.CACHE_DTYPES[cache]
+    key = torch.randn(40, 2, 64, generator=gen) * torch.exp(2 * torch.randn(40, 2, 1,
+                                                                            generator=gen))
+    caches = [torch.empty(5, 8, 2, 64, dtype=cache_dtype) for _ in range(2)]
+    scales = [torch.empty(5, 8, 2) for _ in range(2)]
+    write_kv_cache(key, key.clone(), caches[0], caches[1], torch.arange(40), *scales)
+    codes = caches[0].view(40, 2, 64).float()
+    scale = scales[0].view(40, 2, 1)
+    qmax = INT8_MAX if cache == "int8" else FP8_E4M3_MAX
+    torch.testing.assert_close(scale, (key.abs().amax(-1, keepdim=True) / qmax)
+                               .clamp_min(MIN_SCALE), rtol=0, atol=0)
+    err = (codes * scale - key).abs()
+    if cache == "int8":
+        bound = 0.5 * scale * (1 + 1e-6)
+    else:
+        bound = torch.maximum(key.abs() * 2.0**-4, 2.0**-10 * scale) * (1 + 1e-6)
+    assert bool((err <= bound).all())
+
+
+def test_strided_inputs_from_a_fused_qkv_tensor(kv) -> None:
+    """key/value as views into one [tokens, (H + 2 * Hkv) * D] projection output."""
+    gen = kv.generator("strided")
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 64
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    key = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    slots = torch.randperm(32, generator=gen)[:num_tokens]
+    for dtype in (torch.float32, torch.int8):
+        got = [torch.zeros(4, 8, num_kv_heads, head_dim).to(dtype) for _ in range(2)]
+        want = [t.clone() for t in got]
+        extra = [torch.zeros(4, 8, num_kv_heads) for _ in range(2)] if dtype == torch.int8 else []
+        extra_ref = [t.clone() for t in extra]
+        write_kv_cache(key, value, *got, slots, *extra)
+        write_kv_cache_ref(key, value, *want, slots, *extra_ref)
+        for a, b in zip(got + extra, want + extra_ref):
+            assert torch.equal(a, b)
+
+
+def test_no_tokens_and_all_padding_write_nothing() -> None:
+    cache = torch.full((2, 16, 1, 64), float("nan"))
+    write_kv_cache(torch.empty(0, 1, 64), torch.empty(0, 1, 64), cache, cache.clone(),
+                   torch.empty(0, dtype=torch.int64))
+    key = torch.randn(3, 1, 64)
+    write_kv_cache(key, key, cache, cache.clone(), torch.full((3,), -1, dtype=torch.int64))
+    assert bool(cache.isnan().all())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(key=a["key"][:, :, :32]), "key must be"),
+        (lambda a: a.update(value=a["value"].half()), "key and value"),
+        (lambda a: a.update(slot_mapping=a["slot_mapping"][:2]), "slot_mapping"),
+        (lambda a: a.update(key_cache=a["key_cache"].half(),
+                            value_cache=a["value_cache"].half()), "unquantized"),
+        (lambda a: a.update(key_cache=a["key_cache"].to(torch.int8),
+                            value_cache=a["value_cache"].to(torch.int8)), "scale_cache"),
+        (lambda a: a.update(value_cache=a["value_cache"][:1]), "value_cache"),
+    ],
+)
+def test_write_rejects_bad_arguments(change, message: str) -> None:
+    args = dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64),
+                key_cache=torch.zeros(2, 16, 2, 64), value_cache=torch.zeros(2, 16, 2, 64),
+                slot_mapping=torch.tensor([0, 5, 17]))
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        write_kv_cache(**args)
