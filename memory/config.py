@@ -1,0 +1,86 @@
+"""Configuration of the KV memory: pool size, block size, cache dtype, sessions and budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.quant import KV_CACHE_DTYPES
+
+
+class MemoryConfigError(ValueError):
+    """A memory setting a user gave is out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SessionBudget:
+    """What one session may use.
+
+    max_kv_tokens: how many tokens of KV it may keep pinned between turns (None: no cap).
+    max_context_tokens: its prompt budget; the history planner trims to it (None: the model's).
+    """
+
+    max_kv_tokens: int | None = None
+    max_context_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("max_kv_tokens", "max_context_tokens"):
+            value = getattr(self, field)
+            if value is not None and value < 0:
+                raise MemoryConfigError(f"{field} must be >= 0 or unset, got {value}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache settings. The number of blocks is measured at start-up (see KVCacheLayout),
+    never written back here.
+
+    kv_cache_bytes: pool size on CPU (and on CUDA when set, overriding the utilization rule).
+    gpu_memory_utilization: on CUDA, pool = utilization x total - peak after a profiling pass.
+    num_blocks_override: exact number of blocks (tests, benchmarks).
+    host_cache_bytes: host memory for offloaded sessions and swapped-out sequences.
+    watermark_low / watermark_high: when free blocks fall below low x pool, idle sessions are
+    offloaded or dropped (coldest first) until high x pool is free again.
+    """
+
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks_override: int | None = None
+    host_cache_bytes: int = 0
+    enable_prefix_caching: bool = True
+    enable_sessions: bool = True
+    max_pinned_sessions: int | None = None
+    watermark_low: float = 0.05
+    watermark_high: float = 0.15
+    default_budget: SessionBudget = SessionBudget()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise MemoryConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise MemoryConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise MemoryConfigError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise MemoryConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise MemoryConfigError(
+                f"num_blocks_override must be >= 1, got {self.num_blocks_override}"
+            )
+        if self.host_cache_bytes < 0:
+            raise MemoryConfigError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.max_pinned_sessions is not None and self.max_pinned_sessions < 0:
+            raise MemoryConfigError(
+                f"max_pinned_sessions must be >= 0, got {self.max_pinned_sessions}"
+            )
+        if not 0.0 <= self.watermark_low <= self.watermark_high <= 1.0:
+            raise MemoryConfigError(
+                "watermarks must satisfy 0 <= watermark_low <= watermark_high <= 1, got "
+                f"{self.watermark_low} and {self.watermark_high}"
+            )

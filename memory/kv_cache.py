@@ -1,0 +1,137 @@
+"""KVCache: the preallocated KV tensors (device pool, and host pool for offload/swap).
+
+Layout: one tensor for all layers,
+    kv:     [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    scales: [num_layers, 2, num_blocks, block_size, num_kv_heads] float32 (int8 / fp8 only)
+so a block's whole KV (every layer) moves with one index along dim 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.quant import is_quantized, kv_storage_dtype
+
+SCALE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one token's KV: what the pool is made of."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    model_dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return kv_storage_dtype(self.kv_cache_dtype, self.model_dtype)
+
+    @property
+    def is_quantized(self) -> bool:
+        return is_quantized(self.storage_dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.storage_dtype).element_size()
+
+    @property
+    def value_bytes_per_token(self) -> int:
+        """2 x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """One float32 scale per token, layer, K/V and KV head (quantized caches only)."""
+        if not self.is_quantized:
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * SCALE_DTYPE.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.value_bytes_per_token + self.scale_bytes_per_token
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class KVCache:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.kv, self.scales = self._allocate(num_blocks, device, pin=False)
+        self.host_kv, self.host_scales = self._allocate(
+            num_host_blocks, torch.device("cpu"), pin=device.type == "cuda"
+        )
+
+    def _allocate(
+        self, num_blocks: int, device: torch.device, pin: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s = self.spec
+        shape = (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        # Zeroed, not empty: masked attention lanes multiply probabilities of 0 by these values.
+        kv = torch.zeros(shape, dtype=s.storage_dtype, device=device, pin_memory=pin)
+        scales = None
+        if s.is_quantized:
+            scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device, pin_memory=pin)
+        return kv, scales
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_kv.shape[2]
+
+    def layer(
+        self, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(key_cache, value_cache, key_scales, value_scales) of one layer, as kernels take them."""
+        k, v = self.kv[index, 0], self.kv[index, 1]
+        if self.scales is None:
+            return k, v, None, None
+        return k, v, self.scales[index, 0], self.scales[index, 1]
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Device-to-device block copy (copy-on-write)."""
+        self._copy(self.kv, self.scales, src, self.kv, self.scales, dst)
+
+    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
+        self._copy(self.kv, self.scales, device_ids, self.host_kv, self.host_scales, host_ids)
+
+    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
+        self._copy(self.host_kv, self.host_scales, host_ids, self.kv, self.scales, device_ids)
+
+    @staticmethod
+    def _copy(
+        src_kv: torch.Tensor,
+        src_scales: torch.Tensor | None,
+        src_ids: Sequence[int],
+        dst_kv: torch.Tensor,
+        dst_scales: torch.Tensor | None,
+        dst_ids: Sequence[int],
+    ) -> None:
+        assert len(src_ids) == len(dst_ids)
+        if not src_ids:
+            return
+        src = torch.tensor(list(src_ids), dtype=torch.long, device=src_kv.device)
+        dst = torch.tensor(list(dst_ids), dtype=torch.long, device=dst_kv.device)
+        moved = src_kv.index_select(2, src).to(dst_kv.device, non_blocking=True)
+        dst_kv.index_copy_(2, dst, moved)
+        if src_scales is not None and dst_scales is not None:
+            moved_scales = src_scales.index_select(2, src).to(dst_kv.device, non_blocking=True)
+            dst_scales.index_copy_(2, dst, moved_scales)

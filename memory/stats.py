@@ -1,0 +1,42 @@
+"""CacheStats: counters of where prefill KV came from and what the memory manager did."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    """Monotonic counters (tokens unless named otherwise).
+
+    Every prompt token admitted is counted once in `prompt_tokens` and once in exactly one
+    of: computed, from_session, from_prefix_cache, from_host. Tokens recomputed after a
+    preemption or a dropped session are counted again as computed.
+    """
+
+    prompt_tokens: int = 0
+    computed: int = 0
+    from_session: int = 0
+    from_prefix_cache: int = 0
+    from_host: int = 0
+    recomputed: int = 0  # tokens computed again after a preemption
+    session_offloads: int = 0
+    session_drops: int = 0
+    session_restores: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    cow_copies: int = 0  # blocks copied on write
+
+    @property
+    def reused(self) -> int:
+        return self.from_session + self.from_prefix_cache + self.from_host
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        data: dict[str, float] = dict(asdict(self))
+        data["reused"] = self.reused
+        data["hit_rate"] = self.hit_rate
+        return data
