@@ -1,0 +1,1 @@
+"""The kvchat service and its command line."""

@@ -1,0 +1,239 @@
+"""The `kvchat` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
+    "turns. Start with `kvchat init-model models/dev` and `kvchat generate --model models/dev "
+    "--prompt Hello`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, no traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from inference.chat_template import ChatTemplateError
+    from inference.errors import InvalidRequestError, ModelLoadError
+    from inference.tokenizer import TokenizerError
+    from memory.config import MemoryConfigError
+
+    return (InvalidRequestError, ModelLoadError, TokenizerError, ChatTemplateError,
+            MemoryConfigError)
+
+
+@app.command("init-model")
+def init_model_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
+    preset: Annotated[
+        str, typer.Option(help="dev: small, for tests and laptops; bench: ~150M parameters.")
+    ] = "dev",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing model.")] = False,
+) -> None:
+    """Write a random-weight Llama-architecture model in Hugging Face format (config.json,
+    model.safetensors, tokenizer files) that `transformers` can load too."""
+    from inference.dev_model import PRESETS, init_model
+
+    if preset not in PRESETS:
+        fail(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if (model_dir / "config.json").exists() and not force:
+        fail(f"{model_dir} already holds a model; pass --force to overwrite it")
+    config = init_model(model_dir, preset, seed)
+    typer.echo(
+        f"wrote {preset} model to {model_dir}: {config.num_parameters / 1e6:.1f}M parameters, "
+        f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+    )
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
+    return ids
+
+
+@app.command()
+def generate(
+    model: Annotated[Path, typer.Option(help="Hugging Face model directory.")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (raw, no chat template).")] = None,
+    prompt_ids: Annotated[
+        str | None, typer.Option(help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option(help="Wrap --prompt as a user message in the model's chat template.")
+    ] = False,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1.0: off).")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Same seed and prompt: same tokens.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Go on past end-of-sequence.")] = False,
+    attention_backend: Annotated[str, typer.Option(help="auto | torch | triton.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8.")] = "auto",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N].")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Generate a completion for one prompt and print it (streaming, or as JSON)."""
+    if (prompt is None) == (prompt_ids is None):
+        fail("give exactly one of --prompt or --prompt-ids")
+    try:
+        _generate(**locals())
+    except _user_errors() as e:
+        fail(str(e))
+
+
+def _generate(
+    model: Path, prompt: str | None, prompt_ids: str | None, chat: bool, max_tokens: int,
+    temperature: float, top_k: int, top_p: float, seed: int | None, stop: list[str] | None,
+    ignore_eos: bool, attention_backend: str, kv_cache_dtype: str, block_size: int, dtype: str,
+    device: str, as_json: bool,
+) -> None:
+    from inference.chat_template import ChatMessage, load_chat_template
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from inference.errors import InvalidRequestError
+    from inference.sampling_params import SamplingParams
+    from memory.config import CacheConfig
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
+        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+    )
+    config = EngineConfig(
+        model=str(model), dtype=dtype, device=device, attention_backend=attention_backend,
+        cache=CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype),
+    )
+    engine = Engine(config)
+    if prompt_ids is not None:
+        ids = _parse_ids(prompt_ids)
+    else:
+        assert prompt is not None
+        if engine.tokenizer is None:
+            raise InvalidRequestError(
+                f"{model} has no tokenizer files; pass --prompt-ids instead of --prompt",
+                field="prompt",
+            )
+        if chat:
+            template = load_chat_template(model, engine.tokenizer)
+            ids = template.render_ids([ChatMessage(role="user", content=prompt)])
+        else:
+            ids = engine.tokenizer.encode(prompt)
+
+    start = time.perf_counter()
+    engine.add_request("cli", ids, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not as_json and out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    assert final is not None and final.output_token_ids is not None
+    if as_json:
+        typer.echo(json.dumps({
+            "token_ids": final.output_token_ids,
+            "text": final.text,
+            "prompt_tokens": final.num_prompt_tokens,
+            "completion_tokens": final.num_output_tokens,
+            "finish_reason": final.finish_reason,
+            "elapsed_s": round(elapsed, 4),
+        }))
+    else:
+        n = final.num_output_tokens
+        typer.echo(
+            f"\n[{n} tokens, {final.finish_reason}, {n / elapsed:.1f} tok/s]", err=True
+        )
+
+
+memory_app = typer.Typer(help="Plan and inspect KV-cache memory.", no_args_is_help=True)
+app.add_typer(memory_app, name="memory")
+
+
+@memory_app.command("plan")
+def memory_plan(
+    model: Annotated[Path | None, typer.Option(help="Model directory (reads config.json).")] = None,
+    config: Annotated[Path | None, typer.Option(help="A config.json file.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8.")] = "auto",
+    dtype: Annotated[
+        str | None, typer.Option(help="Model dtype (default: the config's).")
+    ] = None,
+    context_tokens: Annotated[
+        int | None, typer.Option(help="Context length of one session.")
+    ] = None,
+    memory: Annotated[
+        str | None, typer.Option(help="Accelerator memory, e.g. 80GiB or 141GB.")
+    ] = None,
+    utilization: Annotated[float, typer.Option(help="Fraction of memory to use.")] = 0.9,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+) -> None:
+    """Bytes per token and per block, blocks that fit after the weights, and sessions of a given
+    context that fit, with the arithmetic shown."""
+    from inference.engine_config import DTYPES
+    from inference.model_config import ModelConfig
+    from memory.config import CacheConfig
+    from memory.kv_cache import KVCacheSpec
+    from memory.planner import MemoryPlan, parse_bytes
+
+    if (model is None) == (config is None):
+        fail("give exactly one of --model or --config")
+    if context_tokens is not None and context_tokens < 1:
+        fail(f"--context-tokens must be >= 1, got {context_tokens}")
+    if not 0 < utilization <= 1:
+        fail(f"--utilization must be in (0, 1], got {utilization}")
+    if dtype is not None and dtype not in DTYPES:
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+        if model is not None:
+            mc = ModelConfig.from_dir(model)
+        else:
+            assert config is not None
+            if not config.is_file():
+                fail(f"{config} does not exist")
+            try:
+                data = json.loads(config.read_text())
+            except json.JSONDecodeError as e:
+                fail(f"{config} is not valid JSON: {e}")
+            mc = ModelConfig.from_hf_dict(data, source=str(config))
+        memory_bytes = parse_bytes(memory) if memory is not None else None
+    except (ValueError, *_user_errors()) as e:
+        fail(str(e))
+    model_dtype = DTYPES[dtype] if dtype else mc.torch_dtype
+    spec = KVCacheSpec(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        block_size=block_size, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
+    )
+    weight_bytes = mc.num_parameters * model_dtype.itemsize
+    plan = MemoryPlan(spec, weight_bytes, memory_bytes, utilization, context_tokens)
+    typer.echo(f"{mc.model_type}, {mc.num_parameters / 1e9:.2f}B parameters")
+    for line in plan.lines():
+        typer.echo(line)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Model execution: tokenizers, chat templates, the model and the engine that runs it."""

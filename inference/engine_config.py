@@ -1,0 +1,61 @@
+"""EngineConfig: everything the engine is built from (built once, from CLI flags or the
+service settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import ATTENTION_BACKENDS
+from memory.config import CacheConfig
+
+from .errors import InvalidRequestError
+from .scheduler import SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available
+    attention_backend: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int | None = 0  # for requests without their own seed
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(
+                f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}",
+                field="dtype",
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}",
+                field="attention_backend",
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise InvalidRequestError(
+                f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(
+                f"max_model_len must be >= 2, got {self.max_model_len}", field="max_model_len"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

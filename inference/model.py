@@ -1,0 +1,132 @@
+"""The Llama-family decoder (llama, qwen2, mistral) over a paged KV cache.
+
+One forward runs a flattened batch: the new tokens of several sequences back to back,
+decodes and prefill chunks mixed, each token placed by its position and slot."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import AttentionOps
+from memory.kv_cache import KVCache
+
+from .attention_metadata import AttentionMetadata
+from .model_config import ModelConfig
+from .rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, scaled in the model dtype (as Hugging Face does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class DecoderLayer:
+    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor]) -> None:
+        p = f"model.layers.{index}."
+        self.config = config
+        self.index = index
+        self.sliding_window = config.sliding_windows[index]
+        self.scale = config.head_dim**-0.5
+        self.input_norm = w[p + "input_layernorm.weight"]
+        self.post_attention_norm = w[p + "post_attention_layernorm.weight"]
+        # Fused projections: one matmul for q|k|v and one for gate|up.
+        names = ("q_proj", "k_proj", "v_proj")
+        self.wqkv = torch.cat([w[p + f"self_attn.{n}.weight"] for n in names])
+        self.bqkv = (
+            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None
+        )
+        self.wo = w[p + "self_attn.o_proj.weight"]
+        self.bo = w.get(p + "self_attn.o_proj.bias")
+        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        self.b_gate_up = (
+            torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+            if config.mlp_bias
+            else None
+        )
+        self.w_down = w[p + "mlp.down_proj.weight"]
+        self.b_down = w.get(p + "mlp.down_proj.bias")
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens = x.shape[0]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = F.linear(h, self.wqkv, self.bqkv)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k = rope.apply(q, k, positions)
+
+        key_cache, value_cache, key_scales, value_scales = kv_cache.layer(self.index)
+        ops.write_kv_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
+        )
+        attn = torch.empty_like(q)  # [T, Hq, D]
+        window = dict(sliding_window=self.sliding_window, num_sink_tokens=meta.num_sink_tokens)
+        scales = dict(key_scale_cache=key_scales, value_scale_cache=value_scales)
+        nd = meta.num_decode
+        if nd:
+            ops.decode(
+                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, out=attn[:nd], **window, **scales,
+            )
+        if nd < num_tokens:
+            ops.prefill(
+                q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                meta.prefill_query_start_loc, self.scale, out=attn[nd:], **window, **scales,
+            )
+        x = x + F.linear(attn.view(num_tokens, c.q_size), self.wo, self.bo)
+
+        h = rms_norm(x, self.post_attention_norm, c.rms_norm_eps)
+        gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = [DecoderLayer(config, i, weights) for i in range(config.num_layers)]
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
+        """-> hidden states [T, hidden] after the final norm."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer.forward(x, positions, self.rope, meta, kv_cache, ops)
+        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,22 @@
+"""RequestOutput: what one engine step reports for one request (a streaming delta)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV was reused (session, prefix cache, host)
+    new_logprobs: list[float] | None = None
+    # Only on the final output: every generated id and the whole text.
+    output_token_ids: list[int] | None = None
+    text: str | None = None
+    time_to_first_token: float | None = None  # seconds, once the first token exists

@@ -1,0 +1,92 @@
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds; logprobs of chosen tokens.
+
+Random choice uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws a
+fixed-size noise vector per row and step: a seeded request consumes its own generator
+identically whatever else is in the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log p(chosen) under the unmodified distribution
+
+
+def _filter_top_k_top_p(
+    logits: torch.Tensor,  # [N, V] already divided by temperature
+    top_k: torch.Tensor,  # [N] int64, V where disabled
+    top_p: torch.Tensor,  # [N] float, 1.0 where disabled
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        vocab = logits.shape[1]
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            temps = torch.tensor(
+                [params[i].temperature for i in random_rows],
+                device=logits.device,
+                dtype=logits.dtype,
+            )
+            scaled = logits[rows] / temps.unsqueeze(1)
+            if any(params[i].needs_filtering for i in random_rows):
+                top_k = torch.tensor(
+                    [min(params[i].top_k or vocab, vocab) for i in random_rows],
+                    device=logits.device,
+                )
+                top_p = torch.tensor(
+                    [params[i].top_p for i in random_rows], device=logits.device
+                )
+                scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+            probs = scaled.softmax(dim=-1)
+            # Noise on the CPU (per-request generators live there), one row per request.
+            noise = torch.empty((len(random_rows), vocab), dtype=torch.float32)
+            shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
+            if shared:
+                noise[shared] = torch.empty((len(shared), vocab)).exponential_(
+                    generator=self._generator
+                )
+            for j, i in enumerate(random_rows):
+                generator = generators[i]
+                if generator is not None:
+                    noise[j].exponential_(generator=generator)
+            picked = (probs / noise.to(probs.device)).argmax(dim=-1)
+            chosen[rows] = picked
+        logprobs = None
+        if any(p.logprobs for p in params):
+            logprobs = (
+                logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            )
+        return SamplerOutput(chosen.tolist(), logprobs)

@@ -1,0 +1,59 @@
+"""SamplingParams: how one request's tokens are chosen and when its generation stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens None means: until a stop condition or the model's context is full.
+    temperature 0 is greedy. top_k None/0 and top_p 1.0 disable those filters. The same seed
+    with the same prompt gives the same tokens, whatever else runs in the batch."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", field="max_tokens"
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequestError(
+                f"temperature must be between 0 and 2, got {self.temperature}", field="temperature"
+            )
+        if self.top_k is not None and self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", field="top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(
+                f"top_p must be in (0, 1], got {self.top_p}", field="top_p"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                field="stop",
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", field="stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be >= 0", field="stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_filtering(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1.0

@@ -1,0 +1,311 @@
+"""Scheduler: continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running sequences first (oldest first; a decode needs one token, a prompt being
+prefilled takes a chunk), then swapped-out ones come back, then waiting ones are admitted
+while the token budget, the sequence limit and free blocks allow. Before a new sequence
+prefills anything, the KV it can reuse is looked up: its session's pinned blocks, then the
+prefix cache.
+
+When blocks run short, idle sessions go first (offloaded or dropped, coldest first); running
+sequences are never evicted for idle ones' sake. When running sequences alone exhaust the
+pool, the newest is preempted (swapped to host when there is room, else recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from memory.block_pool import BlockPool
+from memory.kv_cache_manager import KVCacheManager, cdiv
+from memory.prefix_cache import hash_block
+from memory.sessions import SessionStore
+from memory.stats import CacheStats
+
+from .sequence import PrefillAccounting, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences to run this step, decodes (one new token) first, with their token counts."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that cannot make progress at all (the pool is too small for them alone).
+    out_of_memory: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        sessions: SessionStore,
+        host_pool: BlockPool,
+        stats: CacheStats,
+    ) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.pool = kv_manager.pool
+        self.sessions = sessions
+        self.host_pool = host_pool
+        self.stats = stats
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted): its KV goes to its session, or is freed."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        if seq.host_block_ids:
+            self.host_pool.release(seq.host_block_ids)
+            seq.host_block_ids = []
+            self.kv_manager.free(seq.kv)
+        if seq.session_id is not None:
+            self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv)
+        else:
+            self.kv_manager.free(seq.kv)
+        seq.status = SequenceStatus.FINISHED
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        self.sessions.maintain()
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Sequence, int]] = []
+
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            if budget == 0:
+                kept.append(seq)
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            scheduled = True
+            while not self._reserve(seq, n):
+                # Preempt the newest sequence not yet planned; if none is left, this one.
+                victim = queue.pop() if queue else seq
+                if victim is seq and not planned:
+                    batch.out_of_memory.append(seq)
+                    scheduled = False
+                    break
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    scheduled = False
+                    break
+            if scheduled:
+                planned.append((seq, n))
+                kept.append(seq)
+                budget -= n
+        self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
+
+        if not batch.preempted:
+            self._swap_in()
+            for seq in list(self.waiting):
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if not seq.reuse_checked:
+                    self._look_up_reuse(seq)
+                else:  # blocks computed since the last look may now be cached
+                    seq.pending_reuse.from_prefix_cache += self.kv_manager.match_prefix(
+                        seq.kv, seq.token_ids
+                    )
+                if self._prefix_in_flight(seq):
+                    continue  # a running prefill is computing its next blocks: wait for them
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self._reserve(seq, n):
+                    break
+                self.waiting.remove(seq)
+                self._count_admission(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                planned.append((seq, n))
+                budget -= n
+
+        decodes = [(s, n) for s, n in planned if n == 1]
+        others = [(s, n) for s, n in planned if n != 1]
+        for seq, n in decodes + others:
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+        batch.num_decode = len(decodes)
+        return batch
+
+    # -- reuse -----------------------------------------------------------------------------------
+
+    def _look_up_reuse(self, seq: Sequence) -> None:
+        """Before the first prefill of an admission: take what the session and the prefix cache
+        already hold for this sequence's tokens (counted once it is admitted)."""
+        reuse = PrefillAccounting()
+        if seq.session_id is not None and seq.kv.num_computed_tokens == 0:
+            claimed = self.sessions.claim(
+                seq.session_id, seq.kv.salt, seq.request_id, seq.token_ids, seq.kv
+            )
+            reuse.from_session = claimed.from_session
+            reuse.from_host = claimed.from_host
+            reuse.from_prefix_cache = claimed.from_prefix_cache
+        reuse.from_prefix_cache += self.kv_manager.match_prefix(seq.kv, seq.token_ids)
+        seq.pending_reuse = reuse
+        seq.reuse_checked = True
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether the next full block `seq` would compute is being computed right now by a
+        running prefill (same tokens, same tenant). Waiting a step then lets the prefix cache
+        serve it, so a system prompt shared by requests arriving together is computed once."""
+        if not self.kv_manager.prefix_cache.enabled:
+            return False
+        bs = self.kv_manager.block_size
+        kv = seq.kv
+        index = kv.num_computed_tokens // bs
+        if kv.num_computed_tokens % bs or len(kv.block_hashes) != index:
+            return False
+        if (index + 1) * bs > seq.num_tokens - 1:
+            return False
+        parent = kv.block_hashes[-1] if kv.block_hashes else None
+        wanted = hash_block(parent, seq.token_ids[index * bs : (index + 1) * bs], kv.salt)
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            upcoming = self._prompt_hashes(other)
+            first = other.num_computed_tokens // bs
+            if wanted in upcoming[first:]:
+                return True
+        return False
+
+    def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        if seq.prompt_hashes is None:
+            bs = self.kv_manager.block_size
+            hashes: list[bytes] = []
+            parent = None
+            for start in range(0, seq.num_prompt_tokens - bs + 1, bs):
+                parent = hash_block(parent, seq.prompt_token_ids[start : start + bs], seq.kv.salt)
+                hashes.append(parent)
+            seq.prompt_hashes = hashes
+        return seq.prompt_hashes
+
+    def _count_admission(self, seq: Sequence) -> None:
+        reuse = seq.pending_reuse
+        stats = self.stats
+        if not seq.was_admitted:
+            seq.was_admitted = True
+            seq.accounting = reuse
+            stats.prompt_tokens += seq.num_prompt_tokens
+            stats.from_session += reuse.from_session
+            stats.from_host += reuse.from_host
+            stats.from_prefix_cache += reuse.from_prefix_cache
+            stats.computed += seq.num_prompt_tokens - reuse.cached
+        else:
+            stats.recomputed += seq.num_tokens - reuse.cached
+
+    def _reclaim_from_waiting(self, num_blocks: int, exclude: Sequence) -> bool:
+        """Take back blocks that other waiting sequences hold from their reuse lookup (newest
+        first); they look up again when admitted."""
+        for seq in reversed(self.waiting):
+            if self.pool.can_allocate(num_blocks):
+                break
+            if seq is not exclude and seq.kv.block_ids:
+                self.kv_manager.free(seq.kv)
+                seq.reuse_checked = False
+        return self.pool.can_allocate(num_blocks)
+
+    # -- blocks ----------------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make sure slots exist for the next `num_new_tokens` tokens of `seq`, making room
+        from idle sessions if needed."""
+        manager = self.kv_manager
+        start = seq.num_computed_tokens
+        total = start + num_new_tokens
+        index = start // manager.block_size
+        needs_copy = index < len(seq.kv.block_ids) and not self.pool.is_writable(
+            seq.kv.block_ids[index]
+        )
+        need = manager.num_new_blocks(seq.kv, total) + int(needs_copy)
+        if not (
+            self.pool.can_allocate(need)
+            or self.sessions.make_room(need)
+            or self._reclaim_from_waiting(need, exclude=seq)
+        ):
+            return False
+        if needs_copy:
+            assert manager.make_writable(seq.kv, start)
+            self.stats.cow_copies += 1
+        manager.allocate_slots(seq.kv, total)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Swap the sequence's KV out to host if there is room, else free it to recompute."""
+        if seq in self.running:
+            self.running.remove(seq)
+        blocks = seq.kv.block_ids
+        if blocks and self.sessions.host_room(len(blocks)):
+            host_ids = self.host_pool.allocate(len(blocks))
+            assert self.kv_manager.kv is not None
+            self.kv_manager.kv.swap_out(blocks, host_ids)
+            self.pool.release(blocks)
+            seq.kv.block_ids = []
+            seq.host_block_ids = host_ids
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.stats.preemptions_swap += 1
+            return
+        self.kv_manager.free(seq.kv)
+        seq.reuse_checked = False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions_recompute += 1
+
+    def _swap_in(self) -> None:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = len(seq.host_block_ids)
+            # Room for its blocks and the next token's, so it can step at once.
+            need = max(n, cdiv(seq.num_tokens, self.kv_manager.block_size))
+            if not self.pool.can_allocate(need) and not self.sessions.make_room(need):
+                return
+            self.swapped.popleft()
+            device_ids = self.pool.allocate(n)
+            assert self.kv_manager.kv is not None
+            self.kv_manager.kv.swap_in(seq.host_block_ids, device_ids)
+            self.host_pool.release(seq.host_block_ids)
+            seq.host_block_ids = []
+            seq.kv.block_ids = device_ids
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)

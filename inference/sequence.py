@@ -1,0 +1,93 @@
+"""Sequence: one request's state in the engine (tokens, KV, progress, output)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from memory.kv_cache_manager import KVState
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class PrefillAccounting:
+    """Where the prompt's KV came from at admission (the rest was computed)."""
+
+    from_session: int = 0
+    from_prefix_cache: int = 0
+    from_host: int = 0
+
+    @property
+    def cached(self) -> int:
+        return self.from_session + self.from_prefix_cache + self.from_host
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + generated may not exceed this (context or max_tokens)
+    session_id: str | None = None
+    kv: KVState = field(default_factory=KVState)
+    # prompt + generated ids; the last generated id has no KV yet.
+    token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    accounting: PrefillAccounting = field(default_factory=PrefillAccounting)
+    # Set once the KV reuse (session, prefix cache) has been looked up for this admission.
+    reuse_checked: bool = False
+    was_admitted: bool = False  # admitted at least once (later admissions are resumptions)
+    pending_reuse: PrefillAccounting = field(default_factory=PrefillAccounting)
+    prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks
+    host_block_ids: list[int] = field(default_factory=list)  # while swapped out
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.kv.num_computed_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.kv.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

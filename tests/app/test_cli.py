@@ -1,0 +1,148 @@
+"""The kvchat command line: init-model, generate, and clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from app.cli import app
+
+runner = CliRunner()
+
+
+def kvchat(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the real console entry point in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=300,
+    )
+
+
+def test_generate_json_on_a_save_pretrained_dir_matches_transformers_greedy(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    path, hf_model = tiny_llama
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 264, 33, 83, 27, 95, 2, 88]
+    proc = kvchat(
+        "generate", "--model", str(path), "--prompt-ids", ",".join(map(str, prompt)),
+        "--temperature", "0", "--max-tokens", "20", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    with torch.no_grad():
+        expected = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt):].tolist()
+    assert result["token_ids"] == expected
+    assert result["prompt_tokens"] == len(prompt)
+    assert result["finish_reason"] == "length"
+    assert result["text"] is None  # no tokenizer files in a save_pretrained dir
+
+
+@pytest.fixture(scope="module")
+def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dev") / "model"
+    result = runner.invoke(app, ["init-model", str(path), "--preset", "dev", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_dev_model_loads_in_transformers_and_agrees_with_kvchat(dev_model: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from inference.tokenizer import load_tokenizer
+
+    hf_model = LlamaForCausalLM.from_pretrained(dev_model, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(dev_model)
+    assert tokenizer is not None
+    prompt_text = "The quick brown fox jumps over the lazy dog."
+    ids = tokenizer.encode(prompt_text)
+    result = runner.invoke(app, [
+        "generate", "--model", str(dev_model), "--prompt", prompt_text,
+        "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    with torch.no_grad():
+        expected = hf_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, len(ids):].tolist()
+    assert out["prompt_tokens"] == len(ids)
+    assert out["token_ids"] == expected
+    assert out["text"] == tokenizer.decode(expected)
+
+
+def test_init_model_refuses_to_overwrite(dev_model: Path) -> None:
+    result = runner.invoke(app, ["init-model", str(dev_model)])
+    assert result.exit_code == 2
+    assert "already holds a model" in result.stderr
+
+
+def test_bench_preset_has_over_100m_parameters() -> None:
+    from inference.dev_model import PRESETS, hf_config
+    from inference.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(hf_config(PRESETS["bench"]))
+    assert config.num_parameters >= 100_000_000
+
+
+@pytest.fixture(scope="module")
+def bad_type_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gpt2")
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model", "--prompt-ids", "1,2"], "does not exist"),
+        (["--model", "{bad_type}", "--prompt-ids", "1,2"], "model_type 'gpt2' is not supported"),
+        (["--model", "{tiny}", "--prompt-ids", ""], "the prompt is empty"),
+        (["--model", "{tiny}", "--prompt-ids", ",".join(["7"] * 1100)], "context is 1024"),
+        (["--model", "{tiny}", "--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens"),
+        (["--model", "{tiny}", "--prompt-ids", "1,2,99999"], "token id 99999 is outside"),
+        (["--model", "{tiny}", "--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--model", "{tiny}", "--prompt", "hi"], "no tokenizer files"),
+        (["--model", "{tiny}", "--prompt-ids", "1", "--kv-cache-dtype", "int4"], "kv_cache_dtype"),
+        (["--model", "{tiny}", "--prompt-ids", "1", "--attention-backend", "cuda"], "backend"),
+        (["--model", "{tiny}"], "exactly one of --prompt or --prompt-ids"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(
+    args: list[str], message: str, tiny_llama: tuple[Path, Any], bad_type_dir: Path
+) -> None:
+    args = [a.format(tiny=tiny_llama[0], bad_type=bad_type_dir) for a in args]
+    result = runner.invoke(app, ["generate", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert message in lines[0]
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_bad_input_in_a_real_process_prints_no_traceback(tiny_llama: tuple[Path, Any]) -> None:
+    proc = kvchat("generate", "--model", str(tiny_llama[0]), "--prompt-ids", "1,2,99999")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: token id 99999 is outside the model's vocabulary (0..511)"
+    ]

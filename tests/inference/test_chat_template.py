@@ -1,0 +1,390 @@
+"""Chat templates: text as Hugging Face renders it, per-message segments, spliced generations."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference.chat_template import (
+    CHATML_TEMPLATE,
+    ChatMessage,
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+)
+from inference.tokenizer import Tokenizer, load_tokenizer, write_dev_tokenizer
+
+IM_START, IM_END, ENDOFTEXT = 100264, 100265, 100257
+
+# Hugging Face's Meta-Llama-3-8B-Instruct template, verbatim.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+LLAMA3_MERGES = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
+N = 256 + len(LLAMA3_MERGES)  # first special id of the small Llama-3 vocabulary
+BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT = N, N + 6, N + 7, N + 9
+
+CONVERSATION = (
+    ChatMessage("system", "You are terse."),
+    ChatMessage("user", "Hi! 😀"),
+    ChatMessage("assistant", "Hello."),
+    ChatMessage("user", "Bye"),
+)
+
+ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
+CONVERSATIONS = st.lists(
+    st.builds(ChatMessage, role=ROLES, content=st.text(max_size=40)), min_size=1, max_size=6
+)
+
+
+@pytest.fixture(scope="module")
+def dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_dir = tmp_path_factory.mktemp("dev")
+    write_dev_tokenizer(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def dev_tokenizer(dev_dir: Path) -> Tokenizer:
+    tokenizer = load_tokenizer(dev_dir)
+    assert tokenizer is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def chatml(dev_dir: Path, dev_tokenizer: Tokenizer) -> ChatTemplate:
+    return load_chat_template(dev_dir, dev_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model_dir = tmp_path_factory.mktemp("llama3")
+    tokens = [bytes([b]) for b in range(256)] + LLAMA3_MERGES
+    lines = [f"{base64.b64encode(t).decode()} {rank}" for rank, t in enumerate(tokens)]
+    (model_dir / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama3(llama3_tokenizer: Tokenizer) -> ChatTemplate:
+    return ChatTemplate(LLAMA3_TEMPLATE, llama3_tokenizer)
+
+
+def concatenated(segments: list) -> list[int]:
+    return [t for segment in segments for t in segment.token_ids]
+
+
+# --- ChatML -------------------------------------------------------------------------------
+
+
+def test_dev_model_uses_chatml(chatml: ChatTemplate) -> None:
+    assert chatml.source == CHATML_TEMPLATE
+
+
+def test_chatml_text(chatml: ChatTemplate) -> None:
+    assert chatml.render_text(CONVERSATION) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi! 😀<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert chatml.render_text(CONVERSATION[:1], add_generation_prompt=False) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    )
+
+
+def test_chatml_segments(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
+    segments = chatml.render_segments(CONVERSATION)
+    assert [s.message_index for s in segments] == [0, 1, 2, 3, None]
+    texts = [dev_tokenizer.decode(s.token_ids) for s in segments]
+    assert texts == [
+        "<|im_start|>system\nYou are terse.<|im_end|>\n",
+        "<|im_start|>user\nHi! 😀<|im_end|>\n",
+        "<|im_start|>assistant\nHello.<|im_end|>\n",
+        "<|im_start|>user\nBye<|im_end|>\n",
+        "<|im_start|>assistant\n",
+    ]
+    assert segments[1].token_ids[0] == IM_START and segments[1].token_ids[-2] == IM_END
+    full = dev_tokenizer.encode(chatml.render_text(CONVERSATION), allow_special=True)
+    assert concatenated(segments) == chatml.render_ids(CONVERSATION) == full
+
+
+def test_chatml_without_generation_prompt(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
+    for count in (1, 2, len(CONVERSATION)):
+        messages = CONVERSATION[:count]
+        segments = chatml.render_segments(messages, add_generation_prompt=False)
+        assert [s.message_index for s in segments] == list(range(count))
+        text = chatml.render_text(messages, add_generation_prompt=False)
+        assert concatenated(segments) == dev_tokenizer.encode(text, allow_special=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages=CONVERSATIONS, add_generation_prompt=st.booleans())
+def test_chatml_segments_concatenate_to_whole(
+    chatml: ChatTemplate, dev_tokenizer: Tokenizer, messages: list, add_generation_prompt: bool
+) -> None:
+    segments = chatml.render_segments(messages, add_generation_prompt=add_generation_prompt)
+    expected_indices: list[int | None] = list(range(len(messages)))
+    assert [s.message_index for s in segments] == expected_indices + (
+        [None] if add_generation_prompt else []
+    )
+    text = chatml.render_text(messages, add_generation_prompt=add_generation_prompt)
+    assert concatenated(segments) == dev_tokenizer.encode(text, allow_special=True)
+
+
+# --- assistant turns carrying the generated ids ----------------------------------------
+
+
+def test_generated_ids_extend_the_prompt(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
+    history = list(CONVERSATION[:2])
+    prompt_ids = chatml.render_ids(history)
+    # Not how "hello" tokenizes on its own ([15339]): the model's own split must survive.
+    generated = tuple(dev_tokenizer.encode("hel") + dev_tokenizer.encode("lo")) + (IM_END,)
+    assert dev_tokenizer.encode("hello") == [15339]
+    reply = ChatMessage("assistant", "hello", token_ids=generated)
+
+    closed = chatml.render_ids([*history, reply], add_generation_prompt=False)
+    newline = dev_tokenizer.encode("\n")
+    assert closed == prompt_ids + list(generated) + newline
+    assert closed.count(IM_END) == 3  # one per message: the model's, not doubled
+
+    next_turn = [*history, reply, ChatMessage("user", "more")]
+    next_ids = chatml.render_ids(next_turn)
+    assert next_ids[: len(prompt_ids) + len(generated)] == prompt_ids + list(generated)
+    header = dev_tokenizer.encode("<|im_start|>assistant\n", allow_special=True)
+    segments = chatml.render_segments(next_turn)
+    assert segments[2].token_ids == (*header, *generated, *newline)
+
+
+def test_generated_ids_truncated_turn(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
+    # Stopped by max_tokens: no end-of-turn id, so the template closes the turn.
+    generated = (15339, 1917)
+    reply = ChatMessage("assistant", token_ids=generated)
+    segment = chatml.render_segments([reply], add_generation_prompt=False)[0]
+    prefix = tuple(dev_tokenizer.encode("<|im_start|>assistant\n", allow_special=True))
+    assert segment.token_ids == prefix + generated + (IM_END, *dev_tokenizer.encode("\n"))
+    # With no content given, the text is decoded from the ids.
+    assert chatml.render_text([reply], add_generation_prompt=False) == (
+        "<|im_start|>assistant\nhello world<|im_end|>\n"
+    )
+
+
+def test_generated_ids_other_end_token(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
+    # <|endoftext|> ends a generation but is not the text ChatML closes with: keep both.
+    generated = (15339, ENDOFTEXT)
+    reply = ChatMessage("assistant", token_ids=generated)
+    segment = chatml.render_segments([reply], add_generation_prompt=False)[0]
+    assert segment.token_ids[-4:] == (15339, ENDOFTEXT, IM_END, *dev_tokenizer.encode("\n"))
+    assert chatml.render_text([reply], add_generation_prompt=False).count("endoftext") == 0
+
+
+def test_generated_ids_template_drops_content(dev_tokenizer: Tokenizer) -> None:
+    # A template that never shows assistant content: the ids cannot be spliced anywhere.
+    template = ChatTemplate(
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n"
+        "{% endif %}{% endfor %}",
+        dev_tokenizer,
+    )
+    messages = [ChatMessage("user", "a"), ChatMessage("assistant", token_ids=(15339,))]
+    segments = template.render_segments(messages, add_generation_prompt=False)
+    assert [(s.message_index, s.token_ids) for s in segments] == [
+        (0, tuple(dev_tokenizer.encode("a\n"))),
+        (1, ()),
+    ]
+
+
+# --- Llama 3 ------------------------------------------------------------------------------
+
+
+def test_llama3_segments(llama3: ChatTemplate, llama3_tokenizer: Tokenizer) -> None:
+    messages = [ChatMessage("system", " hello "), ChatMessage("user", "hello world")]
+    text = llama3.render_text(messages)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nhello<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhello world<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    segments = llama3.render_segments(messages)
+    assert [s.message_index for s in segments] == [0, 1, None]
+    system, user, prompt = (s.token_ids for s in segments)
+    encode = llama3_tokenizer.encode
+    assert system == (BEGIN_OF_TEXT, START_HEADER, *encode("system"), END_HEADER) + tuple(
+        encode("\n\nhello")
+    ) + (EOT,)
+    assert user == (START_HEADER, *encode("user"), END_HEADER, *encode("\n\nhello world"), EOT)
+    assert prompt == (START_HEADER, *encode("assistant"), END_HEADER, *encode("\n\n"))
+    assert concatenated(segments) == encode(text, allow_special=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(messages=CONVERSATIONS)
+def test_llama3_segments_concatenate_to_whole(
+    llama3: ChatTemplate, llama3_tokenizer: Tokenizer, messages: list
+) -> None:
+    segments = llama3.render_segments(messages)
+    assert segments[0].token_ids[0] == BEGIN_OF_TEXT
+    text = llama3.render_text(messages)
+    assert concatenated(segments) == llama3_tokenizer.encode(text, allow_special=True)
+
+
+def test_llama3_generated_ids_extend_the_prompt(
+    llama3: ChatTemplate, llama3_tokenizer: Tokenizer
+) -> None:
+    history = [ChatMessage("user", "hello")]
+    prompt_ids = llama3.render_ids(history)
+    generated = (*llama3_tokenizer.encode(" world hello"), EOT)
+    reply = ChatMessage("assistant", "world hello", token_ids=generated)
+    # The template's closing <|eot_id|> is the model's own: nothing follows it.
+    assert llama3.render_ids([*history, reply], add_generation_prompt=False) == prompt_ids + list(
+        generated
+    )
+    assert llama3_tokenizer.eos_token_ids >= {EOT}
+
+
+# --- templates that look ahead ------------------------------------------------------------
+
+
+def test_lookahead_template_falls_back(dev_tokenizer: Tokenizer) -> None:
+    # Adds a line only while there are exactly two messages, so render(messages[:2]) is
+    # not a prefix of render(messages[:3]).
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if messages|length == 2 %}(two)\n{% endif %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}",
+        dev_tokenizer,
+    )
+    messages = [ChatMessage("user", "a"), ChatMessage("assistant", "b"), ChatMessage("user", "c")]
+    segments = template.render_segments(messages)
+    assert [s.message_index for s in segments] == [0, 2, None]
+    decoded = [dev_tokenizer.decode(s.token_ids) for s in segments]
+    assert decoded == ["user: a\n", "assistant: b\nuser: c\n", "assistant:"]
+    text = template.render_text(messages)
+    assert concatenated(segments) == dev_tokenizer.encode(text, allow_special=True)
+
+
+def test_lookahead_from_first_message(dev_tokenizer: Tokenizer) -> None:
+    template = ChatTemplate(
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}\n"
+        "{% endfor %}",
+        dev_tokenizer,
+    )
+    messages = [ChatMessage("user", "a"), ChatMessage("assistant", "b")]
+    segments = template.render_segments(messages)
+    assert [s.message_index for s in segments] == [1, None]
+    assert dev_tokenizer.decode(segments[0].token_ids) == "a\n[last]b\n"
+    assert segments[1].token_ids == ()
+
+
+# --- template variables -------------------------------------------------------------------
+
+
+def test_template_variables(dev_tokenizer: Tokenizer, llama3_tokenizer: Tokenizer) -> None:
+    source = (
+        "[{{ bos_token }}|{{ eos_token }}]"
+        "{% for m in messages %}{{ m['role'] }}"
+        "{% if m['name'] is defined %}({{ m['name'] }}){% endif %}"
+        "{% if m['tool_calls'] %} calls {{ m['tool_calls'] | tojson }}{% endif %}"
+        "{% if m['tool_call_id'] %} for {{ m['tool_call_id'] }}{% endif %}"
+        ": {{ m['content'] }}\n{% endfor %}"
+        "{% if tools is none %}no tools{% endif %}"
+    )
+    call = {"id": "c1", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        ChatMessage("user", "time?", name="ann"),
+        ChatMessage("assistant", None, tool_calls=(call,)),
+        ChatMessage("tool", "12:00", tool_call_id="c1"),
+    ]
+    text = ChatTemplate(source, dev_tokenizer).render_text(messages)
+    assert text == (
+        "[|<|im_end|>]user(ann): time?\n"
+        'assistant calls [{"id": "c1", "function": {"name": "get_time", "arguments": "{}"}}]: '
+        "None\n"
+        "tool for c1: 12:00\n"
+        "no tools"
+    )
+    llama3_text = ChatTemplate(source, llama3_tokenizer).render_text(messages[:1])
+    assert llama3_text.startswith("[<|begin_of_text|>|<|eot_id|>]")
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_message_validation(chatml: ChatTemplate) -> None:
+    with pytest.raises(ChatTemplateError, match="messages is empty"):
+        chatml.render_segments([])
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.role is 'robot'"):
+        chatml.render_text([ChatMessage("user", "a"), ChatMessage("robot", "b")])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.token_ids is only allowed"):
+        chatml.render_ids([ChatMessage("user", "a", token_ids=(1,))])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.token_ids has ids .*\[100277\]"):
+        chatml.render_ids([ChatMessage("assistant", token_ids=(1, 100277))])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content is required"):
+        chatml.render_ids([ChatMessage("user")])
+
+
+def test_template_errors(dev_tokenizer: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}", dev_tokenizer)
+    strict = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok",
+        dev_tokenizer,
+    )
+    assert strict.render_text([ChatMessage("user", "a")]) == "ok"
+    with pytest.raises(ChatTemplateError, match="must start with a user message"):
+        strict.render_segments([ChatMessage("system", "a")])
+    with pytest.raises(ChatTemplateError, match="failed to render"):
+        ChatTemplate("{{ messages[0]['content'] + 1 }}", dev_tokenizer).render_text(
+            [ChatMessage("user", "a")]
+        )
+    with pytest.raises(ChatTemplateError, match="failed to render"):  # the sandbox holds
+        ChatTemplate("{{ messages.append(1) }}", dev_tokenizer).render_text(
+            [ChatMessage("user", "a")]
+        )
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def test_load_chat_template_sources(tmp_path: Path, dev_tokenizer: Tokenizer) -> None:
+    assert load_chat_template(tmp_path, dev_tokenizer).source == CHATML_TEMPLATE
+    config_path = tmp_path / "tokenizer_config.json"
+
+    config_path.write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert load_chat_template(tmp_path, dev_tokenizer).source == CHATML_TEMPLATE
+
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    config_path.write_text(json.dumps({"chat_template": named}))
+    assert load_chat_template(tmp_path, dev_tokenizer).source == "D"
+
+    config_path.write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(ChatTemplateError, match="named 'default'"):
+        load_chat_template(tmp_path, dev_tokenizer)
+
+    config_path.write_text(json.dumps({"chat_template": 5}))
+    with pytest.raises(ChatTemplateError, match="chat_template must be a string"):
+        load_chat_template(tmp_path, dev_tokenizer)
+
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert load_chat_template(tmp_path, dev_tokenizer).source == "J"
+
+
+def test_load_chat_template_bad_json(tmp_path: Path, dev_tokenizer: Tokenizer) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    message = re.escape("tokenizer_config.json: not readable JSON")
+    with pytest.raises(ChatTemplateError, match=message):
+        load_chat_template(tmp_path, dev_tokenizer)

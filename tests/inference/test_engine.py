@@ -1,0 +1,233 @@
+"""Engine behaviour: continuous batching must not change any request's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from inference.errors import InvalidRequestError
+from inference.request_output import RequestOutput
+from inference.sampling_params import SamplingParams
+from inference.scheduler import SchedulerConfig
+from memory.config import CacheConfig
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path: Path, **scheduler: Any) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=BLOCK, num_blocks_override=128),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+    )
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_until_done(engine: Engine) -> dict[str, RequestOutput]:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]
+
+
+@pytest.fixture(scope="module")
+def solo_tokens(tiny_llama: tuple[Path, Any]) -> dict[int, list[int]]:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    return {
+        n: engine.generate([random_prompt(n, seed=n)], GREEDY)[0].output_token_ids or []
+        for n in LENGTHS
+    }
+
+
+def test_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    outs = engine.generate([random_prompt(n, seed=n) for n in LENGTHS], GREEDY)
+    for n, out in zip(LENGTHS, outs):
+        assert out.output_token_ids == solo_tokens[n], f"prompt length {n}"
+        assert out.finish_reason == "length"
+
+
+def test_small_token_budget_chunks_prefill_without_changing_tokens(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path, max_num_batched_tokens=7)
+    outs = engine.generate([random_prompt(n, seed=n) for n in LENGTHS], GREEDY)
+    for n, out in zip(LENGTHS, outs):
+        assert out.output_token_ids == solo_tokens[n], f"prompt length {n}"
+
+
+def test_request_joining_mid_batch_changes_no_other_tokens(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    engine.add_request("a", random_prompt(BLOCK, seed=BLOCK), GREEDY)
+    engine.add_request("b", random_prompt(1, seed=1), GREEDY)
+    finals: dict[str, RequestOutput] = {}
+    for step in range(200):
+        if step == 5:
+            engine.add_request("late", random_prompt(3 * BLOCK + 5, seed=3 * BLOCK + 5), GREEDY)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert finals["a"].output_token_ids == solo_tokens[BLOCK]
+    assert finals["b"].output_token_ids == solo_tokens[1]
+    assert finals["late"].output_token_ids == solo_tokens[3 * BLOCK + 5]
+
+
+def test_abort_mid_batch_stops_that_request_only(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    engine.add_request("keep", random_prompt(BLOCK + 1, seed=BLOCK + 1), GREEDY)
+    engine.add_request("drop", random_prompt(BLOCK - 1, seed=BLOCK - 1), GREEDY)
+    streamed: dict[str, list[int]] = {"keep": [], "drop": []}
+    finals: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 4:
+            engine.abort_request("drop")
+        for out in engine.step():
+            streamed[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+    assert finals["drop"].finish_reason == "abort"
+    # Aborted within one step: 4 steps ran before the abort, each gave it one token.
+    assert len(streamed["drop"]) == 4
+    assert streamed["drop"] == solo_tokens[BLOCK - 1][:4]
+    assert finals["keep"].output_token_ids == solo_tokens[BLOCK + 1]
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    prompt = random_prompt(20, seed=99)
+    alone = engine.generate([prompt], seeded)[0].output_token_ids
+    again = engine.generate([prompt], seeded)[0].output_token_ids
+    others = [random_prompt(9, seed=5), random_prompt(33, seed=6)]
+    batched = engine.generate(
+        [others[0], prompt, others[1]],
+        [SamplingParams(max_tokens=20, temperature=1.0), seeded, SamplingParams(max_tokens=5)],
+    )[1].output_token_ids
+    assert alone == again == batched
+    other_seed = engine.generate([prompt], SamplingParams(
+        max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=4321))[0].output_token_ids
+    assert other_seed != alone
+
+
+def test_logprobs_are_the_chosen_tokens_log_probabilities(tiny_llama: tuple[Path, Any]) -> None:
+    path, hf_model = tiny_llama
+    engine = make_engine(path)
+    prompt = random_prompt(10, seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    streamed: list[float] = []
+    engine.add_request("lp", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.extend(out.new_logprobs or [])
+            final = out
+    assert final is not None and final.output_token_ids is not None
+    with torch.no_grad():
+        full = torch.tensor([prompt + final.output_token_ids])
+        logp = hf_model(full).logits[0].float().log_softmax(-1)
+    expected = [
+        logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(final.output_token_ids)
+    ]
+    assert streamed == pytest.approx(expected, abs=1e-4)
+
+
+def test_stop_token_ids_end_generation_and_are_reported(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    expected = solo_tokens[BLOCK]
+    stop_at = expected[5]
+    first = expected.index(stop_at)
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,))
+    out = engine.generate([random_prompt(BLOCK, seed=BLOCK)], params)[0]
+    assert out.finish_reason == "stop"
+    assert out.output_token_ids == expected[: first + 1]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(max_tokens=4), "prompt"),
+        ([1, 2, 512], SamplingParams(max_tokens=4), "prompt"),
+        ([-1], SamplingParams(max_tokens=4), "prompt"),
+        (list(range(100)) * 11, SamplingParams(max_tokens=4), "prompt"),  # 1100 > 1024 context
+        (list(range(100)) * 10, SamplingParams(max_tokens=100), "max_tokens"),
+        ([1, 2], SamplingParams(max_tokens=4, stop=("x",)), "stop"),  # no tokenizer
+    ],
+)
+def test_bad_requests_are_rejected_with_the_field_named(
+    tiny_llama: tuple[Path, Any], prompt: list[int], params: SamplingParams, field: str
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", prompt, params)
+    assert err.value.field == field
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=2.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop=("a", "b", "c", "d", "e")), "stop"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+
+
+def test_duplicate_request_id_is_rejected(tiny_llama: tuple[Path, Any]) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    engine.add_request("same", [1, 2, 3], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("same", [4, 5], GREEDY)
+    run_until_done(engine)
+    engine.add_request("same", [4, 5], SamplingParams(max_tokens=2))  # free again once finished
+    assert run_until_done(engine)["same"].num_output_tokens == 2
