@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from .model_config import ModelConfig
-from .tokenizer import DEV_VOCAB_SIZE, dev_special_tokens, write_dev_tokenizer
+from .tokenizer_files import DEV_VOCAB_SIZE, dev_special_tokens, write_dev_tokenizer
 from .weights import expected_shapes
 
 

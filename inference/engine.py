@@ -31,7 +31,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -398,10 +399,11 @@ class Engine:
         holding a token's KV for some holder (running or waiting sequence, pinned session),
         each physical block counted once. allocated - filled is the waste of paging."""
         bs = self.config.cache.block_size
-        holders = [(s.kv.block_ids, s.num_computed_tokens) for s in self.scheduler.running]
-        holders += [(s.kv.block_ids, s.num_computed_tokens) for s in self.scheduler.waiting]
+        holders = [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.running)]
+        holders += [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.waiting)]
         holders += [
-            (s.kv.block_ids, s.kv.num_computed_tokens) for s in self.sessions.sessions.values()
+            (s.kv.block_ids, s.kv.num_computed_tokens)
+            for s in list(self.sessions.sessions.values())
         ]
         filled: dict[int, int] = {}
         for blocks, num_tokens in holders:

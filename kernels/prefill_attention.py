@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._paged import compute_dtype_for, gather_kv, visible
-from .decode_attention import (
+from ._attention_common import (
     LOG2E,
     _dot,
     _key_tile_span,

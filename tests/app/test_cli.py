@@ -66,7 +66,7 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_dev_model_loads_in_transformers_and_agrees_with_kvchat(dev_model: Path) -> None:
     from transformers import LlamaForCausalLM
 
-    from inference.tokenizer import load_tokenizer
+    from inference.tokenizer_files import load_tokenizer
 
     hf_model = LlamaForCausalLM.from_pretrained(dev_model, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(dev_model)

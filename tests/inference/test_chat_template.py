@@ -18,7 +18,8 @@ from inference.chat_template import (
     ChatTemplateError,
     load_chat_template,
 )
-from inference.tokenizer import Tokenizer, load_tokenizer, write_dev_tokenizer
+from inference.tokenizer import Tokenizer
+from inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 100264, 100265, 100257
 

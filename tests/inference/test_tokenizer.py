@@ -15,12 +15,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference.tokenizer import (
+from inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer, TokenizerError
+from inference.tokenizer_files import (
     DEV_VOCAB_SIZE,
-    HFTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    TokenizerError,
     bundled_ranks_path,
     load_bundled_tokenizer,
     load_tokenizer,

@@ -6,13 +6,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
+from inference.model_config import ModelConfig
 from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
+from memory.kv_cache import KVCacheSpec
 from tests.inference.test_engine import random_prompt
 
 BLOCK = 16
@@ -21,24 +24,19 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(path: Path, num_blocks: int = 256, host_blocks: int = 0, **cache: Any) -> Engine:
+    """An engine with exactly `num_blocks` device blocks and `host_blocks` host blocks."""
+    config = ModelConfig.from_dir(path)
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK,
+                       torch.float32)
     engine = Engine(
         EngineConfig(
             model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-            cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks, **cache),
+            cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks,
+                              host_cache_bytes=host_blocks * spec.bytes_per_block, **cache),
             scheduler=SchedulerConfig(max_num_batched_tokens=256),
         )
     )
-    if host_blocks:
-        # The host pool is sized in bytes; give it exactly `host_blocks` blocks.
-        from memory.block_pool import BlockPool
-        from memory.kv_cache import KVCache
-
-        engine.kv_cache = KVCache(engine.kv_spec, num_blocks, engine.device, host_blocks)
-        engine.runner.kv_cache = engine.kv_cache
-        engine.kv_manager.kv = engine.kv_cache
-        engine.host_pool = BlockPool(host_blocks)
-        engine.sessions.host_pool = engine.host_pool
-        engine.scheduler.host_pool = engine.host_pool
+    assert engine.host_pool.num_blocks == host_blocks
     return engine
 
 
