@@ -99,15 +99,18 @@ class SessionStore:
 
     # -- queries ---------------------------------------------------------------------------------
 
+    # Readers may run on other threads than the engine's: iterate over a copy (list() of a
+    # dict view is atomic under the GIL).
+
     @property
     def num_resident(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.state is SessionState.RESIDENT)
+        return sum(1 for s in list(self.sessions.values()) if s.state is SessionState.RESIDENT)
 
     @property
     def num_pinned_blocks(self) -> int:
         return sum(
             len(s.kv.block_ids)
-            for s in self.sessions.values()
+            for s in list(self.sessions.values())
             if s.state is SessionState.RESIDENT
         )
 
