@@ -76,6 +76,41 @@ def dot_mode(query: torch.Tensor) -> int:
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_cache_pair(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scale_cache: torch.Tensor | None,
+    value_scale_cache: torch.Tensor | None,
+) -> set[torch.device]:
+    """Checks every kernel makes of the paged cache: K and V of one shape, dtype and strides
+    with a contiguous head_dim; for an int8/fp8 cache, float32 scale caches
+    [num_blocks, block_size, num_kv_heads] sharing strides. Returns the devices involved."""
+    if key_cache.dim() != 4:
+        raise ValueError("key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must "
+                         f"match key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
+    if value_cache.stride() != key_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache must share strides with a contiguous "
+                         f"head_dim, got {key_cache.stride()} and {value_cache.stride()}")
+    devices = {key_cache.device, value_cache.device}
+    if not is_quantized(key_cache.dtype):
+        return devices
+    if key_scale_cache is None or value_scale_cache is None:
+        raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and value_scale_cache")
+    for name, s in (("key_scale_cache", key_scale_cache), ("value_scale_cache", value_scale_cache)):
+        if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads] = "
+                             f"{tuple(key_cache.shape[:3])} float32, got "
+                             f"{tuple(s.shape)} {s.dtype}")
+        devices.add(s.device)
+    if value_scale_cache.stride() != key_scale_cache.stride():
+        raise ValueError("key_scale_cache and value_scale_cache must share strides, got "
+                         f"{key_scale_cache.stride()} and {value_scale_cache.stride()}")
+    return devices
+
+
 def check_paged_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -95,17 +130,9 @@ def check_paged_attention_args(
             f"contiguous head_dim, got {tuple(query.shape)} {query.dtype} "
             f"strides {query.stride()}"
         )
-    if key_cache.dim() != 4:
-        raise ValueError("key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)}")
+    devices = check_cache_pair(key_cache, value_cache, key_scale_cache, value_scale_cache)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must "
-                         f"match key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
-    if value_cache.stride() != key_cache.stride() or key_cache.stride(-1) != 1:
-        raise ValueError("key_cache and value_cache must share strides with a contiguous "
-                         f"head_dim, got {key_cache.stride()} and {value_cache.stride()}")
     if query.shape[2] != head_dim or head_dim > 256:
         raise ValueError(f"query head_dim {query.shape[2]} must equal the cache's {head_dim} "
                          "and be at most 256")
@@ -118,21 +145,7 @@ def check_paged_attention_args(
     if not quantized and key_cache.dtype != query.dtype:
         raise ValueError(f"an unquantized cache must hold the query dtype {query.dtype}, got "
                          f"{key_cache.dtype}")
-    devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens)}
-    if quantized:
-        if key_scale_cache is None or value_scale_cache is None:
-            raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and "
-                             "value_scale_cache")
-        for name, s in (("key_scale_cache", key_scale_cache),
-                        ("value_scale_cache", value_scale_cache)):
-            if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
-                raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads] = "
-                                 f"{tuple(key_cache.shape[:3])} float32, got "
-                                 f"{tuple(s.shape)} {s.dtype}")
-            devices.add(s.device)
-        if value_scale_cache.stride() != key_scale_cache.stride():
-            raise ValueError("key_scale_cache and value_scale_cache must share strides, got "
-                             f"{key_scale_cache.stride()} and {value_scale_cache.stride()}")
+    devices |= {t.device for t in (query, block_tables, seq_lens)}
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if num_seqs < 0 or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [num_seqs] int32, got {tuple(seq_lens.shape)} "

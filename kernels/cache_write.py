@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._attention_common import check_cache_pair
 from .quant import MIN_SCALE, is_quantized, quant_max, quantize_per_token_head
 
 
@@ -222,22 +223,8 @@ def _check_cache_write_args(
     key_scale_cache: torch.Tensor | None,
     value_scale_cache: torch.Tensor | None,
 ) -> None:
-    if key_cache.dim() != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(key_cache.shape)}"
-        )
+    devices = check_cache_pair(key_cache, value_cache, key_scale_cache, value_scale_cache)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(
-            f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must match key_cache "
-            f"{tuple(key_cache.shape)} {key_cache.dtype}"
-        )
-    if value_cache.stride() != key_cache.stride() or key_cache.stride(-1) != 1:
-        raise ValueError(
-            "key_cache and value_cache must share strides with a contiguous head_dim, got "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
     expected = (key.shape[0], num_kv_heads, head_dim)
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != expected:
@@ -253,22 +240,7 @@ def _check_cache_write_args(
         )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
-    if is_quantized(key_cache.dtype):
-        if key_scale_cache is None or value_scale_cache is None:
-            raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and "
-                             "value_scale_cache")
-        for name, s in (("key_scale_cache", key_scale_cache),
-                        ("value_scale_cache", value_scale_cache)):
-            if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
-                raise ValueError(
-                    f"{name} must be [num_blocks, block_size, num_kv_heads] = "
-                    f"{tuple(key_cache.shape[:3])} float32, got {tuple(s.shape)} {s.dtype}"
-                )
-            devices.add(s.device)
-        if value_scale_cache.stride() != key_scale_cache.stride():
-            raise ValueError("key_scale_cache and value_scale_cache must share strides, got "
-                             f"{key_scale_cache.stride()} and {value_scale_cache.stride()}")
+    devices |= {t.device for t in (key, value, slot_mapping)}
     if key.dtype not in _FLOAT_DTYPES or value.dtype != key.dtype:
         raise ValueError(
             f"key and value must be float16, bfloat16 or float32, got {key.dtype}, {value.dtype}"
