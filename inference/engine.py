@@ -157,12 +157,12 @@ class Engine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", field="prompt")
         vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
-            if not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"token id {t} is outside the model's vocabulary (0..{vocab - 1})",
-                    field="prompt",
-                )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+            raise InvalidRequestError(
+                f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
+                field="prompt",
+            )
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
@@ -312,18 +312,7 @@ class Engine:
             upto = max(text.num_emitted, len(text.text) - hold)
             new_text = text.text[text.num_emitted : upto]
             text.num_emitted = upto
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_text=new_text,
-            finished=False,
-            finish_reason=None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.accounting.cached,
-            new_logprobs=[logprob] if logprob is not None and params.logprobs else None,
-            time_to_first_token=seq.first_token_time - seq.arrival_time,
-        )
+        return self._output(seq, token_id, logprob, new_text)
 
     def _finish(
         self,
@@ -346,20 +335,30 @@ class Engine:
                 text.text += text.detokenizer.flush()
             full_text = text.text
             new_text = text.text[text.num_emitted :]
+        return self._output(seq, new_token_id, new_logprob, new_text, reason, full_text)
+
+    @staticmethod
+    def _output(
+        seq: Sequence,
+        token_id: int | None,
+        logprob: float | None,
+        new_text: str,
+        finish_reason: str | None = None,
+        full_text: str | None = None,
+    ) -> RequestOutput:
+        finished = finish_reason is not None
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[] if new_token_id is None else [new_token_id],
+            new_token_ids=[] if token_id is None else [token_id],
             new_text=new_text,
-            finished=True,
-            finish_reason=reason,
+            finished=finished,
+            finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.accounting.cached,
-            new_logprobs=[new_logprob]
-            if new_logprob is not None and seq.params.logprobs
-            else None,
-            output_token_ids=list(seq.output_token_ids),
+            new_logprobs=[logprob] if logprob is not None and seq.params.logprobs else None,
+            output_token_ids=list(seq.output_token_ids) if finished else None,
             text=full_text,
             time_to_first_token=ttft,
         )
