@@ -78,10 +78,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -250,24 +246,15 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make sure slots exist for the next `num_new_tokens` tokens of `seq`, making room
         from idle sessions if needed."""
-        manager = self.kv_manager
-        start = seq.num_computed_tokens
-        total = start + num_new_tokens
-        index = start // manager.block_size
-        needs_copy = index < len(seq.kv.block_ids) and not self.pool.is_writable(
-            seq.kv.block_ids[index]
-        )
-        need = manager.num_new_blocks(seq.kv, total) + int(needs_copy)
+        total = seq.num_computed_tokens + num_new_tokens
+        need = self.kv_manager.blocks_to_reserve(seq.kv, total)
         if not (
             self.pool.can_allocate(need)
             or self.sessions.make_room(need)
             or self._reclaim_from_waiting(need, exclude=seq)
         ):
             return False
-        if needs_copy:
-            assert manager.make_writable(seq.kv, start)
-            self.stats.cow_copies += 1
-        manager.allocate_slots(seq.kv, total)
+        self.stats.cow_copies += self.kv_manager.reserve_slots(seq.kv, total)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -8,7 +8,7 @@ cache until the queue hands it out again, which is when its hash is forgotten.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -20,10 +20,6 @@ class Block:
     # immutable (its slots may not be written again) until it is handed out anew.
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
-
-    @property
-    def is_shared(self) -> bool:
-        return self.ref_count > 1
 
 
 class OutOfBlocksError(RuntimeError):
@@ -125,17 +121,6 @@ class BlockPool:
         """Only a block held once and not registered may have its slots written."""
         block = self.blocks[block_id]
         return block.ref_count == 1 and block.block_hash is None
-
-    def evict_cached(self, block_ids: Iterable[int] | None = None) -> int:
-        """Forget the hashes of free cached blocks (all, or the given ones); returns how many."""
-        ids = list(self._by_hash.values()) if block_ids is None else list(block_ids)
-        n = 0
-        for block_id in ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0 and block.block_hash is not None:
-                self._forget(block)
-                n += 1
-        return n
 
     def _forget(self, block: Block) -> None:
         assert block.block_hash is not None

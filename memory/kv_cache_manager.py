@@ -47,9 +47,24 @@ class KVCacheManager:
         """Blocks to add so the table has a slot for each of `num_total_tokens` tokens."""
         return max(0, cdiv(num_total_tokens, self.block_size) - len(state.block_ids))
 
-    def can_allocate_slots(self, state: KVState, num_total_tokens: int, reserve: int = 0) -> bool:
-        need = self.num_new_blocks(state, num_total_tokens)
-        return need == 0 or self.pool.num_free_blocks - reserve >= need
+    def needs_copy_on_write(self, state: KVState) -> bool:
+        """Whether the block receiving the next computed token is shared or registered."""
+        index = state.num_computed_tokens // self.block_size
+        return index < len(state.block_ids) and not self.pool.is_writable(state.block_ids[index])
+
+    def blocks_to_reserve(self, state: KVState, num_total_tokens: int) -> int:
+        """Blocks `reserve_slots` takes to make room up to `num_total_tokens` tokens."""
+        return self.num_new_blocks(state, num_total_tokens) + int(self.needs_copy_on_write(state))
+
+    def reserve_slots(self, state: KVState, num_total_tokens: int) -> bool:
+        """Copy-on-write the block receiving the next token if needed, then allocate slots up to
+        `num_total_tokens`; the caller checked `blocks_to_reserve` are free. Returns whether a
+        block was copied."""
+        copied = self.needs_copy_on_write(state)
+        if copied:
+            assert self.make_writable(state, state.num_computed_tokens)
+        self.allocate_slots(state, num_total_tokens)
+        return copied
 
     def allocate_slots(self, state: KVState, num_total_tokens: int) -> None:
         need = self.num_new_blocks(state, num_total_tokens)

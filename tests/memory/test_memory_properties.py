@@ -61,14 +61,10 @@ class MemoryMachine(RuleBasedStateMachine):
             assert got == kv_value(kv.salt, tokens[: p + 1]), f"slot of token {p} is wrong"
 
     def reserve(self, kv: KVState, total: int) -> bool:
-        start = kv.num_computed_tokens
-        index = start // BLOCK
-        needs_copy = index < len(kv.block_ids) and not self.pool.is_writable(kv.block_ids[index])
-        need = self.manager.num_new_blocks(kv, total) + int(needs_copy)
+        need = self.manager.blocks_to_reserve(kv, total)
         if not self.pool.can_allocate(need) and not self.sessions.make_room(need):
             return False
-        assert self.manager.make_writable(kv, start)
-        self.manager.allocate_slots(kv, total)
+        self.manager.reserve_slots(kv, total)
         return True
 
     @rule(
