@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from memory.block_pool import BlockPool
 from memory.kv_cache_manager import KVCacheManager, cdiv
-from memory.prefix_cache import hash_block
 from memory.sessions import SessionStore
 from memory.stats import CacheStats
 
@@ -65,14 +63,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         sessions: SessionStore,
-        host_pool: BlockPool,
         stats: CacheStats,
     ) -> None:
         self.config = config
         self.kv_manager = kv_manager
         self.pool = kv_manager.pool
         self.sessions = sessions
-        self.host_pool = host_pool
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -88,9 +84,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
-        if seq.host_block_ids:
-            self.host_pool.release(seq.host_block_ids)
-            seq.host_block_ids = []
+        if seq.kv.is_on_host:  # finished while swapped out (aborted): nothing to pin
             self.kv_manager.free(seq.kv)
         if seq.session_id is not None:
             self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv)
@@ -185,17 +179,18 @@ class Scheduler:
         """Whether the next full block `seq` would compute is being computed right now by a
         running prefill (same tokens, same tenant). Waiting a step then lets the prefix cache
         serve it, so a system prompt shared by requests arriving together is computed once."""
-        if not self.kv_manager.prefix_cache.enabled:
+        prefix_cache = self.kv_manager.prefix_cache
+        if not prefix_cache.enabled:
             return False
         bs = self.kv_manager.block_size
         kv = seq.kv
         index = kv.num_computed_tokens // bs
         if kv.num_computed_tokens % bs or len(kv.block_hashes) != index:
             return False
-        if (index + 1) * bs > seq.num_tokens - 1:
+        # The last token is always computed, so only blocks before it can be served.
+        wanted = prefix_cache.next_block_hash(kv.block_hashes, seq.token_ids[:-1], kv.salt)
+        if wanted is None:
             return False
-        parent = kv.block_hashes[-1] if kv.block_hashes else None
-        wanted = hash_block(parent, seq.token_ids[index * bs : (index + 1) * bs], kv.salt)
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens:
                 continue
@@ -207,13 +202,9 @@ class Scheduler:
 
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
         if seq.prompt_hashes is None:
-            bs = self.kv_manager.block_size
-            hashes: list[bytes] = []
-            parent = None
-            for start in range(0, seq.num_prompt_tokens - bs + 1, bs):
-                parent = hash_block(parent, seq.prompt_token_ids[start : start + bs], seq.kv.salt)
-                hashes.append(parent)
-            seq.prompt_hashes = hashes
+            seq.prompt_hashes = self.kv_manager.prefix_cache.hash_chain(
+                seq.prompt_token_ids, seq.kv.salt
+            )
         return seq.prompt_hashes
 
     def _count_admission(self, seq: Sequence) -> None:
@@ -263,12 +254,7 @@ class Scheduler:
             self.running.remove(seq)
         blocks = seq.kv.block_ids
         if blocks and self.sessions.host_room(len(blocks)):
-            host_ids = self.host_pool.allocate(len(blocks))
-            assert self.kv_manager.kv is not None
-            self.kv_manager.kv.swap_out(blocks, host_ids)
-            self.pool.release(blocks)
-            seq.kv.block_ids = []
-            seq.host_block_ids = host_ids
+            self.kv_manager.swap_out(seq.kv)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             self.stats.preemptions_swap += 1
@@ -282,17 +268,11 @@ class Scheduler:
     def _swap_in(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = len(seq.host_block_ids)
             # Room for its blocks and the next token's, so it can step at once.
-            need = max(n, cdiv(seq.num_tokens, self.kv_manager.block_size))
+            need = max(len(seq.kv.host_block_ids), cdiv(seq.num_tokens, self.kv_manager.block_size))
             if not self.pool.can_allocate(need) and not self.sessions.make_room(need):
                 return
             self.swapped.popleft()
-            device_ids = self.pool.allocate(n)
-            assert self.kv_manager.kv is not None
-            self.kv_manager.kv.swap_in(seq.host_block_ids, device_ids)
-            self.host_pool.release(seq.host_block_ids)
-            seq.host_block_ids = []
-            seq.kv.block_ids = device_ids
+            self.kv_manager.swap_in(seq.kv)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -56,7 +56,6 @@ class Sequence:
     was_admitted: bool = False  # admitted at least once (later admissions are resumptions)
     pending_reuse: PrefillAccounting = field(default_factory=PrefillAccounting)
     prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks
-    host_block_ids: list[int] = field(default_factory=list)  # while swapped out
 
     def __post_init__(self) -> None:
         if not self.token_ids:

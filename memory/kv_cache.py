@@ -125,13 +125,26 @@ class KVCache:
         dst_scales: torch.Tensor | None,
         dst_ids: Sequence[int],
     ) -> None:
+        """Copy whole blocks (every layer, K and V, and their scales) along dim 2.
+
+        Through a byte view: index_copy_ has no kernel for every storage dtype on every device
+        (float8 on the CPU), and a block copy never needs to know what the bytes mean."""
         assert len(src_ids) == len(dst_ids)
         if not src_ids:
             return
         src = torch.tensor(list(src_ids), dtype=torch.long, device=src_kv.device)
         dst = torch.tensor(list(dst_ids), dtype=torch.long, device=dst_kv.device)
-        moved = src_kv.index_select(2, src).to(dst_kv.device, non_blocking=True)
-        dst_kv.index_copy_(2, dst, moved)
+        pairs = [(src_kv, dst_kv)]
         if src_scales is not None and dst_scales is not None:
-            moved_scales = src_scales.index_select(2, src).to(dst_kv.device, non_blocking=True)
-            dst_scales.index_copy_(2, dst, moved_scales)
+            pairs.append((src_scales, dst_scales))
+        # Host-to-device may overlap (the stream orders it before the kernels that read it);
+        # device-to-host must not: the CPU reads the result right away.
+        non_blocking = dst_kv.device.type == "cuda"
+        for src_t, dst_t in pairs:
+            moved = _bytes(src_t).index_select(2, src).to(dst_t.device, non_blocking=non_blocking)
+            _bytes(dst_t).index_copy_(2, dst, moved)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The same storage seen as uint8 (the last dim grows by the element size)."""
+    return t.view(torch.uint8)

@@ -1,11 +1,14 @@
-"""KVCacheManager: the block-level life of token streams (running sequences and, between turns,
-sessions): allocation, prefix-cache reuse, copy-on-write, commit and release.
+"""KVCacheManager: every movement of KV between blocks, for running sequences and, between
+turns, sessions: allocation, prefix-cache reuse, copy-on-write, commit and release, and the
+host tier (swap out / swap in of preempted sequences, offload / restore of idle sessions).
 
-State (`KVState`) is kept apart from the policy deciding when to call these (the scheduler)."""
+It owns the device pool, the host pool and the KV tensors; callers (the scheduler, the session
+store) decide *what* moves and *when*, never *how*. State (`KVState`) is kept apart from that
+policy."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -15,17 +18,36 @@ from .prefix_cache import PrefixCache
 
 @dataclass
 class KVState:
-    """One token stream's KV in the pool.
+    """One token stream's KV, in the device pool or (swapped out / offloaded) on the host.
 
-    block_ids: its block table, in order.
-    block_hashes: chain hashes of its leading full, computed blocks.
+    block_ids: its device block table, in order (empty while on the host).
+    host_block_ids: its host block table while swapped out or offloaded.
+    block_hashes: chain hashes of its leading full, computed blocks (kept on the host too, so
+        a restore can take blocks the prefix cache still holds instead of copying them).
     num_computed_tokens: how many leading tokens have their KV in those blocks.
     """
 
     salt: str | None = None
     block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
+
+    @property
+    def is_on_host(self) -> bool:
+        return bool(self.host_block_ids)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where the tokens of a restore came from: copied from host, or still in the pool."""
+
+    from_host: int = 0
+    from_prefix_cache: int = 0
+
+
+class KVCacheError(RuntimeError):
+    """A KV movement could not be made (an internal invariant broke); never a user error."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,9 +56,15 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, pool: BlockPool, kv: KVCache | None, block_size: int, enable_prefix_caching: bool
+        self,
+        pool: BlockPool,
+        kv: KVCache | None,
+        block_size: int,
+        enable_prefix_caching: bool,
+        host_pool: BlockPool | None = None,
     ) -> None:
         self.pool = pool
+        self.host_pool = host_pool if host_pool is not None else BlockPool(0)
         self.kv = kv
         self.block_size = block_size
         self.prefix_cache = PrefixCache(pool, block_size, enable_prefix_caching)
@@ -61,8 +89,8 @@ class KVCacheManager:
         `num_total_tokens`; the caller checked `blocks_to_reserve` are free. Returns whether a
         block was copied."""
         copied = self.needs_copy_on_write(state)
-        if copied:
-            assert self.make_writable(state, state.num_computed_tokens)
+        if copied and not self.make_writable(state, state.num_computed_tokens):
+            raise KVCacheError("copy-on-write found no free block; reserve_slots was not checked")
         self.allocate_slots(state, num_total_tokens)
         return copied
 
@@ -129,7 +157,93 @@ class KVCacheManager:
         state.num_computed_tokens = min(state.num_computed_tokens, num_tokens)
 
     def free(self, state: KVState) -> None:
+        """Release everything the stream holds, on the device and on the host."""
         self.pool.release(state.block_ids)
+        self.host_pool.release(state.host_block_ids)
         state.block_ids.clear()
+        state.host_block_ids.clear()
         state.block_hashes.clear()
         state.num_computed_tokens = 0
+
+    def hand_over(self, src: KVState, dst: KVState) -> None:
+        """Move every block reference (device and host) and the progress from `src` to the
+        empty `dst`; `src` is left empty. No data moves."""
+        assert not dst.block_ids and not dst.host_block_ids
+        dst.block_ids, src.block_ids = src.block_ids, []
+        dst.host_block_ids, src.host_block_ids = src.host_block_ids, []
+        dst.block_hashes, src.block_hashes = src.block_hashes, []
+        dst.num_computed_tokens, src.num_computed_tokens = src.num_computed_tokens, 0
+
+    # -- the host tier ---------------------------------------------------------------------------
+
+    def swap_out(self, state: KVState) -> None:
+        """Copy the stream's device blocks to host blocks and free the device blocks. Its hashes
+        and progress are kept. The caller made sure the host pool has room."""
+        assert not state.host_block_ids, "already on the host"
+        blocks = state.block_ids
+        host_ids = self.host_pool.allocate(len(blocks))
+        self._kv().swap_out(blocks, host_ids)
+        self.pool.release(blocks)
+        state.block_ids = []
+        state.host_block_ids = host_ids
+
+    def swap_in(self, state: KVState) -> None:
+        """Copy a swapped-out stream's host blocks back into fresh device blocks (the caller made
+        sure they are free) and free the host blocks."""
+        host_ids = state.host_block_ids
+        assert not state.block_ids and host_ids, "not on the host"
+        device_ids = self.pool.allocate(len(host_ids))
+        self._kv().swap_in(host_ids, device_ids)
+        self.host_pool.release(host_ids)
+        state.host_block_ids = []
+        state.block_ids = device_ids
+
+    def restore(
+        self,
+        src: KVState,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        dst: KVState,
+        make_room: Callable[[int], bool],
+    ) -> Restored:
+        """Bring the first `num_tokens` tokens of the offloaded stream `src` (whose tokens are
+        `token_ids`) into the empty `dst`: blocks the prefix cache still holds are taken as they
+        are, the rest copied from host (never recomputed). `make_room(n)` is asked for device
+        blocks when the pool is short; the restore stops early where it says no. The host blocks
+        are released and `src` is left empty."""
+        assert not dst.block_ids and not dst.host_block_ids
+        bs = self.block_size
+        hashes = src.block_hashes
+        copies: list[tuple[int, int]] = []  # (host block, device block)
+        from_cache = restored = 0
+        for i in range(cdiv(num_tokens, bs)):
+            end = min(num_tokens, (i + 1) * bs)
+            chained = i < len(hashes) and len(dst.block_hashes) == i
+            if chained:
+                hit = self.pool.lookup(hashes[i], token_ids[i * bs : (i + 1) * bs])
+                if hit is not None:
+                    self.pool.incref(hit)
+                    dst.block_ids.append(hit)
+                    dst.block_hashes.append(hashes[i])
+                    from_cache += end - i * bs
+                    restored = end
+                    continue
+            if not self.pool.can_allocate(1) and not make_room(1):
+                break
+            (device_block,) = self.pool.allocate(1)
+            copies.append((src.host_block_ids[i], device_block))
+            dst.block_ids.append(device_block)
+            if chained:
+                dst.block_hashes.append(hashes[i])
+            restored = end
+        if copies:
+            self._kv().swap_in([h for h, _ in copies], [d for _, d in copies])
+        self.free(src)
+        dst.num_computed_tokens = restored
+        del dst.block_hashes[restored // bs :]
+        return Restored(from_host=restored - from_cache, from_prefix_cache=from_cache)
+
+    def _kv(self) -> KVCache:
+        if self.kv is None:
+            raise KVCacheError("this manager has no KV tensors to move")
+        return self.kv

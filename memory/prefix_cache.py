@@ -15,11 +15,16 @@ from .block_pool import BlockPool
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
+    """sha256 of (parent hash, token ids); the first block mixes in the salt instead of a
+    parent. No salt and the empty salt are different tenants."""
     h = hashlib.sha256()
     if parent_hash is None:
         h.update(b"kvchat-root\x00")
-        h.update((salt or "").encode())
-        h.update(b"\x00")
+        if salt is None:
+            h.update(b"\x00")
+        else:
+            encoded = salt.encode()
+            h.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
     else:
         h.update(parent_hash)
     h.update(array("q", token_ids).tobytes())
@@ -61,6 +66,30 @@ class PrefixCache:
             parent_hash = block_hash
             index += 1
         return hits, hashes
+
+    def hash_chain(
+        self, token_ids: Sequence[int], salt: str | None, num_blocks: int | None = None
+    ) -> list[bytes]:
+        """Chain hashes of the leading full blocks of `token_ids` (at most `num_blocks`)."""
+        bs = self.block_size
+        count = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
+        hashes: list[bytes] = []
+        parent = None
+        for index in range(count):
+            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], salt)
+            hashes.append(parent)
+        return hashes
+
+    def next_block_hash(
+        self, block_hashes: Sequence[bytes], token_ids: Sequence[int], salt: str | None
+    ) -> bytes | None:
+        """Hash of the full block that follows the hashed ones, if `token_ids` fill it."""
+        bs = self.block_size
+        index = len(block_hashes)
+        if (index + 1) * bs > len(token_ids):
+            return None
+        parent = block_hashes[-1] if block_hashes else None
+        return hash_block(parent, token_ids[index * bs : (index + 1) * bs], salt)
 
     def extend_hashes(
         self,

@@ -19,9 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
 from .config import CacheConfig, SessionBudget
-from .kv_cache_manager import KVCacheManager, KVState, cdiv
+from .kv_cache_manager import KVCacheManager, KVState
 from .stats import CacheStats
 
 
@@ -37,8 +36,8 @@ class Session:
     session_id: str
     salt: str | None
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV is held
-    kv: KVState = field(default_factory=KVState)  # device blocks while RESIDENT
-    host_block_ids: list[int] = field(default_factory=list)  # while OFFLOADED
+    # Device blocks while RESIDENT, host blocks (and the hashes) while OFFLOADED.
+    kv: KVState = field(default_factory=KVState)
     state: SessionState = SessionState.EMPTY
     active_request_id: str | None = None
     num_turns: int = 0
@@ -70,13 +69,12 @@ class SessionStore:
         self,
         config: CacheConfig,
         manager: KVCacheManager,
-        host_pool: BlockPool,
         stats: CacheStats,
     ) -> None:
         self.config = config
         self.manager = manager
         self.pool = manager.pool
-        self.host_pool = host_pool
+        self.host_pool = manager.host_pool
         self.stats = stats
         self.block_size = manager.block_size
         self.sessions: dict[str, Session] = {}
@@ -140,55 +138,16 @@ class SessionStore:
         session.state = SessionState.ACTIVE
         match = min(common_prefix_len(session.token_ids, token_ids), len(token_ids) - 1)
         if state is SessionState.RESIDENT:
-            own = session.kv
-            self.manager.truncate(own, match)
-            kv.block_ids, kv.block_hashes = own.block_ids, own.block_hashes
-            kv.num_computed_tokens = match
-            session.kv = KVState(salt=salt)
+            self.manager.truncate(session.kv, match)
+            self.manager.hand_over(session.kv, kv)
             return Reuse(from_session=match)
         if state is SessionState.OFFLOADED:
-            return self._restore(session, token_ids, match, kv)
+            restored = self.manager.restore(session.kv, session.token_ids, match, kv,
+                                            self.make_room)
+            self.stats.session_restores += 1
+            return Reuse(from_host=restored.from_host,
+                         from_prefix_cache=restored.from_prefix_cache)
         return Reuse()
-
-    def _restore(
-        self, session: Session, token_ids: Sequence[int], match: int, kv: KVState
-    ) -> Reuse:
-        """Bring an offloaded session's first `match` tokens back: blocks still in the prefix
-        cache are taken as they are, the rest copied from host (never recomputed)."""
-        bs = self.block_size
-        hashes = session.kv.block_hashes  # chain hashes of the session's full blocks
-        copies: list[tuple[int, int]] = []  # (host block, device block)
-        from_cache = restored = 0
-        for i in range(cdiv(match, bs)):
-            end = min(match, (i + 1) * bs)
-            chained = i < len(hashes) and len(kv.block_hashes) == i
-            if chained:
-                hit = self.pool.lookup(hashes[i], session.token_ids[i * bs : (i + 1) * bs])
-                if hit is not None:
-                    self.pool.incref(hit)
-                    kv.block_ids.append(hit)
-                    kv.block_hashes.append(hashes[i])
-                    from_cache += end - i * bs
-                    restored = end
-                    continue
-            if not self.pool.can_allocate(1) and not self.make_room(1):
-                break
-            (device_block,) = self.pool.allocate(1)
-            copies.append((session.host_block_ids[i], device_block))
-            kv.block_ids.append(device_block)
-            if chained:
-                kv.block_hashes.append(hashes[i])
-            restored = end
-        if copies:
-            assert self.manager.kv is not None
-            self.manager.kv.swap_in([h for h, _ in copies], [d for _, d in copies])
-        self.host_pool.release(session.host_block_ids)
-        session.host_block_ids = []
-        session.kv = KVState(salt=session.salt)
-        kv.num_computed_tokens = restored
-        del kv.block_hashes[restored // bs :]
-        self.stats.session_restores += 1
-        return Reuse(from_host=restored - from_cache, from_prefix_cache=from_cache)
 
     # -- a turn ends -----------------------------------------------------------------------------
 
@@ -211,11 +170,8 @@ class SessionStore:
             session.token_ids, session.state = [], SessionState.EMPTY
             return
         self.manager.truncate(kv, keep)
-        session.kv = KVState(
-            salt=kv.salt, block_ids=kv.block_ids, block_hashes=kv.block_hashes,
-            num_computed_tokens=keep,
-        )
-        kv.block_ids, kv.block_hashes, kv.num_computed_tokens = [], [], 0
+        session.kv = KVState(salt=kv.salt)
+        self.manager.hand_over(kv, session.kv)
         session.token_ids = list(token_ids[:keep])
         session.state = SessionState.RESIDENT
         self._idle[session_id] = None
@@ -248,17 +204,8 @@ class SessionStore:
                 self._drop_host(session)
                 return "dropped"
             return "noop"
-        blocks = session.kv.block_ids
-        if offload and self.host_room(len(blocks)):
-            host_ids = self.host_pool.allocate(len(blocks))
-            assert self.manager.kv is not None
-            self.manager.kv.swap_out(blocks, host_ids)
-            session.host_block_ids = host_ids
-            self.pool.release(blocks)
-            session.kv = KVState(
-                salt=session.salt, block_hashes=session.kv.block_hashes,
-                num_computed_tokens=session.kv.num_computed_tokens,
-            )
+        if offload and self.host_room(len(session.kv.block_ids)):
+            self.manager.swap_out(session.kv)
             session.state = SessionState.OFFLOADED
             self._idle[session_id] = None  # still idle, now on host
             self.stats.session_offloads += 1
@@ -276,10 +223,8 @@ class SessionStore:
         session = self.sessions.get(session_id)
         if session is None:
             return
-        if session.state is SessionState.RESIDENT:
+        if session.state in (SessionState.RESIDENT, SessionState.OFFLOADED):
             self.manager.free(session.kv)
-        elif session.state is SessionState.OFFLOADED:
-            self.host_pool.release(session.host_block_ids)
         self._idle.pop(session_id, None)
         del self.sessions[session_id]
 
@@ -296,10 +241,8 @@ class SessionStore:
         return True
 
     def _drop_host(self, session: Session) -> None:
-        self.host_pool.release(session.host_block_ids)
-        session.host_block_ids = []
+        self.manager.free(session.kv)
         session.token_ids = []
-        session.kv = KVState(salt=session.salt)
         session.state = SessionState.EMPTY
         self._idle.pop(session.session_id, None)
         self.stats.session_drops += 1

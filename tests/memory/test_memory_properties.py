@@ -40,9 +40,10 @@ class MemoryMachine(RuleBasedStateMachine):
         self.kv = KVCache(spec, NUM_BLOCKS, torch.device("cpu"), HOST_BLOCKS)
         self.pool = BlockPool(NUM_BLOCKS)
         self.host = BlockPool(HOST_BLOCKS)
-        self.manager = KVCacheManager(self.pool, self.kv, BLOCK, enable_prefix_caching=True)
+        self.manager = KVCacheManager(self.pool, self.kv, BLOCK, enable_prefix_caching=True,
+                                      host_pool=self.host)
         self.stats = CacheStats()
-        self.sessions = SessionStore(config, self.manager, self.host, self.stats)
+        self.sessions = SessionStore(config, self.manager, self.stats)
         self.turns = 0
         self.pinned_under: dict[str, int | None] = {}  # budget in force at a session's last pin
 
@@ -152,11 +153,11 @@ class MemoryMachine(RuleBasedStateMachine):
                 budget = self.pinned_under.get(s.session_id)
                 assert budget is None or s.num_tokens <= budget
             elif s.state is SessionState.OFFLOADED:
-                for b in s.host_block_ids:
+                for b in s.kv.host_block_ids:
                     host_holders[b] += 1
                 assert not s.kv.block_ids
             else:
-                assert not s.kv.block_ids and not s.host_block_ids
+                assert not s.kv.block_ids and not s.kv.host_block_ids
         assert [b.ref_count for b in self.pool.blocks] == holders
         assert [b.ref_count for b in self.host.blocks] == host_holders
 

@@ -20,8 +20,8 @@ def make_store(num_blocks: int = 16, host_blocks: int = 0, **config: object) -> 
     spec = KVCacheSpec(1, 1, 2, BS, torch.float32)
     kv = KVCache(spec, num_blocks, torch.device("cpu"), host_blocks)
     pool, host = BlockPool(num_blocks), BlockPool(host_blocks)
-    manager = KVCacheManager(pool, kv, BS, enable_prefix_caching=False)
-    return SessionStore(cfg, manager, host, CacheStats())
+    manager = KVCacheManager(pool, kv, BS, enable_prefix_caching=False, host_pool=host)
+    return SessionStore(cfg, manager, CacheStats())
 
 
 def pin(store: SessionStore, session_id: str, num_tokens: int, first: int = 0) -> None:

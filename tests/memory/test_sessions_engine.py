@@ -27,7 +27,7 @@ def make_engine(path: Path, num_blocks: int = 256, host_blocks: int = 0, **cache
     """An engine with exactly `num_blocks` device blocks and `host_blocks` host blocks."""
     config = ModelConfig.from_dir(path)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK,
-                       torch.float32)
+                       torch.float32, cache.get("kv_cache_dtype", "auto"))  # type: ignore[arg-type]
     engine = Engine(
         EngineConfig(
             model=str(path), dtype="float32", device="cpu", attention_backend="torch",
@@ -65,8 +65,11 @@ def turn(engine: Engine, rid: str, prompt: list[int], session: str | None = None
     return final
 
 
-def cold(path: Path, prompt: list[int]) -> list[int]:
-    engine = make_engine(path, enable_prefix_caching=False)
+KV_DTYPES = ["auto", "int8", "fp8"]
+
+
+def cold(path: Path, prompt: list[int], kv_cache_dtype: str = "auto") -> list[int]:
+    engine = make_engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     out = turn(engine, "cold", prompt)
     assert out.num_cached_tokens == 0
     return out.output_token_ids or []
@@ -109,6 +112,29 @@ def test_divergence_mid_block_releases_only_what_follows(tiny_llama: tuple[Path,
     assert out.output_token_ids == cold(path, p2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_divergence_inside_a_shared_block_copies_on_write(
+    tiny_llama: tuple[Path, Any], kv_cache_dtype: str
+) -> None:
+    """Regenerate from the middle of a block the prefix cache holds: the block is copied, the
+    copy extended, and the original stays intact for whoever finds it next."""
+    path, _ = tiny_llama
+    engine = make_engine(path, kv_cache_dtype=kv_cache_dtype)
+    p1 = random_prompt(4 * BLOCK, seed=24)
+    turn(engine, "t1", p1, session="conv")
+    cut = 2 * BLOCK + 5  # inside the third block, which is full and registered
+    p2 = p1[:cut] + random_prompt(9, seed=25)
+    out = turn(engine, "t2", p2, session="conv")
+    assert out.num_cached_tokens == cut
+    assert engine.stats.cow_copies == 1
+    assert out.output_token_ids == cold(path, p2, kv_cache_dtype)
+    # The original block was not written: another session still finds all of p1's blocks.
+    p3 = p1 + random_prompt(3, seed=26)
+    again = turn(engine, "t3", p3, session="other")
+    assert again.num_cached_tokens == 4 * BLOCK
+    assert again.output_token_ids == cold(path, p3, kv_cache_dtype)
+
+
 def test_shared_system_prompt_is_computed_once(tiny_llama: tuple[Path, Any]) -> None:
     path, _ = tiny_llama
     engine = make_engine(path)
@@ -144,12 +170,14 @@ def test_tenants_never_share_blocks(tiny_llama: tuple[Path, Any]) -> None:
     assert a.output_token_ids == b.output_token_ids == a2.output_token_ids
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
 def test_offloaded_session_restores_by_copy_with_identical_tokens(
-    tiny_llama: tuple[Path, Any],
+    tiny_llama: tuple[Path, Any], kv_cache_dtype: str
 ) -> None:
     path, _ = tiny_llama
     # No prefix cache: freed device blocks cannot be found again, so the restore must copy.
-    engine = make_engine(path, num_blocks=24, host_blocks=32, enable_prefix_caching=False)
+    engine = make_engine(path, num_blocks=24, host_blocks=32, enable_prefix_caching=False,
+                         kv_cache_dtype=kv_cache_dtype)
     counter = ForwardCounter(engine)
     p1 = random_prompt(3 * BLOCK + 2, seed=61)
     o1 = turn(engine, "t1", p1, session="conv").output_token_ids or []
@@ -167,7 +195,7 @@ def test_offloaded_session_restores_by_copy_with_identical_tokens(
     assert engine.stats.computed - before == len(p2) - pinned  # no recompute of history
     assert counter.tokens - forwarded == len(p2) - pinned + NEW - 1
     assert engine.stats.session_offloads == 1 and engine.stats.session_restores == 1
-    assert out.output_token_ids == cold(path, p2)
+    assert out.output_token_ids == cold(path, p2, kv_cache_dtype)
 
 
 def test_dropped_session_recomputes_with_identical_tokens(tiny_llama: tuple[Path, Any]) -> None:
@@ -206,18 +234,25 @@ def test_session_never_pins_more_than_its_budget(tiny_llama: tuple[Path, Any]) -
     assert info is not None and info["state"] == "empty" and info["device_blocks"] == 0
 
 
-@pytest.mark.parametrize("host_blocks", [0, 64], ids=["recompute", "swap"])
+PREEMPTION_CASES = [(0, "auto"), *((64, d) for d in KV_DTYPES)]
+
+
+@pytest.mark.parametrize(
+    ("host_blocks", "kv_cache_dtype"), PREEMPTION_CASES,
+    ids=[f"{'swap' if h else 'recompute'}-{d}" for h, d in PREEMPTION_CASES],
+)
 def test_pool_too_small_for_the_batch_preempts_and_finishes_correctly(
-    tiny_llama: tuple[Path, Any], host_blocks: int
+    tiny_llama: tuple[Path, Any], host_blocks: int, kv_cache_dtype: str
 ) -> None:
     path, _ = tiny_llama
     prompts = [random_prompt(40 + 3 * i, seed=90 + i) for i in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    solo_engine = make_engine(path, enable_prefix_caching=False)
+    solo_engine = make_engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     solo = [turn(solo_engine, f"solo{i}", p, params=params).output_token_ids
             for i, p in enumerate(prompts)]
     # Each request needs 6 blocks at its end; 4 of them need 24; the pool has 12.
-    engine = make_engine(path, num_blocks=12, host_blocks=host_blocks)
+    engine = make_engine(path, num_blocks=12, host_blocks=host_blocks,
+                         kv_cache_dtype=kv_cache_dtype)
     outs = engine.generate(prompts, params)
     assert [o.output_token_ids for o in outs] == solo
     preemptions = engine.stats.preemptions_swap + engine.stats.preemptions_recompute
