@@ -1,4 +1,6 @@
-"""Engine: the synchronous core. Each `step()` reads schedule -> run -> postprocess.
+"""Engine: the synchronous core. Each `step()` reads schedule -> run -> process outputs: the
+scheduler decides what runs and where its KV lives, the model runner computes logits, the
+sampler picks tokens, and the output processor turns them into text and stop decisions.
 
 Requests and aborts may come from any thread: they are queued and taken in at the start of
 the next step, so an abort takes effect within one step."""
@@ -26,27 +28,19 @@ from .errors import InvalidRequestError, ModelLoadError
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .output_processor import OutputProcessor
 from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
-
-
-@dataclass
-class _TextState:
-    """Detokenized output of one sequence; text inside a possible stop string is held back."""
-
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    num_emitted: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,27 +83,45 @@ class Engine:
         self.block_pool = BlockPool(self.layout.num_blocks)
         self.host_pool = BlockPool(self.layout.num_host_blocks)
         self.kv_manager = KVCacheManager(
-            self.block_pool, self.kv_cache, cache.block_size, cache.enable_prefix_caching
+            self.block_pool, self.kv_cache, cache.block_size, cache.enable_prefix_caching,
+            host_pool=self.host_pool,
         )
         self.stats = CacheStats()
-        self.sessions = SessionStore(cache, self.kv_manager, self.host_pool, self.stats)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.sessions, self.host_pool, self.stats
-        )
+        self.sessions = SessionStore(cache, self.kv_manager, self.stats)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self._invalid_token_mask())
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
         # called from other threads than the one stepping.
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
-        self._text: dict[str, _TextState] = {}
 
     # -- start-up --------------------------------------------------------------------------------
+
+    def _invalid_token_mask(self) -> torch.Tensor | None:
+        """[vocab] bool, True for output rows that are no token of the tokenizer: padding rows
+        (checkpoints pad `vocab_size` past the tokenizer, e.g. to a multiple of 64) and gaps in
+        the tokenizer's id range. They are never sampled: an id the tokenizer cannot decode
+        must not reach the output processor. None when every row is a token."""
+        if self.tokenizer is None:
+            return None
+        vocab = self.model_config.vocab_size
+        unknown = [i for i in range(vocab) if not self.tokenizer.is_known_id(i)]
+        if not unknown:
+            return None
+        if len(unknown) == vocab:
+            raise ModelLoadError(
+                f"the tokenizer knows none of the model's {vocab} output ids; wrong tokenizer?"
+            )
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[unknown] = True
+        return mask.to(self.device)
 
     def _plan_kv_cache(self) -> KVCacheLayout:
         cache = self.config.cache
@@ -152,8 +164,14 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a prompt against the model; returns the cap on prompt + generated tokens."""
+    def validate_prompt(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+    ) -> int:
+        """Check a prompt against the model (and its session's context budget); returns the cap
+        on prompt + generated tokens."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", field="prompt")
         vocab = self.model_config.vocab_size
@@ -164,17 +182,22 @@ class Engine:
                 field="prompt",
             )
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
+        limit, what = self.max_model_len, "the model's context"
+        if session_id is not None:
+            budget = self.sessions.budget(session_id).max_context_tokens
+            if budget is not None and budget < limit:
+                limit, what = budget, "the session's max_context_tokens"
+        if n >= limit:
             raise InvalidRequestError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
-                "tokens, leaving no room to generate",
+                f"the prompt has {n} tokens but {what} is {limit} tokens, leaving no room to "
+                "generate",
                 field="prompt",
                 code="context_length_exceeded",
             )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+        if params.max_tokens is not None and n + params.max_tokens > limit:
             raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens",
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"{what} of {limit} tokens",
                 field="max_tokens",
                 code="context_length_exceeded",
             )
@@ -194,7 +217,6 @@ class Engine:
                 raise InvalidRequestError(
                     f"stop token id {t} is outside the vocabulary", field="stop_token_ids"
                 )
-        limit = self.max_model_len
         if params.max_tokens is not None:
             limit = min(limit, n + params.max_tokens)
         return limit
@@ -208,9 +230,25 @@ class Engine:
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Validate now (errors go to the caller), enqueue for the next step (any thread)."""
-        limit = self.validate_prompt(prompt_token_ids, params)
-        seq = Sequence(
+        """Validate now (errors go to the caller), enqueue for the next step (any thread).
+
+        A request in a session is held to the session's `max_context_tokens`: prompt plus
+        `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded` error; the
+        history planner trims to the budget before it gets here), and without `max_tokens`
+        generation stops at the budget."""
+        seq = self._make_sequence(request_id, prompt_token_ids, params, session_id, cache_salt)
+        self._enqueue([seq])
+
+    def _make_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+        cache_salt: str | None,
+    ) -> Sequence:
+        limit = self.validate_prompt(prompt_token_ids, params, session_id)
+        return Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -218,19 +256,32 @@ class Engine:
             session_id=session_id,
             kv=KVState(salt=cache_salt),
         )
-        with self._ids_lock:
-            if request_id in self._live_ids:
-                raise InvalidRequestError(
-                    f"request id {request_id!r} is already in use", field="request_id"
-                )
-            self._live_ids.add(request_id)
-        self._inbox.put(("add", seq))
 
-    def abort_request(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        """Take the ids (all or none) and queue the sequences for the next step."""
+        ids = [seq.request_id for seq in seqs]
+        with self._ids_lock:
+            taken = [rid for rid in ids if rid in self._live_ids]
+            if taken or len(set(ids)) != len(ids):
+                raise InvalidRequestError(
+                    f"request id {(taken or ids)[0]!r} is already in use", field="request_id"
+                )
+            self._live_ids.update(ids)
+        for seq in seqs:
+            self._inbox.put(("add", seq))
+
+    def abort_request(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request at the next step; its final output has finish_reason "abort" and
+        `abort_reason` = reason."""
+        self._inbox.put(("abort", (request_id, reason)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or not self._inbox.empty()
+
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        with self._ids_lock:
+            return list(self._live_ids)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -242,13 +293,16 @@ class Engine:
             if kind == "add":
                 assert isinstance(item, Sequence)
                 self._seqs[item.request_id] = item
-                if self.tokenizer is not None:
-                    self._text[item.request_id] = _TextState(self.tokenizer.new_detokenizer())
+                self.output_processor.add(item)
                 self.scheduler.add(item)
             elif kind == "abort":
-                seq = self._seqs.get(str(item))
+                request_id, reason = item  # type: ignore[misc]
+                seq = self._seqs.get(request_id)
                 if seq is not None:
-                    outputs.append(self._finish(seq, "abort"))
+                    self._release(seq)
+                    outputs.append(
+                        self.output_processor.finish(seq, "abort", abort_reason=reason)
+                    )
             elif kind == "evict":
                 session_id, offload = item  # type: ignore[misc]
                 self.sessions.evict(session_id, offload=offload)
@@ -261,7 +315,8 @@ class Engine:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         for seq in batch.out_of_memory:
-            outputs.append(self._finish(seq, "length"))
+            self._release(seq)
+            outputs.append(self.output_processor.finish(seq, "length"))
         if batch.is_empty:
             return outputs
         logits, sampled = self.runner.execute(batch)
@@ -269,99 +324,23 @@ class Engine:
             self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens + n)
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
-            vocab_limit = self.tokenizer.vocab_size if self.tokenizer else None
-            if vocab_limit is not None and vocab_limit < logits.shape[1]:
-                logits[:, vocab_limit:] = float("-inf")
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs]
             )
             for j, seq in enumerate(sampling_seqs):
                 logprob = result.logprobs[j] if result.logprobs is not None else None
-                outputs.append(self._append_token(seq, result.token_ids[j], logprob))
+                out = self.output_processor.append_token(seq, result.token_ids[j], logprob)
+                if out.finished:
+                    self._release(seq)
+                outputs.append(out)
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float | None) -> RequestOutput:
-        now = time.monotonic()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.token_ids.append(token_id)
-        if logprob is not None and seq.params.logprobs:
-            seq.output_logprobs.append(logprob)
-        params = seq.params
-        is_stop_token = token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
-        )
-        reason: str | None = None
-        new_text = ""
-        text = self._text.get(seq.request_id)
-        if is_stop_token:
-            reason = "stop"
-        elif text is not None:
-            text.text += text.detokenizer.push(token_id)
-            if params.stop:
-                cut = _find_stop(text.text, params.stop, text.num_emitted)
-                if cut is not None:
-                    text.text = text.text[:cut]
-                    reason = "stop"
-        if reason is None and seq.num_tokens >= seq.max_total_tokens:
-            reason = "length"
-        if reason is not None:
-            return self._finish(seq, reason, new_token_id=token_id, new_logprob=logprob)
-        if text is not None:
-            hold = max((len(s) - 1 for s in params.stop), default=0)
-            upto = max(text.num_emitted, len(text.text) - hold)
-            new_text = text.text[text.num_emitted : upto]
-            text.num_emitted = upto
-        return self._output(seq, token_id, logprob, new_text)
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: str,
-        new_token_id: int | None = None,
-        new_logprob: float | None = None,
-    ) -> RequestOutput:
-        seq.finish_reason = reason
-        seq.finish_time = time.monotonic()
+    def _release(self, seq: Sequence) -> None:
+        """A request ends: its KV goes to its session (or is freed), its id is free again."""
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
         with self._ids_lock:
             self._live_ids.discard(seq.request_id)
-        text = self._text.pop(seq.request_id, None)
-        full_text = None
-        new_text = ""
-        if text is not None:
-            if reason != "stop" or not seq.params.stop:
-                text.text += text.detokenizer.flush()
-            full_text = text.text
-            new_text = text.text[text.num_emitted :]
-        return self._output(seq, new_token_id, new_logprob, new_text, reason, full_text)
-
-    @staticmethod
-    def _output(
-        seq: Sequence,
-        token_id: int | None,
-        logprob: float | None,
-        new_text: str,
-        finish_reason: str | None = None,
-        full_text: str | None = None,
-    ) -> RequestOutput:
-        finished = finish_reason is not None
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[] if token_id is None else [token_id],
-            new_text=new_text,
-            finished=finished,
-            finish_reason=finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.accounting.cached,
-            new_logprobs=[logprob] if logprob is not None and seq.params.logprobs else None,
-            output_token_ids=list(seq.output_token_ids) if finished else None,
-            text=full_text,
-            time_to_first_token=ttft,
-        )
 
     # -- sessions and memory (operator API) ------------------------------------------------------
 
@@ -387,7 +366,7 @@ class Engine:
             "state": session.state.value,
             "tokens": session.num_tokens,
             "device_blocks": len(session.kv.block_ids),
-            "host_blocks": len(session.host_block_ids),
+            "host_blocks": len(session.kv.host_block_ids),
             "turns": session.num_turns,
             "max_kv_tokens": budget.max_kv_tokens,
             "max_context_tokens": budget.max_context_tokens,
@@ -440,8 +419,9 @@ class Engine:
         """Run prompts to completion together; final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        # Validate every prompt before queueing any: a bad one leaves nothing behind.
+        seqs = [self._make_sequence(rid, p, sp, None, None) for rid, p, sp in zip(ids, prompts, plist)]
+        self._enqueue(seqs)
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
@@ -449,10 +429,3 @@ class Engine:
                     finals[out.request_id] = out
         return [finals[rid] for rid in ids]
 
-
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in text (searching from what may still be
-    withheld), or None."""
-    start = max(0, emitted - max(len(s) for s in stops))
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None

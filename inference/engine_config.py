@@ -43,6 +43,8 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device"
             )
+        if self.device.startswith("cuda"):
+            _check_cuda_device(self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(
                 f"max_model_len must be >= 2, got {self.max_model_len}", field="max_model_len"
@@ -59,3 +61,21 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def _check_cuda_device(device: str) -> None:
+    """A CUDA device that this torch build cannot reach is a user error, said in one line."""
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(
+            f"device {device!r} was asked for, but torch {torch.__version__} sees no CUDA "
+            "device (torch.cuda.is_available() is False); use --device cpu or auto",
+            field="device",
+        )
+    _, _, index = device.partition(":")
+    if index:
+        count = torch.cuda.device_count()
+        if not index.isdigit() or int(index) >= count:
+            raise InvalidRequestError(
+                f"device {device!r} does not exist; this machine has {count} CUDA device(s)",
+                field="device",
+            )

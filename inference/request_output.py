@@ -20,3 +20,6 @@ class RequestOutput:
     output_token_ids: list[int] | None = None
     text: str | None = None
     time_to_first_token: float | None = None  # seconds, once the first token exists
+    # Why an aborted request ended: "cancelled" (the caller aborted it), "shutdown" (the engine
+    # stopped before it finished); None unless finish_reason is "abort".
+    abort_reason: str | None = None

@@ -17,7 +17,7 @@ from .sampling_params import SamplingParams
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # log p(chosen) under the unmodified distribution
+    logprobs: list[float] | None  # log p(chosen) under the model (temperature, top-k/p not applied)
 
 
 def _filter_top_k_top_p(
@@ -39,10 +39,16 @@ def _filter_top_k_top_p(
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    """invalid_token_mask: [V] bool, True for ids that must never be chosen (output rows that
+    are no token of the tokenizer); they get probability 0, logprobs included."""
+
+    def __init__(
+        self, seed: int | None = None, invalid_token_mask: torch.Tensor | None = None
+    ) -> None:
         self._generator = torch.Generator()
         if seed is not None:
             self._generator.manual_seed(seed)
+        self.invalid_token_mask = invalid_token_mask
 
     def __call__(
         self,
@@ -51,6 +57,9 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> SamplerOutput:
         vocab = logits.shape[1]
+        if self.invalid_token_mask is not None:
+            # Out of place: the logits may be an inference-mode tensor.
+            logits = logits.masked_fill(self.invalid_token_mask, float("-inf"))
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:

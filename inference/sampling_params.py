@@ -20,12 +20,21 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # up to four; a plain string is taken as one stop string
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
 
     def __post_init__(self) -> None:
+        # One string is one stop string (not its characters); lists become tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings", field="stop")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", field="max_tokens"

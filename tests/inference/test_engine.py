@@ -231,3 +231,57 @@ def test_duplicate_request_id_is_rejected(tiny_llama: tuple[Path, Any]) -> None:
     run_until_done(engine)
     engine.add_request("same", [4, 5], SamplingParams(max_tokens=2))  # free again once finished
     assert run_until_done(engine)["same"].num_output_tokens == 2
+
+
+def test_generate_with_one_bad_prompt_queues_none_of_them(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    with pytest.raises(InvalidRequestError):
+        engine.generate([random_prompt(BLOCK, seed=BLOCK), [1, 2, 99999]], GREEDY)
+    assert not engine.has_unfinished_requests()
+    # The next call runs exactly its own prompt, nothing left over from the failed one.
+    outs = engine.generate([random_prompt(1, seed=1)], GREEDY)
+    assert len(outs) == 1 and outs[0].output_token_ids == solo_tokens[1]
+    assert not engine.has_unfinished_requests()
+
+
+def test_no_salt_and_the_empty_salt_are_different_tenants(tiny_llama: tuple[Path, Any]) -> None:
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    prompt = random_prompt(3 * BLOCK + 1, seed=7)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def cached(salt: str | None) -> int:
+        rid = f"r{engine.stats.prompt_tokens}"
+        engine.add_request(rid, prompt, params, cache_salt=salt)
+        return run_until_done(engine)[rid].num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached("") == 0  # same tokens, other tenant
+    assert cached("") == 3 * BLOCK
+    assert cached(None) == 3 * BLOCK
+
+
+def test_session_context_budget_is_enforced(tiny_llama: tuple[Path, Any]) -> None:
+    from memory.config import SessionBudget
+
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    engine.set_session_budget("conv", SessionBudget(max_context_tokens=40))
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("over", random_prompt(40, seed=1), GREEDY, session_id="conv")
+    assert err.value.code == "context_length_exceeded" and "40" in str(err.value)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("reserve", random_prompt(30, seed=1),
+                           SamplingParams(max_tokens=11), session_id="conv")
+    assert err.value.field == "max_tokens"
+    # Without max_tokens, generation stops at the budget.
+    unbounded = SamplingParams(temperature=0.0, ignore_eos=True)
+    engine.add_request("fits", random_prompt(30, seed=1), unbounded, session_id="conv")
+    out = run_until_done(engine)["fits"]
+    assert out.finish_reason == "length" and out.num_output_tokens == 10
+    # Other sessions and requests outside a session keep the model's context.
+    engine.add_request("free", random_prompt(30, seed=1), SamplingParams(max_tokens=20))
+    assert run_until_done(engine)["free"].num_output_tokens == 20
