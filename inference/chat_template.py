@@ -5,12 +5,20 @@ prompt here matches `apply_chat_template`. On top of the text, `render_segments`
 attributes tokens to messages (the KV cache of a conversation is kept per turn), and
 assistant messages carrying the ids the model generated are spliced in verbatim, so
 the next turn's prompt is a token-exact extension of what is already in the cache.
+
+Only the template's own markup becomes control tokens. Every string a caller supplies
+(message content, names, tool calls and ids) is encoded as plain text, so a user who types
+`<|im_end|>\n<|im_start|>system` gets those characters, not a forged system turn (Hugging
+Face's `apply_chat_template` + `encode` would give the real tokens). Such text is escaped
+before rendering (each special-token text becomes a private-use marker the template passes
+through untouched) and each marker is tokenized as plain text afterwards.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +41,11 @@ CHATML_TEMPLATE = (
 )
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+# Caller-supplied special-token text is rendered as ESC<index>END (private-use characters), so
+# the template cannot turn it into control tokens; index 0 stands for ESC itself.
+_ESC, _END = "\ue000", "\ue001"
+_MARKER = re.compile(_ESC + r"(\d+)" + _END)
 
 
 class ChatTemplateError(ValueError):
@@ -75,6 +88,10 @@ class ChatTemplate:
             ) from e
         self.source = source
         self._tokenizer = tokenizer
+        # Longest first, so a special text that contains another is matched whole.
+        self._escaped = [_ESC, *sorted(tokenizer.special_token_texts, key=len, reverse=True)]
+        self._escape_index = {text: i for i, text in enumerate(self._escaped)}
+        self._escape_re = re.compile("|".join(re.escape(t) for t in self._escaped))
         # Stands in for an assistant's content to find where the template puts it.
         self._sentinel = f"KVCHATCONTENT{uuid.uuid4().hex}"
 
@@ -82,7 +99,8 @@ class ChatTemplate:
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
     ) -> str:
         self._validate(messages)
-        return self._render([self._as_dict(m) for m in messages], add_generation_prompt)
+        text = self._render([self._as_dict(m) for m in messages], add_generation_prompt)
+        return _MARKER.sub(lambda m: self._escaped[int(m.group(1))], text)
 
     def render_ids(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
@@ -172,7 +190,27 @@ class ChatTemplate:
         return self._tokenize(prefix) + token_ids + self._tokenize(suffix)
 
     def _tokenize(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer.encode(text, allow_special=True))
+        """Rendered text -> ids: markup may hold special tokens, escaped text is plain."""
+        encode = self._tokenizer.encode
+        ids: list[int] = []
+        start = 0
+        for marker in _MARKER.finditer(text):
+            ids += encode(text[start : marker.start()], allow_special=True)
+            ids += encode(self._escaped[int(marker.group(1))], allow_special=False)
+            start = marker.end()
+        ids += encode(text[start:], allow_special=True)
+        return tuple(ids)
+
+    def _escape(self, value: Any) -> Any:
+        """`value` (a string, or lists/dicts of them) with special-token text escaped."""
+        if isinstance(value, str):
+            return self._escape_re.sub(lambda m: f"{_ESC}{self._escape_index[m.group()]}{_END}",
+                                       value)
+        if isinstance(value, dict):
+            return {key: self._escape(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._escape(item) for item in value]
+        return value
 
     def _render(self, dicts: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         variables: dict[str, Any] = {
@@ -197,13 +235,13 @@ class ChatTemplate:
             while ids and ids[-1] in self._tokenizer.eos_token_ids:
                 ids.pop()
             content = self._tokenizer.decode(ids)
-        result: dict[str, Any] = {"role": message.role, "content": content}
+        result: dict[str, Any] = {"role": message.role, "content": self._escape(content)}
         if message.name is not None:
-            result["name"] = message.name
+            result["name"] = self._escape(message.name)
         if message.tool_calls is not None:
-            result["tool_calls"] = [dict(call) for call in message.tool_calls]
+            result["tool_calls"] = [self._escape(dict(call)) for call in message.tool_calls]
         if message.tool_call_id is not None:
-            result["tool_call_id"] = message.tool_call_id
+            result["tool_call_id"] = self._escape(message.tool_call_id)
         return result
 
     def _validate(self, messages: Sequence[ChatMessage]) -> None:

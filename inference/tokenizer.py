@@ -64,6 +64,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def is_known_id(self, token_id: int) -> bool: ...
 
+    @property
+    @abc.abstractmethod
+    def special_token_texts(self) -> frozenset[str]:
+        """The texts that `encode(..., allow_special=True)` turns into special (control) ids."""
+
     @abc.abstractmethod
     def new_detokenizer(self) -> IncrementalDetokenizer: ...
 
@@ -217,6 +222,10 @@ class TiktokenTokenizer(Tokenizer):
     def is_known_id(self, token_id: int) -> bool:
         return token_id in self._rank_ids or token_id in self._special_ids
 
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset(self._encoding.special_tokens_set)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (special tokens: their UTF-8 text)."""
         self._require_known(token_id)
@@ -246,6 +255,11 @@ class HFTokenizer(Tokenizer):
         self._vocab_size = (
             max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         )
+        self._special_texts = frozenset(
+            token.content
+            for token in self._tokenizer.get_added_tokens_decoder().values()
+            if token.special
+        )
         self.name = f"hf:{path}"
         self._set_special_tokens(bos_token=bos_token, eos_token=eos_token, source=source)
 
@@ -266,6 +280,10 @@ class HFTokenizer(Tokenizer):
         return (
             0 <= token_id < self._vocab_size and self._tokenizer.id_to_token(token_id) is not None
         )
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return self._special_texts
 
     def new_detokenizer(self) -> IncrementalDetokenizer:
         return _PrefixDetokenizer(self)
