@@ -1,6 +1,15 @@
 """AsyncEngine: runs the engine loop on its own thread and streams each request's outputs to
 an asyncio consumer. Cancelling the consumer (client gone, stop pressed) aborts the request
-within one engine step."""
+within one engine step.
+
+Life cycle: `start()` launches the engine thread; `shutdown(drain_timeout)` stops taking new
+requests, lets running ones finish for up to `drain_timeout` seconds, aborts the rest (their
+final output says finish_reason "abort", abort_reason "shutdown", so the caller can store
+them as interrupted) and stops the thread. A consumer whose request can no longer finish
+(the engine stopped or died) gets `EngineDeadError`; it never waits forever.
+
+Each request id has at most one stream; a stream only ever removes itself, so a rejected
+duplicate or a quick reuse of a finished id never disturbs another request's stream."""
 
 from __future__ import annotations
 
@@ -8,10 +17,12 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from .engine import Engine
+from .errors import InvalidRequestError
 from .request_output import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -19,11 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an internal error; no further requests are served."""
+    """The engine is not running (not started, shut down, or stopped on an internal error);
+    no further requests are served and an open stream cannot finish."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
+    request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
 
@@ -32,16 +45,67 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
+        # Guards _streams, _accepting and _dead together: a request is either registered
+        # before the engine stops (and then failed or finished by it) or refused.
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
+        self._accepting = False
+        self._dead: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the engine was already started")
+            self._accepting = True
+            self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self._accepting
+            and self._dead is None
+        )
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine loop, if it died."""
+        return self._dead
+
+    def shutdown(self, drain_timeout: float = 10.0, join_timeout: float = 10.0) -> None:
+        """Stop taking requests; give running ones `drain_timeout` seconds to finish, abort the
+        rest with abort_reason "shutdown", then stop the thread. Idempotent."""
+        with self._lock:
+            self._accepting = False
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            deadline = time.monotonic() + drain_timeout
+            while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+                if not thread.is_alive():
+                    break
+                time.sleep(0.01)
+            for request_id in self.engine.unfinished_request_ids:
+                self.engine.abort_request(request_id, reason="shutdown")
+            self._wake.set()
+            # The thread processes the aborts (delivering their final outputs), then stops.
+            deadline = time.monotonic() + join_timeout
+            while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+                if not thread.is_alive():
+                    break
+                time.sleep(0.01)
+            self._stop.set()
+            self._wake.set()
+            thread.join(join_timeout)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # -- requests --------------------------------------------------------------------------------
 
     async def generate(
         self,
@@ -53,65 +117,88 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; the last is finished.
-        Validation errors raise before anything is yielded."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        Validation errors (and a request id in use) raise before anything is yielded;
+        `EngineDeadError` when the engine is not running or stops before the request ends."""
+        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+            if not self._accepting:
+                raise EngineDeadError("the engine is not running (not started or shut down)")
+            if request_id in self._streams:
+                raise InvalidRequestError(
+                    f"request id {request_id!r} is already in use", field="request_id"
+                )
             self._streams[request_id] = stream
         try:
             self.engine.add_request(
                 request_id, prompt_token_ids, params, session_id=session_id, cache_salt=cache_salt
             )
         except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._remove(stream)
             raise
         self._wake.set()
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
                 finished = item.finished
                 yield item
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._remove(stream)
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        self.engine.abort_request(request_id, reason)
         self._wake.set()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout)
+    # -- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            while not self._stopped:
+            while not self._stop.is_set():
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                    self._deliver(out)
         except BaseException as e:  # an engine bug: fail every open stream, loudly
             log.exception("engine loop stopped")
-            self._error = e
             with self._lock:
-                streams = list(self._streams.items())
-            for request_id, _ in streams:
-                self._deliver(request_id, e)
+                self._dead = e
+                self._accepting = False
+            self._fail_all(e)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                # Its last output: the id is free for reuse from now on.
+                del self._streams[out.request_id]
         if stream is None:  # the consumer left; its abort is already queued
             return
+        self._put(stream, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            self._put(stream, error)
+
+    def _remove(self, stream: _Stream) -> None:
+        """A stream only ever removes itself, never another registered under the same id."""
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+
+    @staticmethod
+    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the consumer's event loop may be closed
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from inference.async_engine import AsyncEngine
+from inference.async_engine import AsyncEngine, EngineDeadError
 from inference.errors import InvalidRequestError
 from inference.sampling_params import SamplingParams
 from tests.inference.test_engine import GREEDY, make_engine, random_prompt
@@ -18,6 +18,7 @@ from tests.inference.test_engine import GREEDY, make_engine, random_prompt
 def async_engine(tiny_llama: tuple[Path, Any]) -> Any:
     path, _ = tiny_llama
     engine = AsyncEngine(make_engine(path))
+    engine.start()
     yield engine
     engine.shutdown()
 
@@ -73,3 +74,156 @@ def test_validation_errors_raise_before_streaming(async_engine: AsyncEngine) -> 
     with pytest.raises(InvalidRequestError):
         asyncio.run(main())
     assert async_engine.is_running
+
+
+# --- ids, shutdown and a dying engine: every consumer ends, none waits forever ---------------
+
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+async def drain(stream: Any) -> list[Any]:
+    return [out async for out in stream]
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_id_is_rejected_without_touching_the_first_stream(
+    async_engine: AsyncEngine,
+) -> None:
+    async def main() -> tuple[list[Any], type[BaseException] | None]:
+        first = async_engine.generate("dup", random_prompt(8, seed=2), GREEDY)
+        head = await first.__anext__()
+        error = None
+        try:
+            await drain(async_engine.generate("dup", random_prompt(5, seed=3), GREEDY))
+        except InvalidRequestError as e:
+            error = type(e)
+        return [head, *await drain(first)], error
+
+    outs, error = asyncio.run(main())
+    assert error is InvalidRequestError
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens
+
+
+@pytest.mark.timeout(60)
+def test_an_id_reused_right_after_it_finished_streams_to_its_new_consumer(
+    async_engine: AsyncEngine,
+) -> None:
+    async def main() -> list[Any]:
+        old = async_engine.generate("retry", random_prompt(8, seed=4), GREEDY)
+        async for out in old:
+            if out.finished:
+                break  # leaves the old generator suspended, not closed
+        new = async_engine.generate("retry", random_prompt(8, seed=4), GREEDY)
+        head = await new.__anext__()
+        await old.aclose()  # the old stream's cleanup runs now, after the new one registered
+        return [head, *await drain(new)]
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_ends_open_streams_and_refuses_new_requests(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama[0]))
+    engine.start()
+
+    async def main() -> tuple[list[Any], BaseException | None]:
+        stream = engine.generate("long", random_prompt(8, seed=5), LONG)
+        outs = [await stream.__anext__()]
+        await asyncio.to_thread(engine.shutdown, 0.0)
+        error: BaseException | None = None
+        try:
+            outs += await drain(stream)
+        except EngineDeadError as e:
+            error = e
+        return outs, error
+
+    outs, error = asyncio.run(main())
+    # Aborted for the shutdown, with the reason a caller stores; nothing left hanging.
+    assert error is None
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert outs[-1].abort_reason == "shutdown"
+    assert sum(len(o.new_token_ids) for o in outs) < LONG.max_tokens  # type: ignore[operator]
+
+    async def after() -> None:
+        await drain(engine.generate("late", random_prompt(4, seed=6), GREEDY))
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(after())
+    assert not engine.is_running
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_lets_running_requests_finish_within_the_drain_time(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama[0]))
+    engine.start()
+
+    async def main() -> list[Any]:
+        stream = engine.generate("short", random_prompt(8, seed=7), GREEDY)
+        head = await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown, 30.0)
+        return [head, *await drain(stream)]
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_generate_before_start_is_refused(tiny_llama: tuple[Path, Any]) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama[0]))
+
+    async def main() -> None:
+        await drain(engine.generate("early", random_prompt(4, seed=8), GREEDY))
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())
+
+
+class StepFault:
+    """An injected engine bug: the model runner raises from the n-th step on."""
+
+    def __init__(self, engine: Any, after: int) -> None:
+        self.execute = engine.runner.execute
+        engine.runner.execute = self
+        self.calls = 0
+        self.after = after
+
+    def __call__(self, batch: Any) -> Any:
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("injected fault")
+        return self.execute(batch)
+
+
+@pytest.mark.timeout(60)
+def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, Any]) -> None:
+    core = make_engine(tiny_llama[0])
+    StepFault(core, after=3)
+    engine = AsyncEngine(core)
+    engine.start()
+
+    async def one(i: int) -> str:
+        try:
+            await drain(engine.generate(f"r{i}", random_prompt(6, seed=i), LONG))
+        except EngineDeadError:
+            return "dead"
+        return "finished"
+
+    async def main() -> list[str]:
+        # Requests keep arriving while the engine dies under them.
+        tasks = []
+        for i in range(12):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert results == ["dead"] * 12
+    assert isinstance(engine.error, RuntimeError)
+    assert not engine.is_running
+    engine.shutdown(0.0)
