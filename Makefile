@@ -29,6 +29,9 @@ serve: $(STAMP) $(MODEL_DIR)/config.json
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	# Once more with assert statements compiled out (python -O, inherited by the xdist
+	# workers): no behaviour of the library may live inside an assert.
+	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check app inference kernels memory tests bench
