@@ -25,6 +25,7 @@ from .engine import Engine
 from .errors import InvalidRequestError
 from .request_output import RequestOutput
 from .sampling_params import SamplingParams
+from .scheduler import PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class AsyncEngine:
         *,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = PRIORITY_NORMAL,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; the last is finished.
         Validation errors (and a request id in use) raise before anything is yielded;
@@ -132,7 +134,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
         try:
             self.engine.add_request(
-                request_id, prompt_token_ids, params, session_id=session_id, cache_salt=cache_salt
+                request_id, prompt_token_ids, params, session_id=session_id,
+                cache_salt=cache_salt, priority=priority,
             )
         except BaseException:
             self._remove(stream)

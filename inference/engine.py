@@ -32,7 +32,7 @@ from .output_processor import OutputProcessor
 from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 from .tokenizer_files import load_tokenizer
@@ -82,11 +82,11 @@ class Engine:
         )
         self.block_pool = BlockPool(self.layout.num_blocks)
         self.host_pool = BlockPool(self.layout.num_host_blocks)
+        self.stats = CacheStats()
         self.kv_manager = KVCacheManager(
             self.block_pool, self.kv_cache, cache.block_size, cache.enable_prefix_caching,
-            host_pool=self.host_pool,
+            host_pool=self.host_pool, stats=self.stats,
         )
-        self.stats = CacheStats()
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
@@ -229,14 +229,17 @@ class Engine:
         *,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = PRIORITY_NORMAL,
     ) -> None:
         """Validate now (errors go to the caller), enqueue for the next step (any thread).
+        `priority` above PRIORITY_NORMAL makes it background work (see the scheduler).
 
         A request in a session is held to the session's `max_context_tokens`: prompt plus
         `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded` error; the
         history planner trims to the budget before it gets here), and without `max_tokens`
         generation stops at the budget."""
         seq = self._make_sequence(request_id, prompt_token_ids, params, session_id, cache_salt)
+        seq.priority = priority
         self._enqueue([seq])
 
     def _make_sequence(

@@ -9,6 +9,11 @@ prefix cache.
 When blocks run short, idle sessions go first (offloaded or dropped, coldest first); running
 sequences are never evicted for idle ones' sake. When running sequences alone exhaust the
 pool, the newest is preempted (swapped to host when there is room, else recomputed later).
+
+Priorities: a request's `priority` orders it (lower first, like vLLM). Requests above
+PRIORITY_NORMAL are background work (history summaries): they get only the token budget and
+the free blocks that normal requests leave this step, never evict an idle session or preempt
+a normal request for their own sake, and are the first to be preempted.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from memory.sessions import SessionStore
 from memory.stats import CacheStats
 
 from .sequence import PrefillAccounting, Sequence, SequenceStatus
+
+
+PRIORITY_NORMAL = 0
+PRIORITY_LOW = 1
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
 
-        queue = list(self.running)
+        # Normal requests first (oldest first within a priority): the tail, which preemption
+        # takes from, holds the background work and the newest.
+        queue = sorted(self.running, key=lambda s: s.priority)
         kept: list[Sequence] = []
+        short = False  # a normal request found the pool short: admit nothing new this step
         while queue:
             seq = queue.pop(0)
             if budget == 0:
@@ -110,9 +122,10 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             scheduled = True
             while not self._reserve(seq, n):
+                short |= seq.priority == PRIORITY_NORMAL
                 # Preempt the newest sequence not yet planned; if none is left, this one.
                 victim = queue.pop() if queue else seq
-                if victim is seq and not planned:
+                if victim is seq and not planned and self._never_fits(seq, n):
                     batch.out_of_memory.append(seq)
                     scheduled = False
                     break
@@ -127,9 +140,9 @@ class Scheduler:
                 budget -= n
         self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
-        if not batch.preempted:
+        if not short:
             self._swap_in()
-            for seq in list(self.waiting):
+            for seq in sorted(self.waiting, key=lambda s: s.priority):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 if not seq.reuse_checked:
@@ -236,10 +249,13 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make sure slots exist for the next `num_new_tokens` tokens of `seq`, making room
-        from idle sessions if needed."""
+        from idle sessions if needed (background requests take free blocks only)."""
         total = seq.num_computed_tokens + num_new_tokens
         need = self.kv_manager.blocks_to_reserve(seq.kv, total)
-        if not (
+        if seq.priority > PRIORITY_NORMAL:
+            if not self.pool.can_allocate(need):
+                return False
+        elif not (
             self.pool.can_allocate(need)
             or self.sessions.make_room(need)
             or self._reclaim_from_waiting(need, exclude=seq)
@@ -247,6 +263,15 @@ class Scheduler:
             return False
         self.stats.cow_copies += self.kv_manager.reserve_slots(seq.kv, total)
         return True
+
+    def _never_fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `seq` could not run even with the pool to itself: a normal request that
+        failed to reserve with nothing else planned (idle sessions already evicted) cannot;
+        a background request can wait for normal ones to leave blocks free."""
+        if seq.priority == PRIORITY_NORMAL:
+            return True
+        total = seq.num_computed_tokens + num_new_tokens
+        return self.kv_manager.cdiv_blocks(total) + 1 > self.pool.num_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence's KV out to host if there is room, else free it to recompute."""
@@ -267,12 +292,14 @@ class Scheduler:
 
     def _swap_in(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
+            seq = min(self.swapped, key=lambda s: s.priority)
             # Room for its blocks and the next token's, so it can step at once.
             need = max(len(seq.kv.host_block_ids), cdiv(seq.num_tokens, self.kv_manager.block_size))
-            if not self.pool.can_allocate(need) and not self.sessions.make_room(need):
+            if not self.pool.can_allocate(need) and (
+                seq.priority > PRIORITY_NORMAL or not self.sessions.make_room(need)
+            ):
                 return
-            self.swapped.popleft()
+            self.swapped.remove(seq)
             self.kv_manager.swap_in(seq.kv)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -40,6 +40,7 @@ class Sequence:
     params: SamplingParams
     max_total_tokens: int  # prompt + generated may not exceed this (context or max_tokens)
     session_id: str | None = None
+    priority: int = 0  # lower runs first; above 0 is background work (see the scheduler)
     kv: KVState = field(default_factory=KVState)
     # prompt + generated ids; the last generated id has no KV yet.
     token_ids: list[int] = field(default_factory=list)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .block_pool import BlockPool
 from .kv_cache import KVCache
 from .prefix_cache import PrefixCache
+from .stats import CacheStats
 
 
 @dataclass
@@ -62,14 +63,20 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         host_pool: BlockPool | None = None,
+        stats: CacheStats | None = None,
     ) -> None:
         self.pool = pool
         self.host_pool = host_pool if host_pool is not None else BlockPool(0)
+        self.stats = stats if stats is not None else CacheStats()
         self.kv = kv
         self.block_size = block_size
         self.prefix_cache = PrefixCache(pool, block_size, enable_prefix_caching)
 
     # -- allocation ---------------------------------------------------------------------------
+
+    def cdiv_blocks(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size)
 
     def num_new_blocks(self, state: KVState, num_total_tokens: int) -> int:
         """Blocks to add so the table has a slot for each of `num_total_tokens` tokens."""
@@ -183,6 +190,7 @@ class KVCacheManager:
         blocks = state.block_ids
         host_ids = self.host_pool.allocate(len(blocks))
         self._kv().swap_out(blocks, host_ids)
+        self.stats.blocks_to_host += len(blocks)
         self.pool.release(blocks)
         state.block_ids = []
         state.host_block_ids = host_ids
@@ -194,6 +202,7 @@ class KVCacheManager:
         assert not state.block_ids and host_ids, "not on the host"
         device_ids = self.pool.allocate(len(host_ids))
         self._kv().swap_in(host_ids, device_ids)
+        self.stats.blocks_from_host += len(host_ids)
         self.host_pool.release(host_ids)
         state.host_block_ids = []
         state.block_ids = device_ids
@@ -238,6 +247,7 @@ class KVCacheManager:
             restored = end
         if copies:
             self._kv().swap_in([h for h, _ in copies], [d for _, d in copies])
+            self.stats.blocks_from_host += len(copies)
         self.free(src)
         dst.num_computed_tokens = restored
         del dst.block_hashes[restored // bs :]

@@ -26,6 +26,8 @@ class CacheStats:
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
     cow_copies: int = 0  # blocks copied on write
+    blocks_to_host: int = 0  # blocks copied device -> host (offloads, swap-outs)
+    blocks_from_host: int = 0  # blocks copied host -> device (restores, swap-ins)
 
     @property
     def reused(self) -> int:
