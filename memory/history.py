@@ -268,11 +268,7 @@ def plan_context(
     if need(start) > max_context_tokens:
         raise ContextLengthExceeded(need(start), max_context_tokens, max_tokens)
     cap = policy.max_tool_result_tokens
-    capped = {
-        m.message_id: cap
-        for m in messages[start:]
-        if cap is not None and m.role == "tool" and m.content_tokens > cap
-    }
+    capped = {m.message_id: cap for m in messages[start:] if cap is not None and _is_cut(m, cap)}
     covered = len(applied.covers) if applied is not None else 0
     return ContextPlan(
         kept=ids[start:],
@@ -383,9 +379,14 @@ def _summary_applies(summary: SummaryState, ids: tuple[str, ...], start: int) ->
     return 0 < n <= start and ids[:n] == summary.covers
 
 
+def _is_cut(message: HistoryMessage, cap: int) -> bool:
+    """A tool result longer than the cap is cut to it in the prompt (stored whole)."""
+    return message.role == "tool" and message.content_tokens > cap
+
+
 def _prompt_size(message: HistoryMessage, cap: int | None) -> int:
-    """A message's tokens in the prompt: a tool result over the cap counts at the cap."""
-    if cap is not None and message.role == "tool" and message.content_tokens > cap:
+    """A message's tokens in the prompt: a cut tool result counts its content at the cap."""
+    if cap is not None and _is_cut(message, cap):
         return message.num_tokens - message.content_tokens + cap
     return message.num_tokens
 
