@@ -5,7 +5,7 @@ it cheaply on every turn. The caller stores each message's segment length once (
 under the model's chat template, markup included) and passes back, each turn, the trim point
 and running summary this module planned before.
 
-The rules, in order of strength:
+The rules:
 
 - need(start) = system + summary (if one applies) + kept messages (tool results capped)
   + generation prompt + max_tokens, and need <= max_context_tokens always.
@@ -21,6 +21,9 @@ The rules, in order of strength:
   when need crosses it, the trim point jumps in one go to where need <= low x budget, so the
   prompt prefix, and the KV cache pinned for it, stays stable for many turns. `drop_oldest`
   drops the minimum each time (the naive baseline); `none` never drops.
+- `summarize` places a running summary of the dropped messages after the system prompt. The
+  caller generates it off the critical path and passes it back: the turn that drops uses the
+  previous summary and lists the rest in `to_summarize`; a later turn gets the new one.
 """
 
 from __future__ import annotations
@@ -205,7 +208,8 @@ def units(messages: Sequence[HistoryMessage]) -> list[tuple[int, int]]:
     """The droppable units as half-open index ranges [start, end), oldest first.
 
     Also checks what the planner relies on: unique ids, and each tool message directly after
-    the assistant message whose call it answers (or after that call's other results).
+    the assistant message whose call it answers (or after that call's other results). Calls
+    not answered (yet) are allowed: an agent loop's results may be stored one by one.
     """
     if len({m.message_id for m in messages}) != len(messages):
         raise InvalidHistoryError("message ids must be unique within the branch")
@@ -288,8 +292,9 @@ def tool_cap_split(num_content_tokens: int, cap: int, marker_tokens: int) -> tup
     head + marker_tokens + tail <= cap and head - tail in {0, 1}. A result within the cap is
     kept whole: (num_content_tokens, 0), no marker.
 
-    marker_tokens: the tokens of TOOL_CUT_MARKER filled with num_content_tokens, an upper
-    bound on the real count cut, so the marker rendered with the real count is no longer.
+    marker_tokens: the marker's length as rendered. The count cut is only known after the
+    split, so measure TOOL_CUT_MARKER filled with num_content_tokens (the most that can be
+    cut): a smaller number has no more digits, and in common tokenizers no more tokens.
     """
     if min(num_content_tokens, cap, marker_tokens) < 0:
         raise InvalidHistoryError("token counts must be >= 0", "cap")
