@@ -1,6 +1,8 @@
 """A synthetic multi-turn chat workload shaped like vLLM's multi-turn benchmark: many
 conversations of 12-18 turns sharing one system prompt, user and assistant turns of 50-150
-tokens, each conversation sending its next turn as soon as the previous answer is complete."""
+tokens. Each conversation sends its next turn when the previous answer is complete, at once
+(closed loop) or after a think time; conversations can start staggered, so many of them are
+live (and idle between turns) at the same time."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class WorkloadConfig:
     user_tokens: tuple[int, int] = (50, 150)
     assistant_tokens: tuple[int, int] = (50, 150)
     seed: int = 0
+    think_time: tuple[float, float] = (0.0, 0.0)  # seconds between an answer and the next turn
+    stagger: float = 0.0  # seconds between the starts of consecutive conversations
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Conversation:
     answer_lengths: list[int]
     history: list[int] = field(default_factory=list)
     turn: int = 0
+    think_times: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ def make_conversations(config: WorkloadConfig, vocab: int) -> tuple[list[int], l
             user_messages=[text(rng.randint(*config.user_tokens)) for _ in range(turns)],
             answer_lengths=[rng.randint(*config.assistant_tokens) for _ in range(turns)],
             history=list(system),
+            think_times=[rng.uniform(*config.think_time) for _ in range(turns)],
         ))
     return system, convs
 
@@ -118,10 +124,19 @@ def run_workload(
         minimum.add_prompt(prompt)
         live[rid] = (conv, prompt, time.perf_counter())
 
-    for conv in convs:
-        submit(conv)
+    # (time the conversation sends its next turn, conversation), soonest first
+    start = time.perf_counter()
+    ready = [(start + i * config.stagger, conv) for i, conv in enumerate(convs)]
     first_token_at: dict[str, float] = {}
-    while live:
+    while live or ready:
+        now = time.perf_counter()
+        due = [item for item in ready if item[0] <= now]
+        for item in due:
+            ready.remove(item)
+            submit(item[1])
+        if not live:
+            time.sleep(max(0.0, min(t for t, _ in ready) - now))
+            continue
         for out in engine.step():
             now = time.perf_counter()
             if out.request_id not in first_token_at:
@@ -142,5 +157,5 @@ def run_workload(
             conv.history = prompt + generated + [IM_END, NEWLINE]
             conv.turn += 1
             if conv.turn < conv.turns:
-                submit(conv)
+                ready.append((now + conv.think_times[conv.turn], conv))
     return records, minimum.total

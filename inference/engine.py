@@ -21,7 +21,7 @@ from memory.config import SessionBudget
 from memory.kv_cache import KVCache, KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState
 from memory.sessions import SessionStore
-from memory.stats import CacheStats
+from memory.stats import CacheStats, HistoryStats
 
 from .engine_config import EngineConfig
 from .errors import InvalidRequestError, ModelLoadError
@@ -101,6 +101,10 @@ class Engine:
         # called from other threads than the one stepping.
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
+        # History counters, written by whoever plans prompts (the service, any thread).
+        self.history_stats = HistoryStats()
+        self._session_history: dict[str, HistoryStats] = {}
+        self._history_lock = threading.Lock()
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -182,22 +186,23 @@ class Engine:
                 field="prompt",
             )
         n = len(prompt_token_ids)
-        limit, what = self.max_model_len, "the model's context"
+        limit, what = self.max_model_len, "This model's maximum context length"
         if session_id is not None:
             budget = self.sessions.budget(session_id).max_context_tokens
             if budget is not None and budget < limit:
-                limit, what = budget, "the session's max_context_tokens"
+                limit, what = budget, "This session's context budget (max_context_tokens)"
         if n >= limit:
             raise InvalidRequestError(
-                f"the prompt has {n} tokens but {what} is {limit} tokens, leaving no room to "
-                "generate",
+                f"{what} is {limit} tokens. However, your prompt has {n} tokens, leaving no "
+                "room to generate. Please reduce the length of the prompt.",
                 field="prompt",
                 code="context_length_exceeded",
             )
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"{what} of {limit} tokens",
+                f"{what} is {limit} tokens. However, you requested {n + params.max_tokens} "
+                f"tokens ({n} in the prompt, {params.max_tokens} in the completion). Please "
+                "reduce the length of the prompt or completion.",
                 field="max_tokens",
                 code="context_length_exceeded",
             )
@@ -358,6 +363,19 @@ class Engine:
     def close_session(self, session_id: str) -> None:
         """Forget a session and free its KV, at the next step."""
         self._inbox.put(("close", session_id))
+        with self._history_lock:
+            self._session_history.pop(session_id, None)
+
+    def record_history(self, session_id: str, event: HistoryStats) -> None:
+        """Count what history planning did for a session's turn (trims, dropped tokens, tool
+        results capped, summaries generated); shows per session and in memory_report()."""
+        with self._history_lock:
+            self._session_history.setdefault(session_id, HistoryStats()).add(event)
+            self.history_stats.add(event)
+
+    def session_history(self, session_id: str) -> dict[str, int]:
+        with self._history_lock:
+            return self._session_history.get(session_id, HistoryStats()).snapshot()
 
     def session_info(self, session_id: str) -> dict[str, object] | None:
         session = self.sessions.get(session_id)
@@ -373,6 +391,7 @@ class Engine:
             "turns": session.num_turns,
             "max_kv_tokens": budget.max_kv_tokens,
             "max_context_tokens": budget.max_context_tokens,
+            "history": self.session_history(session_id),
         }
 
     def kv_slot_usage(self) -> tuple[int, int]:
@@ -412,7 +431,12 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
             "stats": self.stats.snapshot(),
+            "history": self._history_snapshot(),
         }
+
+    def _history_snapshot(self) -> dict[str, int]:
+        with self._history_lock:
+            return self.history_stats.snapshot()
 
     # -- convenience ------------------------------------------------------------------------------
 

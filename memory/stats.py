@@ -42,3 +42,28 @@ class CacheStats:
         data["reused"] = self.reused
         data["hit_rate"] = self.hit_rate
         return data
+
+
+@dataclass
+class HistoryStats:
+    """What history planning did (per session, and summed over all of them).
+
+    trims: trim events (the prompt's first kept message moved); dropped_tokens: prompt tokens
+    those events removed; summaries / summary_tokens: running summaries generated and their
+    generated tokens; tool_results_capped: tool results cut to their cap in a prompt (counted
+    per turn); window_turns: turns that ran in sink + window mode.
+    """
+
+    trims: int = 0
+    dropped_tokens: int = 0
+    summaries: int = 0
+    summary_tokens: int = 0
+    tool_results_capped: int = 0
+    window_turns: int = 0
+
+    def add(self, other: HistoryStats) -> None:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(asdict(self))

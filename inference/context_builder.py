@@ -1,0 +1,160 @@
+"""ContextBuilder: between the history planner (pure token counts) and the chat template (token
+ids). It measures what the planner needs once per message (its segment length as rendered in
+the conversation, its content length) and turns a plan back into the prompt's ids: system
+prompt, running summary, kept messages with tool results cut to their cap, generation prompt.
+
+Assistant messages that carry the ids the model generated are spliced in verbatim, so a turn's
+prompt is a token-exact extension of the previous one whenever the planner kept the prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from memory.history import (
+    TOOL_CUT_MARKER,
+    ContextPlan,
+    HistoryMessage,
+    SummaryState,
+    summarization_messages,
+    tool_cap_split,
+)
+
+from .chat_template import ChatMessage, ChatTemplate
+from .tokenizer import Tokenizer
+
+SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
+
+
+@dataclass(frozen=True)
+class MessageCounts:
+    num_tokens: int  # the message's segment in the conversation, markup included
+    content_tokens: int  # its content alone, as plain text
+
+
+class ContextBuilder:
+    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+
+    # -- measuring (once per message; the caller stores the counts) ------------------------------
+
+    def count(self, system: str | None, messages: Sequence[ChatMessage]) -> list[MessageCounts]:
+        """Counts of each of `messages` as rendered after the system prompt and each other."""
+        head = [ChatMessage("system", system)] if system else []
+        segments = self.template.render_segments([*head, *messages], add_generation_prompt=False)
+        lengths = [0] * (len(head) + len(messages))
+        for segment in segments:
+            if segment.message_index is not None:
+                lengths[segment.message_index] += len(segment.token_ids)
+        return [
+            MessageCounts(lengths[len(head) + i], self.content_tokens(m))
+            for i, m in enumerate(messages)
+        ]
+
+    def content_tokens(self, message: ChatMessage) -> int:
+        if message.token_ids is not None:
+            return len(message.token_ids)
+        return len(self.tokenizer.encode(message.content or ""))
+
+    def system_tokens(self, system: str | None) -> int:
+        if not system:
+            return 0
+        segments = self.template.render_segments(
+            [ChatMessage("system", system)], add_generation_prompt=False
+        )
+        return sum(len(s.token_ids) for s in segments)
+
+    def generation_prompt_tokens(self) -> int:
+        """Tokens the template adds to open the assistant's turn (ChatML: 3)."""
+        probe = [ChatMessage("user", "x")]
+        with_prompt = self.template.render_ids(probe, add_generation_prompt=True)
+        return len(with_prompt) - len(self.template.render_ids(probe, add_generation_prompt=False))
+
+    def summary_state(
+        self, system: str | None, text: str, covers: Sequence[str]
+    ) -> SummaryState:
+        """A summary with its segment length as placed after the system prompt."""
+        head = [ChatMessage("system", system)] if system else []
+        summary = ChatMessage("system", SUMMARY_PREFIX + text)
+        segments = self.template.render_segments([*head, summary], add_generation_prompt=False)
+        num = sum(len(s.token_ids) for s in segments if s.message_index == len(head))
+        return SummaryState(text=text, num_tokens=num, covers=tuple(covers))
+
+    # -- building the prompt ----------------------------------------------------------------------
+
+    def build(
+        self,
+        system: str | None,
+        messages: Mapping[str, ChatMessage],
+        plan: ContextPlan,
+    ) -> list[int]:
+        """The prompt's ids for a plan: `messages` maps the planned ids to their messages."""
+        chat: list[ChatMessage] = []
+        if system:
+            chat.append(ChatMessage("system", system))
+        if plan.summary is not None:
+            chat.append(ChatMessage("system", SUMMARY_PREFIX + plan.summary.text))
+        for message_id in plan.kept:
+            message = messages[message_id]
+            cap = plan.capped.get(message_id)
+            chat.append(self.cut_tool_result(message, cap) if cap is not None else message)
+        return self.template.render_ids(chat, add_generation_prompt=True)
+
+    def cut_tool_result(self, message: ChatMessage, cap: int) -> ChatMessage:
+        """A tool result shortened to about `cap` content tokens: its head, a marker saying
+        how many tokens were cut, its tail. The stored message stays whole."""
+        ids = self.tokenizer.encode(message.content or "")
+        marker_tokens = len(self.tokenizer.encode(TOOL_CUT_MARKER.format(n=len(ids))))
+        head, tail = tool_cap_split(len(ids), cap, marker_tokens)
+        if tail == 0 and head == len(ids):
+            return message
+        cut = len(ids) - head - tail
+        text = (
+            self.tokenizer.decode(ids[:head])
+            + TOOL_CUT_MARKER.format(n=cut)
+            + (self.tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
+        )
+        return ChatMessage(
+            role=message.role, content=text, name=message.name,
+            tool_call_id=message.tool_call_id,
+        )
+
+    def summarization_prompt(
+        self, previous_summary: str | None, dropped: Sequence[ChatMessage]
+    ) -> list[int]:
+        """The prompt that folds `dropped` (and the previous summary) into a new summary."""
+        pairs = [(m.role, self._text(m)) for m in dropped]
+        chat = [ChatMessage(role, content) for role, content in
+                summarization_messages(previous_summary, pairs)]
+        return self.template.render_ids(chat, add_generation_prompt=True)
+
+    def _text(self, message: ChatMessage) -> str:
+        if message.content is not None:
+            text = message.content
+        elif message.token_ids is not None:
+            ids = [t for t in message.token_ids if t not in self.tokenizer.eos_token_ids]
+            text = self.tokenizer.decode(ids)
+        else:
+            text = ""
+        if message.tool_calls:
+            calls = ", ".join(
+                f"{c.get('function', {}).get('name')}({c.get('function', {}).get('arguments')})"
+                for c in message.tool_calls
+            )
+            text = f"{text}\n[called {calls}]" if text else f"[called {calls}]"
+        return text
+
+
+def history_message(message_id: str, message: ChatMessage, counts: MessageCounts) -> HistoryMessage:
+    """The planner's view of a stored message."""
+    call_ids = tuple(str(c.get("id")) for c in message.tool_calls or ())
+    return HistoryMessage(
+        message_id=message_id,
+        role=message.role,
+        num_tokens=counts.num_tokens,
+        content_tokens=counts.content_tokens,
+        tool_call_ids=call_ids if message.role == "assistant" else (),
+        tool_call_id=message.tool_call_id if message.role == "tool" else None,
+    )

@@ -1,0 +1,186 @@
+"""Conversation: one chat kept in memory and run on a synchronous `Engine`, with history
+planned by `memory.history` on every turn. What the service does with its database and the
+async engine, for the command line, benchmarks and engine-level tests.
+
+A turn: append the user (or tool-result) message, plan the prompt under the session's budget,
+build its ids, run it in the conversation's session (so its KV stays pinned), store the reply
+with the ids the model generated. When the plan drops messages under the `summarize` policy, a
+summary of them is generated as background work (low priority) while turns go on; the turn
+that dropped them uses the previous summary, a later turn gets the new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memory.history import (
+    ContextPlan,
+    HistoryMessage,
+    HistoryPolicy,
+    SummaryState,
+    merge_summary,
+    plan_context,
+)
+from memory.stats import HistoryStats
+
+from .chat_template import ChatMessage
+from .context_builder import ContextBuilder, MessageCounts, history_message
+from .engine import Engine
+from .errors import InvalidRequestError
+from .request_output import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import PRIORITY_LOW
+
+_ids = itertools.count()
+
+
+@dataclass
+class TurnResult:
+    output: RequestOutput  # the final output of the assistant's reply
+    plan: ContextPlan
+    prompt_ids: list[int]
+    summary_requested: bool
+
+
+@dataclass
+class _PendingSummary:
+    request_id: str
+    covers: tuple[str, ...]
+
+
+@dataclass
+class Conversation:
+    engine: Engine
+    builder: ContextBuilder
+    session_id: str
+    system: str | None = None
+    policy: HistoryPolicy = field(default_factory=HistoryPolicy)
+    cache_salt: str | None = None
+    messages: dict[str, ChatMessage] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # the branch, oldest first
+    counts: dict[str, MessageCounts] = field(default_factory=dict)
+    start_id: str | None = None  # the trim point planned last turn
+    summary: SummaryState | None = None
+    pending_summary: _PendingSummary | None = None
+    summaries: list[SummaryState] = field(default_factory=list)  # every summary made, in order
+    summary_params: SamplingParams | None = None  # default: greedy, max_summary_tokens
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def append(self, message: ChatMessage) -> str:
+        """Store a message and its token counts (measured once, in the conversation)."""
+        message_id = f"m{next(_ids)}"
+        self.messages[message_id] = message
+        self.order.append(message_id)
+        branch = [self.messages[i] for i in self.order]
+        self.counts[message_id] = self.builder.count(self.system, branch)[-1]
+        return message_id
+
+    def history(self) -> list[HistoryMessage]:
+        return [history_message(i, self.messages[i], self.counts[i]) for i in self.order]
+
+    @property
+    def max_context_tokens(self) -> int:
+        budget = self.engine.sessions.budget(self.session_id).max_context_tokens
+        return min(budget, self.engine.max_model_len) if budget else self.engine.max_model_len
+
+    # -- a turn ---------------------------------------------------------------------------------
+
+    def submit(self, content: str, params: SamplingParams, role: str = "user") -> tuple[
+        str, ContextPlan, list[int]
+    ]:
+        """Append the message, plan and build the prompt, add the request (not run)."""
+        self.append(ChatMessage(role, content))
+        max_tokens = params.max_tokens or max(1, self.max_context_tokens // 4)
+        plan = plan_context(
+            messages=self.history(),
+            system_tokens=self.builder.system_tokens(self.system),
+            max_context_tokens=self.max_context_tokens,
+            max_tokens=max_tokens,
+            policy=self.policy,
+            summary=self.summary,
+            start_id=self.start_id,
+            generation_prompt_tokens=self.builder.generation_prompt_tokens(),
+        )
+        prompt = self.builder.build(self.system, self.messages, plan)
+        request_id = f"{self.session_id}-turn{next(_ids)}"
+        self.engine.add_request(request_id, prompt, params, session_id=self.session_id,
+                                cache_salt=self.cache_salt)
+        self.start_id = plan.start_id
+        self.engine.record_history(self.session_id, HistoryStats(
+            trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
+            tool_results_capped=len(plan.capped),
+        ))
+        return request_id, plan, prompt
+
+    def finish_turn(self, output: RequestOutput) -> None:
+        """Store the reply with the ids the model generated."""
+        assert output.finished and output.output_token_ids is not None
+        self.append(ChatMessage("assistant", output.text, token_ids=tuple(output.output_token_ids)))
+
+    def maybe_summarize(self, plan: ContextPlan) -> bool:
+        """Start a background summary of what the plan dropped and no summary covers yet
+        (the summary may have grown since the plan was made)."""
+        if not plan.to_summarize or self.pending_summary is not None:
+            return False
+        covered = self.summary.covers if self.summary is not None else ()
+        if plan.dropped[: len(covered)] != covered:
+            return False  # the summary belongs to another branch
+        newly = plan.dropped[len(covered) :]
+        if not newly:
+            return False
+        previous = self.summary.text if self.summary is not None else None
+        prompt = self.builder.summarization_prompt(previous, [self.messages[i] for i in newly])
+        request_id = f"{self.session_id}-summary{next(_ids)}"
+        params = self.summary_params or SamplingParams(
+            max_tokens=self.policy.max_summary_tokens, temperature=0.0
+        )
+        try:
+            self.engine.add_request(request_id, prompt, params, cache_salt=self.cache_salt,
+                                    priority=PRIORITY_LOW)
+        except InvalidRequestError:  # the dropped text alone overflows the model: no summary
+            return False
+        self.pending_summary = _PendingSummary(request_id, newly)
+        return True
+
+    def on_output(self, output: RequestOutput) -> bool:
+        """Take a finished summary's output; returns whether the output was ours."""
+        pending = self.pending_summary
+        if pending is None or output.request_id != pending.request_id:
+            return False
+        if output.finished:
+            self.pending_summary = None
+            if output.finish_reason in ("stop", "length") and output.text is not None:
+                text = output.text.strip()
+                measured = self.builder.summary_state(self.system, text, ())
+                self.summary = merge_summary(self.summary, text, measured.num_tokens,
+                                             pending.covers)
+                self.summaries.append(self.summary)
+                self.engine.record_history(self.session_id, HistoryStats(
+                    summaries=1, summary_tokens=output.num_output_tokens,
+                ))
+        return True
+
+    def turn(
+        self,
+        content: str,
+        params: SamplingParams,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> TurnResult:
+        """Run one turn to its end on the engine (stepping it; other requests progress too)."""
+        request_id, plan, prompt = self.submit(content, params)
+        final = None
+        while final is None:
+            outputs = self.engine.step()
+            if on_step is not None:
+                on_step(outputs)
+            for out in outputs:
+                if out.request_id == request_id and out.finished:
+                    final = out
+                else:
+                    self.on_output(out)
+        self.finish_turn(final)
+        requested = self.policy.policy == "summarize" and self.maybe_summarize(plan)
+        return TurnResult(final, plan, prompt, requested)

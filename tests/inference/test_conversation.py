@@ -1,0 +1,159 @@
+"""History planning on the real engine: long conversations under a context budget keep their
+pinned KV between trim events; summaries run as background work."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from inference.chat_template import load_chat_template
+from inference.context_builder import SUMMARY_PREFIX, ContextBuilder
+from inference.conversation import Conversation
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from inference.sampling_params import SamplingParams
+from inference.scheduler import SchedulerConfig
+from memory.config import CacheConfig, SessionBudget
+from memory.history import HistoryPolicy
+
+REPLY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BUDGET = 512
+WORDS = ("alpha beta gamma delta kettle orbit lantern river copper maple quartz velvet "
+         "harbor pixel summit tundra willow zephyr").split()
+
+
+@pytest.fixture(scope="module")
+def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from inference.dev_model import init_model
+
+    path = tmp_path_factory.mktemp("dev")
+    init_model(path, "dev", seed=4)
+    return path
+
+
+def make_engine(path: Path, budget: int = 64) -> Engine:
+    return Engine(EngineConfig(
+        model=str(path), dtype="float32", device="cpu", attention_backend="torch",
+        cache=CacheConfig(block_size=16, num_blocks_override=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+    ))
+
+
+def conversation(engine: Engine, policy: HistoryPolicy, session: str = "conv") -> Conversation:
+    assert engine.tokenizer is not None
+    template = load_chat_template(engine.config.model, engine.tokenizer)
+    engine.set_session_budget(session, SessionBudget(max_context_tokens=BUDGET))
+    return Conversation(engine, ContextBuilder(template, engine.tokenizer), session,
+                        system="You are a terse assistant.", policy=policy)
+
+
+def user_text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 22)))
+
+
+def run_60_turns(path: Path, policy: str) -> tuple[Conversation, list, int]:
+    engine = make_engine(path)
+    conv = conversation(engine, HistoryPolicy(policy=policy))
+    rng = random.Random(0)
+    results = []
+    computed_before = engine.stats.computed
+    for _ in range(60):
+        results.append(conv.turn(user_text(rng), REPLY))
+    total_history = sum(c.num_tokens for c in conv.counts.values())
+    assert total_history > 4 * BUDGET  # the conversation is several times the budget
+    return conv, results, engine.stats.computed - computed_before
+
+
+def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
+    runs = {policy: run_60_turns(dev_model, policy) for policy in ("drop", "drop_oldest")}
+    prefill = {policy: computed for policy, (_, _, computed) in runs.items()}
+    trims = {policy: sum(r.plan.trimmed for r in results) for policy, (_, results, _) in
+             runs.items()}
+    print(f"\nprefill tokens computed: {prefill}; trim events: {trims}")
+    assert prefill["drop_oldest"] >= 3 * prefill["drop"]
+
+    conv, results, _ = runs["drop"]
+    counters = conv.engine.session_history("conv")
+    assert counters["trims"] == trims["drop"] > 0
+    assert counters["dropped_tokens"] == sum(r.plan.num_dropped_tokens for r in results)
+    assert conv.engine.memory_report()["history"]["trims"] == trims["drop"]
+    for before, after in zip(results, results[1:]):
+        assert after.plan.num_prompt_tokens + REPLY.max_tokens <= BUDGET  # type: ignore[operator]
+        if after.plan.trimmed:
+            continue
+        # Between trim events the prompt extends the last one: everything up to the last
+        # generated token (whose KV is never computed) comes from the session.
+        reused = len(before.prompt_ids) + len(before.output.output_token_ids) - 1
+        assert after.prompt_ids[:reused] == before.prompt_ids + before.output.output_token_ids[:-1]
+        assert after.output.num_cached_tokens == reused
+
+
+def test_summary_runs_in_the_background_and_reaches_a_later_prompt(dev_model: Path) -> None:
+    engine = make_engine(dev_model, budget=48)
+    conv = conversation(engine, HistoryPolicy(policy="summarize", max_summary_tokens=24))
+    # Random weights, greedy, write blank lines or stop at once; sampled, they write text.
+    conv.summary_params = SamplingParams(max_tokens=24, temperature=1.0, seed=7,
+                                         ignore_eos=True)
+    other = conversation(engine, HistoryPolicy(policy="drop"), session="other")
+    rng = random.Random(1)
+    # (summary running, steps to our first token, prefill tokens of both turns)
+    steps_to_first_token: list[tuple[bool, int, int]] = []
+    summary_seen_running_with = set()
+    results = []
+    for _ in range(40):
+        # Another conversation's turn runs alongside (a normal-priority load).
+        other_id, _, other_prompt = other.submit(user_text(rng), REPLY)
+        request_id, plan, prompt = conv.submit(user_text(rng), REPLY)
+        running_summary = conv.pending_summary is not None
+        steps, final, first, other_done, other_final = 0, None, None, False, None
+        while final is None or not other_done:
+            outputs = engine.step()
+            steps += 1
+            for seq in engine.scheduler.running:
+                if conv.pending_summary and seq.request_id == conv.pending_summary.request_id:
+                    assert seq.priority > 0
+                    summary_seen_running_with.update(
+                        s.request_id for s in engine.scheduler.running if s is not seq
+                    )
+            for out in outputs:
+                if out.request_id == request_id:
+                    first = first or steps
+                    if out.finished:
+                        final = out
+                elif out.request_id == other_id and out.finished:
+                    other.finish_turn(out)
+                    other_done, other_final = True, out
+                else:
+                    conv.on_output(out)
+        conv.finish_turn(final)
+        results.append((plan, prompt, final))
+        conv.maybe_summarize(plan)
+        # Both turns' prefill comes before our first token (the other was sent first).
+        prefill = len(prompt) - final.num_cached_tokens
+        prefill += len(other_prompt) - other_final.num_cached_tokens
+        steps_to_first_token.append((running_summary, first, prefill))
+        if len(conv.summaries) >= 2:
+            break
+    assert conv.summaries, "no summary was made"
+    # It ran next to normal requests (the other conversation's turns and our own).
+    assert summary_seen_running_with
+    first = conv.summaries[0]
+    # Stored with its range: exactly the messages dropped when it was asked for.
+    trim_plan = next(p for p, _, _ in results if p.to_summarize)
+    assert first.covers == trim_plan.to_summarize == trim_plan.dropped
+    assert len(first.text) > 0
+    # A later turn's prompt carries it right after the system prompt.
+    later = next((p, ids) for p, ids, _ in results if p.summary is not None)
+    assert later[0].summary.covers[: len(first.covers)] == first.covers
+    assert engine.tokenizer is not None
+    assert SUMMARY_PREFIX + later[0].summary.text in engine.tokenizer.decode(later[1])
+    assert engine.session_history("conv")["summaries"] == len(conv.summaries)
+    # A user's turn never waits for the summary: its first token comes as many steps after
+    # it is sent as the normal requests' prefill needs (token budget 48; +1 for the decode
+    # step of the other turn), with a summary in flight or not.
+    print("\n(summary running, steps to first token, prefill tokens):", steps_to_first_token)
+    assert any(running for running, _, _ in steps_to_first_token)
+    for _, steps, prefill in steps_to_first_token:
+        assert steps <= -(-prefill // 48) + 1
