@@ -166,6 +166,62 @@ def _generate(
         )
 
 
+@app.command()
+def serve(
+    model: Annotated[
+        Path | None, typer.Option(help="Model directory (default: KVCHAT_MODEL or models/dev).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="Database URL (default: SQLite in KVCHAT_DATA_DIR).")
+    ] = None,
+) -> None:
+    """Run the chat service: OpenAI-compatible REST API, conversations, on this machine's
+    accelerator (or CPU). Settings come from KVCHAT_* variables and .env; options win."""
+    import asyncio
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from app.main import configure_logging, create_app
+    from app.settings import Settings
+    from app.store import SchemaNotCurrent, Store
+
+    overrides = {
+        k: v for k, v in
+        dict(model=model, host=host, port=port, database_url=database_url).items()
+        if v is not None
+    }
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as e:
+        first = e.errors()[0]
+        fail(f"setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+    if not (settings.model / "config.json").is_file():
+        fail(f"no model at {settings.model}; create the dev model with "
+             f"`kvchat init-model {settings.model}` or pass --model")
+
+    async def check_database() -> None:
+        store = await Store.open(settings.database)
+        await store.close()
+
+    try:
+        asyncio.run(check_database())
+    except SchemaNotCurrent as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot reach the database: {e}")
+    configure_logging(settings.log_level)
+    typer.echo(f"kvchat: serving {settings.model_name} on http://{settings.host}:{settings.port} "
+               f"(API docs at /docs; database {settings.database.split('://')[0]})")
+    try:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
+    except _user_errors() as e:
+        fail(str(e))
+
+
 memory_app = typer.Typer(help="Plan and inspect KV-cache memory.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from memory.history import (
     TOOL_CUT_MARKER,
@@ -25,6 +26,7 @@ from .chat_template import ChatMessage, ChatTemplate
 from .tokenizer import Tokenizer
 
 SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
+Tools = Sequence[Mapping[str, Any]] | None  # OpenAI tool objects offered to the template
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,14 @@ class ContextBuilder:
 
     # -- measuring (once per message; the caller stores the counts) ------------------------------
 
-    def count(self, system: str | None, messages: Sequence[ChatMessage]) -> list[MessageCounts]:
+    def count(
+        self, system: str | None, messages: Sequence[ChatMessage], tools: Tools = None
+    ) -> list[MessageCounts]:
         """Counts of each of `messages` as rendered after the system prompt and each other."""
         head = [ChatMessage("system", system)] if system else []
-        segments = self.template.render_segments([*head, *messages], add_generation_prompt=False)
+        segments = self.template.render_segments(
+            [*head, *messages], add_generation_prompt=False, tools=tools
+        )
         lengths = [0] * (len(head) + len(messages))
         for segment in segments:
             if segment.message_index is not None:
@@ -58,11 +64,18 @@ class ContextBuilder:
             return len(message.token_ids)
         return len(self.tokenizer.encode(message.content or ""))
 
-    def system_tokens(self, system: str | None) -> int:
-        if not system:
+    def system_tokens(self, system: str | None, tools: Tools = None) -> int:
+        """The system prompt's tokens, with the tools the template puts there (a template may
+        render tools without any system message)."""
+        if not system and not tools:
             return 0
+        if not system:  # what the tools alone add before the first message
+            probe = [ChatMessage("user", "x")]
+            with_tools = self.template.render_ids(probe, add_generation_prompt=False, tools=tools)
+            plain = self.template.render_ids(probe, add_generation_prompt=False)
+            return len(with_tools) - len(plain)
         segments = self.template.render_segments(
-            [ChatMessage("system", system)], add_generation_prompt=False
+            [ChatMessage("system", system)], add_generation_prompt=False, tools=tools
         )
         return sum(len(s.token_ids) for s in segments)
 
@@ -89,6 +102,7 @@ class ContextBuilder:
         system: str | None,
         messages: Mapping[str, ChatMessage],
         plan: ContextPlan,
+        tools: Tools = None,
     ) -> list[int]:
         """The prompt's ids for a plan: `messages` maps the planned ids to their messages."""
         chat: list[ChatMessage] = []
@@ -100,7 +114,7 @@ class ContextBuilder:
             message = messages[message_id]
             cap = plan.capped.get(message_id)
             chat.append(self.cut_tool_result(message, cap) if cap is not None else message)
-        return self.template.render_ids(chat, add_generation_prompt=True)
+        return self.template.render_ids(chat, add_generation_prompt=True, tools=tools)
 
     def cut_tool_result(self, message: ChatMessage, cap: int) -> ChatMessage:
         """A tool result shortened to about `cap` content tokens: its head, a marker saying

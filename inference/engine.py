@@ -337,7 +337,8 @@ class Engine:
             )
             for j, seq in enumerate(sampling_seqs):
                 logprob = result.logprobs[j] if result.logprobs is not None else None
-                out = self.output_processor.append_token(seq, result.token_ids[j], logprob)
+                top = result.top_logprobs[j] if result.top_logprobs is not None else None
+                out = self.output_processor.append_token(seq, result.token_ids[j], logprob, top)
                 if out.finished:
                     self._release(seq)
                 outputs.append(out)

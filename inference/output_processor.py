@@ -38,7 +38,13 @@ class OutputProcessor:
         if self.tokenizer is not None:
             self._text[seq.request_id] = _TextState(self.tokenizer.new_detokenizer())
 
-    def append_token(self, seq: Sequence, token_id: int, logprob: float | None) -> RequestOutput:
+    def append_token(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> RequestOutput:
         """Record a sampled token. When it ends the request, `seq.finish_reason` is set and the
         output returned is the final one (the caller then releases the sequence)."""
         now = time.monotonic()
@@ -65,14 +71,15 @@ class OutputProcessor:
         if reason is None and seq.num_tokens >= seq.max_total_tokens:
             reason = "length"
         if reason is not None:
-            return self.finish(seq, reason, new_token_id=token_id, new_logprob=logprob)
+            return self.finish(seq, reason, new_token_id=token_id, new_logprob=logprob,
+                               new_top_logprobs=top_logprobs)
         new_text = ""
         if text is not None:
             hold = max((len(s) - 1 for s in params.stop), default=0)
             upto = max(text.num_emitted, len(text.text) - hold)
             new_text = text.text[text.num_emitted : upto]
             text.num_emitted = upto
-        return _output(seq, token_id, logprob, new_text)
+        return _output(seq, token_id, logprob, new_text, top_logprobs=top_logprobs)
 
     def finish(
         self,
@@ -81,6 +88,7 @@ class OutputProcessor:
         *,
         new_token_id: int | None = None,
         new_logprob: float | None = None,
+        new_top_logprobs: list[tuple[int, float]] | None = None,
         abort_reason: str | None = None,
     ) -> RequestOutput:
         """The final output of a request that ends now (`reason`: stop | length | abort)."""
@@ -95,7 +103,8 @@ class OutputProcessor:
             full_text = text.text
             new_text = text.text[text.num_emitted :]
         return _output(
-            seq, new_token_id, new_logprob, new_text, reason, full_text, abort_reason
+            seq, new_token_id, new_logprob, new_text, reason, full_text, abort_reason,
+            new_top_logprobs,
         )
 
 
@@ -107,6 +116,7 @@ def _output(
     finish_reason: str | None = None,
     full_text: str | None = None,
     abort_reason: str | None = None,
+    top_logprobs: list[tuple[int, float]] | None = None,
 ) -> RequestOutput:
     finished = finish_reason is not None
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
@@ -120,6 +130,7 @@ def _output(
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.accounting.cached,
         new_logprobs=[logprob] if logprob is not None and seq.params.logprobs else None,
+        new_top_logprobs=[top_logprobs] if top_logprobs is not None else None,
         output_token_ids=list(seq.output_token_ids) if finished else None,
         text=full_text,
         time_to_first_token=ttft,

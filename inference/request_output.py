@@ -16,6 +16,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV was reused (session, prefix cache, host)
     new_logprobs: list[float] | None = None
+    # With top_logprobs: for each new token, the most likely (id, logprob) pairs.
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Only on the final output: every generated id and the whole text.
     output_token_ids: list[int] | None = None
     text: str | None = None

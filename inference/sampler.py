@@ -18,6 +18,9 @@ from .sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # log p(chosen) under the model (temperature, top-k/p not applied)
+    # Per row: the `top_logprobs` most likely (id, logprob) pairs, most likely first; None for
+    # rows that asked for none (and None overall when no row asked).
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 def _filter_top_k_top_p(
@@ -94,8 +97,17 @@ class Sampler:
             picked = (probs / noise.to(probs.device)).argmax(dim=-1)
             chosen[rows] = picked
         logprobs = None
+        top: list[list[tuple[int, float]] | None] | None = None
         if any(p.logprobs for p in params):
-            logprobs = (
-                logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-            )
-        return SamplerOutput(chosen.tolist(), logprobs)
+            log_probs = logits.log_softmax(dim=-1)
+            logprobs = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            k = max(p.top_logprobs for p in params)
+            if k:
+                values, ids = log_probs.topk(k, dim=-1)
+                top = [
+                    list(zip(ids[i, : p.top_logprobs].tolist(),
+                             values[i, : p.top_logprobs].tolist()))
+                    if p.top_logprobs else None
+                    for i, p in enumerate(params)
+                ]
+        return SamplerOutput(chosen.tolist(), logprobs, top)

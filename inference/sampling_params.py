@@ -23,7 +23,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # up to four; a plain string is taken as one stop string
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # report log p of each chosen token
+    top_logprobs: int = 0  # and of the most likely alternatives at each step (0-20)
 
     def __post_init__(self) -> None:
         # One string is one stop string (not its characters); lists become tuples.
@@ -56,6 +57,15 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", field="stop")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(
+                f"top_logprobs must be between 0 and 20, got {self.top_logprobs}",
+                field="top_logprobs",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs needs logprobs to be true", field="top_logprobs"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be >= 0", field="stop_token_ids")
 

@@ -75,6 +75,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def _decode_known(self, token_ids: list[int]) -> str: ...
 
+    def id_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (as reported in logprobs); a byte-level token that
+        is part of a character is its raw bytes where the tokenizer knows them."""
+        return self.decode([token_id]).encode("utf-8")
+
     def decode(self, token_ids: Sequence[int]) -> str:
         ids = list(token_ids)
         for token_id in ids:
@@ -230,6 +235,9 @@ class TiktokenTokenizer(Tokenizer):
         """The raw bytes of one token (special tokens: their UTF-8 text)."""
         self._require_known(token_id)
         return self._encoding.decode_single_token_bytes(token_id)
+
+    def id_bytes(self, token_id: int) -> bytes:
+        return self.token_bytes(token_id)
 
     def new_detokenizer(self) -> IncrementalDetokenizer:
         return _Utf8Detokenizer(self)

@@ -285,3 +285,26 @@ def test_session_context_budget_is_enforced(tiny_llama: tuple[Path, Any]) -> Non
     # Other sessions and requests outside a session keep the model's context.
     engine.add_request("free", random_prompt(30, seed=1), SamplingParams(max_tokens=20))
     assert run_until_done(engine)["free"].num_output_tokens == 20
+
+
+def test_top_logprobs_are_the_most_likely_tokens(tiny_llama: tuple[Path, Any]) -> None:
+    path, hf_model = tiny_llama
+    engine = make_engine(path)
+    prompt = random_prompt(9, seed=4)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=5)
+    engine.add_request("top", prompt, params)
+    tops, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tops.extend(out.new_top_logprobs or [])
+            final = out
+    assert final is not None and final.output_token_ids is not None and len(tops) == 3
+    with torch.no_grad():
+        full = torch.tensor([prompt + final.output_token_ids])
+        logp = hf_model(full).logits[0].float().log_softmax(-1)
+    for step, top in enumerate(tops):
+        values, ids = logp[len(prompt) - 1 + step].topk(5)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert top[0][0] == final.output_token_ids[step]  # greedy picks the first

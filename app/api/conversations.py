@@ -1,0 +1,236 @@
+"""The conversations API: server-side history for frontends and agents that do not resend it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+
+from inference.chat_template import ChatMessage
+
+from .. import sse, turns
+from ..errors import invalid_request, not_found
+from ..present import conversation_out, message_out, newest_leaf, tree_children
+from ..schemas.conversations import (
+    ConversationCreate,
+    ConversationList,
+    ConversationOut,
+    ConversationPatch,
+    MessageList,
+    MessageOut,
+    PostMessage,
+    Regenerate,
+)
+from ..state import CurrentKey, StateDep
+
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
+
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
+
+
+@router.post("", response_model=ConversationOut)
+async def create_conversation(
+    body: ConversationCreate, key: CurrentKey, state: StateDep
+) -> ConversationOut:
+    fields = body.model_dump(exclude={"title", "system", "metadata"}, exclude_none=True)
+    conv = await state.store.create_conversation(
+        key.owner, title=body.title, system_prompt=body.system, metadata=body.metadata or {},
+        **fields,
+    )
+    return conversation_out(conv)
+
+
+@router.get("", response_model=ConversationList)
+async def list_conversations(
+    key: CurrentKey,
+    state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+) -> ConversationList:
+    items, cursor = await state.store.list_conversations(key.owner, limit=limit, after=after)
+    return ConversationList(data=[conversation_out(c) for c in items], has_more=cursor is not None,
+                            next_cursor=cursor)
+
+
+@router.get("/{conversation_id}", response_model=ConversationOut)
+async def get_conversation(conversation_id: str, key: CurrentKey, state: StateDep) -> ConversationOut:
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    return conversation_out(conv)
+
+
+@router.patch("/{conversation_id}", response_model=ConversationOut)
+async def update_conversation(
+    conversation_id: str, body: ConversationPatch, key: CurrentKey, state: StateDep
+) -> ConversationOut:
+    fields = body.model_dump(exclude_unset=True)
+    if "system" in fields:
+        fields["system_prompt"] = fields.pop("system")
+    leaf = fields.get("current_leaf_id")
+    if leaf is not None and await state.store.get_message(conversation_id, leaf) is None:
+        raise not_found(f"message {leaf!r}", "current_leaf_id")
+    conv = await state.store.update_conversation(key.owner, conversation_id, **fields)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    return conversation_out(conv)
+
+
+@router.delete("/{conversation_id}")
+async def delete_conversation(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    turn = state.turns.get(conversation_id)
+    if turn is not None:  # stop the reply being written, let it store itself, then delete
+        turn.stop()
+        await turn.wait()
+    await state.store.delete_conversation(key.owner, conversation_id)
+    state.runtime.engine.close_session(conversation_id)
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.get("/{conversation_id}/messages", response_model=MessageList)
+async def list_messages(
+    conversation_id: str,
+    key: CurrentKey,
+    state: StateDep,
+    leaf: Annotated[str | None, Query(description="Show the branch through this message "
+                                      "(down to its newest descendant).")] = None,
+    all: Annotated[bool, Query(description="The whole tree, with parent and child ids.")] = False,
+) -> MessageList:
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    messages = await state.store.messages(conversation_id)
+    children = tree_children(messages)
+    if all:
+        return MessageList(
+            data=[message_out(m, children.get(m.parent_id, []), children.get(m.id, []))
+                  for m in messages],
+            leaf_id=conv.current_leaf_id,
+        )
+    by_id = {m.id: m for m in messages}
+    if leaf is not None and leaf not in by_id:
+        raise not_found(f"message {leaf!r}", "leaf")
+    end = newest_leaf(leaf, children) if leaf is not None else conv.current_leaf_id
+    path = []
+    while end is not None:
+        path.append(by_id[end])
+        end = by_id[end].parent_id
+    path.reverse()
+    return MessageList(
+        data=[message_out(m, children.get(m.parent_id, [])) for m in path],
+        leaf_id=path[-1].id if path else None,
+    )
+
+
+@router.post(
+    "/{conversation_id}/messages",
+    response_model=MessageOut,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "The stored assistant "
+                     "message (JSON), or with stream=true its events (SSE: start, delta, "
+                     "tool_call, done)."}},
+)
+async def post_message(
+    conversation_id: str,
+    body: PostMessage,
+    request: Request,
+    key: CurrentKey,
+    state: StateDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Any:
+    new_message = None
+    text = body.text
+    if text is not None:
+        if body.role == "tool" and not body.tool_call_id:
+            raise invalid_request("a tool message needs tool_call_id", "tool_call_id")
+        new_message = ChatMessage(body.role, text, name=body.name,
+                                  tool_call_id=body.tool_call_id if body.role == "tool" else None)
+    elif body.parent_id is None:
+        raise invalid_request("content is required (without it, parent_id must name the user "
+                              "or tool message whose reply to regenerate)", "content")
+    result = await turns.post_turn(
+        state, key.owner, conversation_id, body, new_message=new_message,
+        parent_id=body.parent_id, idempotency_key=idempotency_key,
+        raw_body=body.model_dump(mode="json", exclude_unset=True),
+    )
+    return await _respond(state, request, result, body.stream)
+
+
+@router.post("/{conversation_id}/regenerate", response_model=MessageOut)
+async def regenerate(
+    conversation_id: str,
+    body: Regenerate,
+    request: Request,
+    key: CurrentKey,
+    state: StateDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Any:
+    """A new reply to the message an assistant reply answered (a new sibling of that reply)."""
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    target = body.message_id or conv.current_leaf_id
+    message = await state.store.get_message(conversation_id, target) if target else None
+    if message is None or message.role != "assistant" or message.parent_id is None:
+        raise invalid_request("message_id must name an assistant reply", "message_id")
+    result = await turns.post_turn(
+        state, key.owner, conversation_id, body, new_message=None, parent_id=message.parent_id,
+        idempotency_key=idempotency_key,
+        raw_body={"regenerate": target, **body.model_dump(mode="json", exclude_unset=True)},
+    )
+    return await _respond(state, request, result, body.stream)
+
+
+@router.post("/{conversation_id}/stop")
+async def stop(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
+    """Stop the reply being generated (it is stored as cancelled with what it has)."""
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    await state.coord.publish_stop(conversation_id)
+    turn = state.turns.get(conversation_id)
+    if turn is not None:
+        turn.stop()
+    return {"id": conversation_id, "stopped": turn is not None}
+
+
+async def _respond(
+    state: StateDep, request: Request, result: turns.Turn | turns.Replayed, stream: bool
+) -> Any:
+    if isinstance(result, turns.Replayed):
+        if not stream:
+            return result.message
+        return sse.sse_response(_replay(result.message))
+    turn = result
+    if stream:
+        return sse.sse_response(_stream(turn))
+    final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
+    siblings = [m.id for m in await state.store.children(final.conversation_id, final.parent_id)]
+    return message_out(final, siblings)
+
+
+async def _stream(turn: turns.Turn) -> AsyncIterator[str]:
+    finished = False
+    try:
+        async for event in turn.events():
+            yield sse.event(event.frame())
+        finished = True
+    finally:
+        if not finished:  # the client left mid-reply: stop it; the turn stores what it has
+            turn.stop()
+
+
+async def _replay(message: dict[str, Any]) -> AsyncIterator[str]:
+    yield sse.event({"type": "start", "message_id": message["id"],
+                     "parent_id": message["parent_id"]})
+    if message.get("content"):
+        yield sse.event({"type": "delta", "message_id": message["id"],
+                         "text": message["content"], "offset": 0})
+    usage = message.get("usage") or {}
+    yield sse.event({"type": "done", "message_id": message["id"],
+                     "finish_reason": message.get("finish_reason"), "status": message["status"],
+                     "usage": usage, "timings": message.get("timings")})
+

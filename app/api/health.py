@@ -1,0 +1,36 @@
+"""`/healthz` (the process is up) and `/readyz` (database, engine, migrations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from ..state import StateDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: StateDep) -> JSONResponse:
+    checks: dict[str, Any] = {}
+    try:
+        checks["database"] = await state.store.ping()
+        current, head = await state.store.schema_status()
+        checks["migrations"] = current == head
+    except Exception as e:  # an unreachable database is an answer here, not an error
+        checks["database"] = False
+        checks["migrations"] = False
+        checks["database_error"] = str(e).splitlines()[0][:200]
+    checks["engine"] = state.runtime.is_running
+    coordination = await state.coord.healthy()
+    checks["coordination"] = {"backend": state.coord.name, "healthy": coordination}
+    ready = bool(checks["database"] and checks["migrations"] and checks["engine"])
+    status = "ready" if ready and coordination else ("degraded" if ready else "not_ready")
+    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)

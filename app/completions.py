@@ -1,0 +1,227 @@
+"""Stateless chat completions (OpenAI's `POST /v1/chat/completions`): the client sends the whole
+history every call. With an `X-Session-Id` the call runs in that session (scoped to the key's
+owner), so its pinned KV is reused exactly as in the conversations API; without one the prefix
+cache still serves. Nothing is stored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from inference.tokenizer import Tokenizer
+
+from . import sse
+from .errors import APIError, unavailable
+from .generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
+from .prompting import chat_messages, offered_tools, sampling_params, session_key
+from .schemas import chat as schema
+from .state import AppState
+from .store import KeyRecord
+
+
+def check_model(state: AppState, model: str) -> None:
+    if model != state.runtime.model_name:
+        raise APIError(
+            404, f"The model '{model}' does not exist (this server serves "
+            f"'{state.runtime.model_name}'; see GET /v1/models).",
+            param="model", code="model_not_found",
+        )
+
+
+def check_capacity(state: AppState) -> None:
+    if state.runtime.num_waiting >= state.settings.max_queued_requests:
+        raise unavailable("The server is at capacity (too many queued requests).", 2)
+
+
+async def create(
+    state: AppState,
+    key: KeyRecord,
+    body: schema.ChatCompletionRequest,
+    request: Request,
+    session_header: str | None,
+) -> schema.ChatCompletion | StreamingResponse:
+    runtime = state.runtime
+    check_model(state, body.model)
+    tools = offered_tools(body)
+    tool_names = {t.function.name for t in body.tools} if body.tools else None
+    skey = session_key(key.owner, session_header)
+    messages = chat_messages(body.messages, tool_names, state.generated, skey)
+    prompt = runtime.template.render_ids(messages, tools=tools)
+    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i)
+              for i in range(body.n)]
+    runtime.engine.validate_prompt(prompt, params[0])
+    check_capacity(state)
+    fmt = runtime.template.tool_call_format if tools else None
+    started = time.monotonic()
+    generations = [
+        Generation(runtime, prompt, p, session_id=skey if i == 0 else None,
+                   cache_salt=key.owner, tool_format=fmt, tool_names=tool_names,
+                   started_at=started)
+        for i, p in enumerate(params)
+    ]
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        return sse.sse_response(_stream(state, body, generations, completion_id, created, skey))
+
+    async def run_all() -> list[Generated]:
+        return list(await asyncio.gather(*(_drain(g) for g in generations)))
+
+    def stop_all() -> None:
+        for g in generations:
+            g.stop()
+
+    results: list[Generated] = await sse.run_unless_disconnected(request, run_all(), stop_all)
+    if skey is not None:
+        _remember(state, skey, results[0])
+    tokenizer = runtime.tokenizer
+    return schema.ChatCompletion(
+        id=completion_id,
+        created=created,
+        model=runtime.model_name,
+        choices=[
+            schema.Choice(
+                index=i,
+                message=schema.AssistantMessage(
+                    content=r.content, tool_calls=_tool_calls(r) or None
+                ),
+                finish_reason=_finish_reason(r),
+                logprobs=_logprobs(tokenizer, r.logprobs) if body.logprobs else None,
+            )
+            for i, r in enumerate(results)
+        ],
+        usage=_usage(results),
+    )
+
+
+async def _drain(generation: Generation) -> Generated:
+    async for item in generation.events():
+        if isinstance(item, Done):
+            return item.result
+    raise AssertionError("a generation ends with Done")
+
+
+def _remember(state: AppState, skey: str, result: Generated) -> None:
+    """Keep the reply's ids for the session, keyed by what the client will send back."""
+    if result.finish_reason != "cancelled":
+        state.generated.remember(skey, result.content, _tool_calls(result), result.token_ids)
+
+
+def _finish_reason(result: Generated) -> str:
+    # A cancelled generation only reaches a client that is already gone.
+    return "stop" if result.finish_reason == "cancelled" else result.finish_reason
+
+
+def _tool_calls(result: Generated) -> list[schema.ToolCall]:
+    return [
+        schema.ToolCall(id=c.id, function=schema.FunctionCall(name=c.name, arguments=c.arguments))
+        for c in result.tool_calls
+    ]
+
+
+def _usage(results: list[Generated]) -> schema.Usage:
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
+    return schema.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=schema.PromptTokensDetails(cached_tokens=results[0].cached_tokens),
+    )
+
+
+def _logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> schema.ChoiceLogprobs:
+    def token(token_id: int, logprob: float) -> schema.TopLogprob:
+        raw = tokenizer.id_bytes(token_id)
+        return schema.TopLogprob(
+            token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw)
+        )
+
+    return schema.ChoiceLogprobs(content=[
+        schema.TokenLogprob(
+            **token(e.token_id, e.logprob).model_dump(),
+            top_logprobs=[token(t, lp) for t, lp in e.top or []],
+        )
+        for e in entries
+    ])
+
+
+async def _stream(
+    state: AppState,
+    body: schema.ChatCompletionRequest,
+    generations: list[Generation],
+    completion_id: str,
+    created: int,
+    skey: str | None,
+) -> AsyncIterator[str]:
+    """One id for all chunks; per choice a first chunk with the role, deltas, and exactly one
+    chunk with its finish_reason; with include_usage a last chunk with `choices: []`."""
+    model = state.runtime.model_name
+    tokenizer = state.runtime.tokenizer
+
+    def chunk(choices: list[schema.ChunkChoice], usage: schema.Usage | None = None) -> str:
+        return sse.event(schema.ChatCompletionChunk(
+            id=completion_id, created=created, model=model, choices=choices, usage=usage,
+        ))
+
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for item in generation.events():
+                await queue.put((index, item))
+        except Exception as e:  # an engine failure mid-stream: reported as an error chunk
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    results: dict[int, Generated] = {}
+    try:
+        for i in range(len(generations)):
+            yield chunk([schema.ChunkChoice(index=i, delta=schema.ChoiceDelta(
+                role="assistant", content=""))])
+        while len(results) < len(generations):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                error = APIError(500, f"The generation failed: {item}", code="engine_error")
+                yield sse.event(error.body())
+                yield sse.DONE
+                return
+            if isinstance(item, TextDelta):
+                if not item.text and not item.logprobs:
+                    continue
+                logprobs = _logprobs(tokenizer, item.logprobs) if body.logprobs else None
+                yield chunk([schema.ChunkChoice(
+                    index=index, delta=schema.ChoiceDelta(content=item.text), logprobs=logprobs,
+                )])
+            elif isinstance(item, ToolDelta):
+                yield chunk([schema.ChunkChoice(index=index, delta=schema.ChoiceDelta(
+                    tool_calls=[schema.ToolCallDelta(
+                        index=item.index, id=item.id,
+                        type="function" if item.id is not None else None,
+                        function=schema.ToolCallFunctionDelta(
+                            name=item.name, arguments=item.arguments),
+                    )],
+                ))])
+            elif isinstance(item, Done):
+                results[index] = item.result
+                yield chunk([schema.ChunkChoice(
+                    index=index, delta=schema.ChoiceDelta(),
+                    finish_reason=_finish_reason(item.result),  # type: ignore[arg-type]
+                )])
+        if skey is not None:
+            _remember(state, skey, results[0])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], _usage([results[i] for i in range(len(generations))]))
+        yield sse.DONE
+    finally:
+        # The client left (or we are done): stop whatever still runs.
+        for generation, task in zip(generations, tasks):
+            if not task.done():
+                generation.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+

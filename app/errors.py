@@ -1,0 +1,158 @@
+"""API errors: every error the service answers is OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with the right status. Request validation
+errors become 400 naming the field (never FastAPI's default 422); errors the engine or the
+history planner raise for a request map to 400; nothing a client sends produces a 500.
+
+Retry hints as the official SDK reads them: `x-should-retry: false` on 4xx other than 409 and
+429; `Retry-After` on 429 and 503."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "api_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = dict(self.headers)
+        if 400 <= self.status < 500 and self.status not in (409, 429):
+            headers.setdefault("x-should-retry", "false")
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(what: str, param: str | None = None) -> APIError:
+    return APIError(404, f"{what} not found", param=param, code="not_found")
+
+
+def busy(message: str) -> APIError:
+    return APIError(409, message, code="conversation_busy")
+
+
+def unavailable(message: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, code="service_unavailable",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """A validation error's location as OpenAI names params: `messages.0.role`."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+def _validation_message(error: dict[str, Any]) -> str:
+    param = _param(tuple(error.get("loc", ())))
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return "The request body is not valid JSON."
+    if kind in ("model_attributes_type", "dict_type") and param is None:
+        return "The request body must be a JSON object."
+    message = str(error.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    return f"Invalid value for '{param}': {message}" if param else message
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    from inference.async_engine import EngineDeadError
+    from inference.chat_template import ChatTemplateError
+    from inference.errors import InvalidRequestError
+    from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _param(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            param = None
+        return invalid_request(_validation_message(first), param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def engine_request_error(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        param = "messages" if exc.code == "context_length_exceeded" else exc.field
+        return invalid_request(str(exc), param, exc.code).response()
+
+    @app.exception_handler(ContextLengthExceeded)
+    async def context_error(_: Request, exc: ContextLengthExceeded) -> JSONResponse:
+        return invalid_request(str(exc), exc.param, exc.code).response()
+
+    @app.exception_handler(InvalidHistoryError)
+    async def history_error(_: Request, exc: InvalidHistoryError) -> JSONResponse:
+        return invalid_request(str(exc), exc.field).response()
+
+    @app.exception_handler(HistoryPolicyError)
+    async def policy_error(_: Request, exc: HistoryPolicyError) -> JSONResponse:
+        return invalid_request(str(exc), exc.field).response()
+
+    @app.exception_handler(ChatTemplateError)
+    async def template_error(_: Request, exc: ChatTemplateError) -> JSONResponse:
+        return invalid_request(str(exc), "messages").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        log.error("request refused: %s", exc)
+        return unavailable("The engine is not running; try again shortly.", 5).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return APIError(500, "The server had an error while processing your request.",
+                        code="internal_error").response()

@@ -1,0 +1,168 @@
+"""One generation seen from the service: runs a prompt on the async engine and turns its
+outputs into text deltas, tool-call deltas (when tools were offered) and a final result with
+usage and timings. `stop()` ends it within one engine step; the partial result is still
+returned (finish_reason "cancelled"), so the caller can store it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass, field
+
+from inference.request_output import RequestOutput
+from inference.sampling_params import SamplingParams
+from inference.tool_calls import (
+    ContentDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStreamParser,
+    parse_tool_calls,
+)
+
+from .runtime import Runtime
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolDelta:
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass
+class Generated:
+    request_id: str
+    text: str = ""  # everything the model wrote (decoded)
+    content: str | None = None  # the text outside tool calls
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"  # stop | length | tool_calls | cancelled
+    abort_reason: str | None = None  # cancelled | shutdown when finish_reason is cancelled
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_ms: float | None = None
+    total_ms: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Done:
+    result: Generated
+
+
+Event = TextDelta | ToolDelta | Done
+
+
+class Generation:
+    """Run with `async for event in generation.events()`; the last event is Done."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        tool_format: str | None = None,
+        tool_names: Collection[str] | None = None,
+        started_at: float | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.session_id = session_id
+        self.cache_salt = cache_salt
+        self.tool_format = tool_format
+        self.tool_names = tool_names
+        self.started_at = started_at if started_at is not None else time.monotonic()
+        self.request_id = request_id or f"req-{uuid.uuid4().hex}"
+        self.result = Generated(self.request_id, prompt_tokens=len(prompt_ids))
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End the generation at the next engine step (idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            self.runtime.async_engine.abort(self.request_id)
+
+    async def events(self) -> AsyncIterator[Event]:
+        parser = (
+            ToolCallStreamParser(self.tool_format, self.tool_names) if self.tool_format else None
+        )
+        result = self.result
+        stream = self.runtime.async_engine.generate(
+            self.request_id, self.prompt_ids, self.params,
+            session_id=self.session_id, cache_salt=self.cache_salt,
+        )
+        async for out in stream:
+            if result.ttft_ms is None and out.new_token_ids:
+                result.ttft_ms = (time.monotonic() - self.started_at) * 1e3
+            logprobs = _logprobs(out)
+            result.logprobs.extend(logprobs)
+            if parser is None:
+                if out.new_text or logprobs:
+                    yield TextDelta(out.new_text, logprobs)
+            else:
+                for event in parser.push(out.new_text):
+                    yield _event(event)
+                if out.finished:
+                    for event in parser.finish():
+                        yield _event(event)
+            if out.finished:
+                self._finish(out)
+        yield Done(result)
+
+    def _finish(self, out: RequestOutput) -> None:
+        result = self.result
+        result.text = out.text or ""
+        result.token_ids = list(out.output_token_ids or [])
+        result.prompt_tokens = out.num_prompt_tokens
+        result.completion_tokens = out.num_output_tokens
+        result.cached_tokens = out.num_cached_tokens
+        result.total_ms = (time.monotonic() - self.started_at) * 1e3
+        if self.tool_format:
+            parsed = parse_tool_calls(result.text, self.tool_format, self.tool_names)
+            result.content, result.tool_calls = parsed.content, list(parsed.tool_calls)
+        else:
+            result.content = result.text
+        if out.finish_reason == "abort":
+            result.finish_reason = "cancelled"
+            result.abort_reason = out.abort_reason
+        elif result.tool_calls and out.finish_reason == "stop":
+            result.finish_reason = "tool_calls"
+        else:
+            result.finish_reason = out.finish_reason or "stop"
+
+
+def _event(event: ContentDelta | ToolCallDelta) -> TextDelta | ToolDelta:
+    if isinstance(event, ContentDelta):
+        return TextDelta(event.text)
+    return ToolDelta(event.index, event.id, event.name, event.arguments)
+
+
+def _logprobs(out: RequestOutput) -> list[TokenLogprob]:
+    if out.new_logprobs is None:
+        return []
+    tops = out.new_top_logprobs or [None] * len(out.new_logprobs)
+    return [
+        TokenLogprob(token_id, logprob, top)
+        for token_id, logprob, top in zip(out.new_token_ids, out.new_logprobs, tops)
+    ]

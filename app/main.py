@@ -1,0 +1,116 @@
+"""The app factory and its lifespan, which owns the database, the engine thread and the
+coordination back end: started in that order, stopped in reverse (in-flight turns finish or
+are stopped and stored as interrupted before the engine thread goes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+
+from .api import chat_completions, conversations, health, models, tokenize
+from .coord import Coordinator, LocalCoordinator
+from .errors import install_error_handlers
+from .runtime import Runtime
+from .settings import Settings
+from .state import AppState
+from .store import Store
+
+log = logging.getLogger("kvchat")
+
+API_DESCRIPTION = """
+A multi-turn chat backend that remembers: each conversation's KV cache stays pinned between
+turns, so the next turn prefills only what is new.
+
+- `POST /v1/chat/completions` is OpenAI's Chat Completions (stateless; `X-Session-Id` pins a
+  session's KV between calls).
+- `/v1/conversations` keeps the history on the server, as a tree of messages (edit, regenerate,
+  branch switching), planned under a token budget every turn.
+
+Every route but the health checks takes `Authorization: Bearer <key>`.
+"""
+
+
+def make_coordinator(settings: Settings) -> Coordinator:
+    return LocalCoordinator()
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    store = await Store.open(settings.database)
+    interrupted = await store.mark_interrupted()
+    if interrupted:
+        log.warning("%d replies were cut off by a restart; stored as interrupted", interrupted)
+    runtime = await asyncio.to_thread(Runtime, settings)
+    runtime.start()
+    coord = make_coordinator(settings)
+    await coord.start()
+    state = AppState(settings=settings, store=store, runtime=runtime, coord=coord)
+    app.state.kvchat = state
+    if settings.is_embedded_database and await store.count_keys() == 0:
+        _, plaintext = await store.create_key("default", admin=True)
+        announce_key(plaintext)
+    log.info("serving %s", runtime.model_name)
+    try:
+        yield
+    finally:
+        # In-flight turns: the engine drains them (or aborts them as "shutdown"), then each
+        # turn stores its reply before the store closes.
+        await runtime.shutdown(settings.drain_timeout)
+        if state.background:
+            await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
+        await coord.close()
+        await store.close()
+
+
+def announce_key(plaintext: str) -> None:
+    """The key made on first start, printed once (it is stored only as a hash)."""
+    print(f"kvchat: created an admin API key (shown once, keep it): {plaintext}", flush=True)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(
+        title="kvchat",
+        version="0.1.0",
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", "retry-after"],
+        )
+
+    @app.middleware("http")
+    async def request_id(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        response.headers.setdefault("x-request-id", f"req_{uuid.uuid4().hex}")
+        return response
+
+    for module in (health, models, chat_completions, conversations, tokenize):
+        app.include_router(module.router)
+    app.state.started_at = int(time.time())
+    return app
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,229 @@
+"""From an API request to what the engine takes: messages checked and turned into chat
+messages (tool sequences as OpenAI requires them), tools checked and offered to the template,
+sampling parameters, and replies the model generated spliced back as their exact ids."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from jsonschema import SchemaError
+from jsonschema.validators import validator_for
+
+from inference.chat_template import ChatMessage
+from inference.sampling_params import SamplingParams
+
+from .errors import APIError, invalid_request
+from .schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
+
+SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def unsupported(feature: str, param: str) -> APIError:
+    return invalid_request(
+        f"{feature} is not supported by this server yet", param, code="unsupported"
+    )
+
+
+# -- tools ------------------------------------------------------------------------------------------
+
+
+def offered_tools(fields: SamplingFields) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt (None when none are offered), after checking the
+    tools, tool_choice and response_format the request gives."""
+    tools = fields.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid_request("tools: function names must be unique", "tools")
+    for i, tool in enumerate(tools):
+        check_parameters_schema(tool, f"tools.{i}.function.parameters")
+    choice = fields.tool_choice
+    if choice is not None and not tools and choice != "none":
+        raise invalid_request("tool_choice is only allowed when tools are specified",
+                              "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise invalid_request(
+                f"tool_choice names the function {choice.function.name!r}, which is not in "
+                "tools", "tool_choice",
+            )
+        raise unsupported("tool_choice naming a function (constrained decoding)", "tool_choice")
+    if choice == "required":
+        raise unsupported("tool_choice 'required' (constrained decoding)", "tool_choice")
+    if fields.response_format is not None and fields.response_format.type != "text":
+        raise unsupported(f"response_format {fields.response_format.type!r}", "response_format")
+    if not tools or choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def check_parameters_schema(tool: Tool, param: str) -> None:
+    schema = tool.function.parameters
+    if schema is None:
+        return
+    if schema.get("type", "object") != "object":
+        raise invalid_request("a function's parameters must be a JSON schema of type 'object'",
+                              param)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        raise invalid_request(f"invalid JSON schema for the function's parameters: {e.message}",
+                              param) from e
+
+
+# -- messages ---------------------------------------------------------------------------------------
+
+
+def chat_messages(
+    messages: Sequence[Message],
+    tool_names: set[str] | None,
+    generated: GeneratedIds | None = None,
+    session_key: str | None = None,
+) -> list[ChatMessage]:
+    """API messages -> chat messages, with OpenAI's rules for tool sequences: a tool message
+    answers a call of the assistant message right before it (or before its sibling results);
+    calls in the history name offered tools (when tools are given). Assistant replies this
+    server generated for the session are spliced back as their exact ids."""
+    out: list[ChatMessage] = []
+    open_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        text = m.text
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise invalid_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+            if m.tool_call_id not in open_calls:
+                raise invalid_request(
+                    "messages with role 'tool' must be a response to a preceding message with "
+                    "'tool_calls'", f"{where}.tool_call_id",
+                )
+            open_calls.discard(m.tool_call_id)
+            if text is None:
+                raise invalid_request("a tool message needs content", f"{where}.content")
+            out.append(ChatMessage("tool", text, tool_call_id=m.tool_call_id, name=m.name))
+            continue
+        if open_calls and m.role != "tool":
+            raise invalid_request(
+                "an assistant message with 'tool_calls' must be followed by tool messages "
+                f"responding to each 'tool_call_id' (missing: {', '.join(sorted(open_calls))})",
+                where,
+            )
+        if m.role == "assistant":
+            calls = m.tool_calls or []
+            for j, call in enumerate(calls):
+                if tool_names is not None and call.function.name not in tool_names:
+                    raise invalid_request(
+                        f"the assistant message calls {call.function.name!r}, which is not "
+                        "in tools", f"{where}.tool_calls.{j}.function.name",
+                    )
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    raise invalid_request(
+                        f"tool call arguments must be a JSON object: {e.msg}",
+                        f"{where}.tool_calls.{j}.function.arguments",
+                    ) from e
+                if not isinstance(arguments, dict):
+                    raise invalid_request("tool call arguments must be a JSON object",
+                                          f"{where}.tool_calls.{j}.function.arguments")
+            ids = [c.id for c in calls]
+            if len(set(ids)) != len(ids):
+                raise invalid_request("tool call ids must be unique", f"{where}.tool_calls")
+            open_calls = set(ids)
+            if text is None and not calls:
+                raise invalid_request("an assistant message needs content or tool_calls",
+                                      f"{where}.content")
+            spliced = generated.lookup(session_key, text, calls) if generated and session_key \
+                else None
+            if spliced is not None:
+                out.append(ChatMessage("assistant", None, token_ids=spliced))
+            else:
+                out.append(ChatMessage(
+                    "assistant", text, name=m.name,
+                    tool_calls=tuple(c.model_dump() for c in calls) or None,
+                ))
+            continue
+        if text is None:
+            raise invalid_request(f"a {m.role} message needs content", f"{where}.content")
+        role = "system" if m.role == "developer" else m.role
+        out.append(ChatMessage(role, text, name=m.name))
+    return out
+
+
+def sampling_params(
+    fields: SamplingFields, *, max_tokens: int | None, seed_offset: int = 0
+) -> SamplingParams:
+    if fields.presence_penalty:
+        raise unsupported("presence_penalty", "presence_penalty")
+    if fields.frequency_penalty:
+        raise unsupported("frequency_penalty", "frequency_penalty")
+    stop = fields.stop
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if fields.temperature is None else fields.temperature,
+        top_p=1.0 if fields.top_p is None else fields.top_p,
+        top_k=fields.top_k or None,
+        seed=None if fields.seed is None else fields.seed + seed_offset,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        logprobs=fields.logprobs,
+        top_logprobs=fields.top_logprobs or 0,
+    )
+
+
+# -- replies generated for a stateless session --------------------------------------------------------
+
+
+class GeneratedIds:
+    """The exact ids of recent replies, per session: an agent that resends its whole history
+    gets its assistant messages spliced back token for token, so the pinned KV matches
+    (re-tokenizing the text could differ from what the model generated)."""
+
+    def __init__(self, max_sessions: int = 4096, per_session: int = 64) -> None:
+        self.max_sessions = max_sessions
+        self.per_session = per_session
+        self._sessions: OrderedDict[str, OrderedDict[str, tuple[int, ...]]] = OrderedDict()
+
+    @staticmethod
+    def _key(content: str | None, calls: Sequence[Any]) -> str:
+        def fields(call: Any) -> list[str]:
+            if isinstance(call, dict):
+                function = call.get("function", {})
+                return [call.get("id", ""), function.get("name", ""),
+                        function.get("arguments", "")]
+            return [call.id, call.function.name, call.function.arguments]
+
+        return json.dumps([content or "", [fields(c) for c in calls]], ensure_ascii=False)
+
+    def remember(
+        self, session_key: str, content: str | None, calls: Sequence[Any], token_ids: Sequence[int]
+    ) -> None:
+        replies = self._sessions.setdefault(session_key, OrderedDict())
+        self._sessions.move_to_end(session_key)
+        replies[self._key(content, calls)] = tuple(token_ids)
+        while len(replies) > self.per_session:
+            replies.popitem(last=False)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def lookup(
+        self, session_key: str, content: str | None, calls: Sequence[Any]
+    ) -> tuple[int, ...] | None:
+        replies = self._sessions.get(session_key)
+        if replies is None:
+            return None
+        return replies.get(self._key(content, calls))
+
+
+def session_key(owner: str, session_id: str | None) -> str | None:
+    """The engine session of a stateless call's X-Session-Id, scoped to the key's owner."""
+    if session_id is None:
+        return None
+    if not SESSION_ID_PATTERN.match(session_id):
+        raise invalid_request(
+            "X-Session-Id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
+            "X-Session-Id",
+        )
+    return f"{owner}/{session_id}"

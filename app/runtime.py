@@ -1,0 +1,61 @@
+"""Runtime: the engine side of the service, built once at start-up: the async engine (its
+thread owned by the app's lifespan), the tokenizer, the chat template and the context builder.
+The service reaches the model only through this object."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import cached_property
+
+from inference.async_engine import AsyncEngine
+from inference.chat_template import ChatTemplate, load_chat_template
+from inference.context_builder import ContextBuilder
+from inference.engine import Engine
+from inference.errors import ModelLoadError
+from inference.tokenizer import Tokenizer
+
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = Engine(settings.engine_config())
+        if self.engine.tokenizer is None:
+            raise ModelLoadError(
+                f"{settings.model} has no tokenizer files; the chat service needs one "
+                "(tokenizer.json, tokenizer.model or a tokenizer_config.json)"
+            )
+        self.tokenizer: Tokenizer = self.engine.tokenizer
+        self.template: ChatTemplate = load_chat_template(settings.model, self.tokenizer)
+        self.builder = ContextBuilder(self.template, self.tokenizer)
+        self.async_engine = AsyncEngine(self.engine)
+        self.model_name = settings.model_name
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """Finish or abort in-flight requests (their callers store them), stop the thread."""
+        await asyncio.to_thread(self.async_engine.shutdown, drain_timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self.async_engine.is_running
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine, not yet running (read from another thread: a
+        snapshot, good enough for admission control)."""
+        return len(self.engine.scheduler.waiting)
+
+    @cached_property
+    def generation_prompt_tokens(self) -> int:
+        return self.builder.generation_prompt_tokens()

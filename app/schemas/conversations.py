@@ -1,0 +1,136 @@
+"""The conversations API: server-side history as a tree of messages."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES
+
+from .chat import SamplingFields, TextPart, ToolCall
+
+ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
+
+
+class SessionSettings(BaseModel):
+    """Per-conversation budget and history policy; unset fields take the server defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_context_tokens: int | None = Field(None, ge=16)
+    max_kv_tokens: int | None = Field(None, ge=0)
+    history_policy: str | None = Field(None, description=f"One of {', '.join(POLICIES)}.")
+    high_watermark: float | None = Field(None, ge=0.0, le=1.0)
+    low_watermark: float | None = Field(None, ge=0.0, le=1.0)
+    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS)
+    max_summary_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SessionSettings:
+        if self.history_policy is not None and self.history_policy not in POLICIES:
+            raise ValueError(f"history_policy must be one of {', '.join(POLICIES)}")
+        return self
+
+
+class ConversationCreate(SessionSettings):
+    title: str | None = Field(None, max_length=512)
+    system: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class ConversationPatch(SessionSettings):
+    title: str | None = Field(None, max_length=512)
+    system: str | None = None
+    metadata: dict[str, Any] | None = None
+    current_leaf_id: str | None = None
+
+
+class ConversationOut(SessionSettings):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    object: Literal["conversation"] = "conversation"
+    title: str | None
+    system: str | None
+    metadata: dict[str, Any]
+    current_leaf_id: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class ConversationList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ConversationOut]
+    has_more: bool
+    next_cursor: str | None
+
+
+class MessageUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int
+
+
+class Timings(BaseModel):
+    ttft_ms: float | None
+    total_ms: float | None
+
+
+class MessageOut(BaseModel):
+    id: str
+    object: Literal["conversation.message"] = "conversation.message"
+    conversation_id: str
+    parent_id: str | None
+    role: str
+    content: str | None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    status: str
+    finish_reason: str | None = None
+    usage: MessageUsage | None = None
+    timings: Timings | None = None
+    num_tokens: int | None = None
+    siblings: list[str] = Field(
+        default_factory=list,
+        description="Ids of the messages sharing this one's parent, itself included, oldest "
+        "first (branch switching).",
+    )
+    children: list[str] | None = Field(None, description="With ?all=true: child ids.")
+    created_at: datetime
+
+
+class MessageList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MessageOut]
+    leaf_id: str | None
+
+
+class PostMessage(SamplingFields):
+    """A user (or tool-result) message to append, and how to generate the reply. Without
+    content (and with parent_id naming a user or tool message) it regenerates the reply to
+    that message as a new sibling."""
+
+    role: Literal["user", "tool"] = "user"
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    parent_id: str | None = Field(
+        None, description=f"Branch from this message instead of the current leaf; '{ROOT}' "
+        "starts a new root (editing the first message).",
+    )
+
+    @property
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class Regenerate(SamplingFields):
+    message_id: str | None = Field(
+        None, description="The assistant message to regenerate (default: the current leaf's)."
+    )

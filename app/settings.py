@@ -1,0 +1,133 @@
+"""Settings: the one pydantic-settings class of the service (KVCHAT_* environment variables
+and a .env file), and the one place the engine's configuration is built from it.
+
+Never imports torch: the engine configuration is built lazily (`engine_config()`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from memory.history import POLICIES, HistoryPolicy
+
+if TYPE_CHECKING:
+    from inference.engine_config import EngineConfig
+
+DEFAULT_MODEL_DIR = Path("models/dev")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVCHAT_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    # -- the model and the engine ---------------------------------------------------------------
+    model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
+    served_model_name: str | None = Field(
+        None, description="The model id clients name (default: the model directory's name)."
+    )
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    kv_cache_bytes: int | None = Field(None, description="KV pool size (CPU, or CUDA override).")
+    gpu_memory_utilization: float = 0.9
+    host_cache_bytes: int = Field(256 * 2**20, description="Host pool for offloaded sessions.")
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queued_requests: int = Field(
+        256, description="Waiting requests above this answer 503 with Retry-After."
+    )
+    seed: int | None = 0
+
+    # -- sessions and history (defaults of new conversations; operators override per session) --
+    max_context_tokens: int | None = Field(
+        None, description="Default prompt budget of a conversation (None: the model's context)."
+    )
+    max_kv_tokens: int | None = Field(None, description="Default pinned-KV cap per session.")
+    history_policy: str = "drop"
+    high_watermark: float = 0.8
+    low_watermark: float = 0.5
+    max_tool_result_tokens: int | None = None
+    max_summary_tokens: int = 512
+    default_max_tokens: int = Field(
+        512, description="Reply budget reserved when a request gives no max_tokens."
+    )
+
+    # -- the service -----------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("data")
+    database_url: str | None = Field(None, description="Default: SQLite in data_dir.")
+    redis_url: str | None = Field(None, description="Unset: in-process coordination.")
+    cors_origins: list[str] = Field(default_factory=list)
+    drain_timeout: float = Field(10.0, description="Seconds in-flight turns get at shutdown.")
+    log_level: str = "info"
+
+    @field_validator("history_policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(POLICIES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _history_policy_valid(self) -> Settings:
+        self.default_history_policy()  # raises with the field named
+        return self
+
+    @property
+    def database(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'kvchat.db').as_posix()}"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.resolve().name
+
+    @property
+    def is_embedded_database(self) -> bool:
+        return self.database.startswith("sqlite")
+
+    def default_history_policy(self) -> HistoryPolicy:
+        return HistoryPolicy(
+            policy=self.history_policy,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+            max_tool_result_tokens=self.max_tool_result_tokens,
+            max_summary_tokens=self.max_summary_tokens,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: built here and nowhere else."""
+        from inference.engine_config import EngineConfig
+        from inference.scheduler import SchedulerConfig
+        from memory.config import CacheConfig, SessionBudget
+
+        return EngineConfig(
+            model=str(self.model),
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_bytes=self.kv_cache_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                host_cache_bytes=self.host_cache_bytes,
+                default_budget=SessionBudget(
+                    max_kv_tokens=self.max_kv_tokens, max_context_tokens=self.max_context_tokens
+                ),
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+            ),
+        )
