@@ -1,0 +1,37 @@
+"""The service's database: API keys, conversations, message trees and summaries.
+
+SQLAlchemy 2 async over SQLite (aiosqlite) or Postgres (asyncpg), one schema migrated by
+Alembic (`migrations/`). Never imports torch or the engine.
+"""
+
+from app.store.database import default_database_url, display_url
+from app.store.errors import DatabaseUnreachable, InvalidDatabaseUrl, SchemaNotCurrent, StoreError
+from app.store.records import (
+    OVERRIDE_FIELDS,
+    ROLES,
+    STATUSES,
+    ConversationRecord,
+    KeyRecord,
+    MessageRecord,
+    SummaryRecord,
+)
+from app.store.schema import upgrade
+from app.store.store import Store
+
+__all__ = [
+    "OVERRIDE_FIELDS",
+    "ROLES",
+    "STATUSES",
+    "ConversationRecord",
+    "DatabaseUnreachable",
+    "InvalidDatabaseUrl",
+    "KeyRecord",
+    "MessageRecord",
+    "SchemaNotCurrent",
+    "Store",
+    "StoreError",
+    "SummaryRecord",
+    "default_database_url",
+    "display_url",
+    "upgrade",
+]

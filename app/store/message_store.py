@@ -1,0 +1,152 @@
+"""Messages: a tree per conversation (parent ids), read back as the branch to a leaf."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, literal_column, select, update
+from sqlalchemy.orm import aliased
+
+from app.store.column_types import utcnow
+from app.store.queries import has_message
+from app.store.records import ROLES, STATUSES, MessageRecord
+from app.store.store_base import StoreBase, check_fields
+from app.store.tables import Conversation, Message, new_id
+
+# Optional fields of add_message(); update_message() may also set status and content.
+MESSAGE_FIELDS = (
+    "name", "tool_calls", "tool_call_id", "num_tokens", "content_tokens", "token_ids",
+    "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms",
+    "total_ms", "error",
+)
+UPDATABLE_FIELDS = ("status", "content", *MESSAGE_FIELDS)
+
+
+class MessageStore(StoreBase):
+    async def add_message(
+        self,
+        conversation_id: str,
+        *,
+        parent_id: str | None,
+        role: str,
+        content: str | None = None,
+        status: str = "complete",
+        move_leaf: bool = True,
+        **fields: Any,
+    ) -> MessageRecord:
+        """Append a message under parent_id (None: a new root) and commit it; with move_leaf
+        the conversation's current leaf becomes this message. LookupError for an unknown
+        conversation, ValueError for a parent from elsewhere or a bad role or status."""
+        check_fields(fields, MESSAGE_FIELDS)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        _check_status(status)
+        now = utcnow()
+        row = Message(
+            id=new_id("msg_"), conversation_id=conversation_id, parent_id=parent_id, role=role,
+            content=content, status=status, created_at=now, updated_at=now, **_json_ready(fields),
+        )
+        async with self._write() as session:
+            conversation = await session.get(Conversation, conversation_id)
+            if conversation is None:
+                raise LookupError(f"no conversation {conversation_id!r}")
+            if parent_id is not None and not await has_message(
+                session, conversation_id, parent_id
+            ):
+                raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
+            session.add(row)
+            if move_leaf:
+                conversation.current_leaf_id = row.id
+                conversation.updated_at = now
+            await session.flush()
+            return MessageRecord.of(row)
+
+    async def update_message(self, message_id: str, **fields: Any) -> MessageRecord:
+        """Set any of UPDATABLE_FIELDS and bump updated_at; LookupError for an unknown id."""
+        check_fields(fields, UPDATABLE_FIELDS)
+        if "status" in fields:
+            _check_status(fields["status"])
+        async with self._write() as session:
+            row = await session.get(Message, message_id)
+            if row is None:
+                raise LookupError(f"no message {message_id!r}")
+            for name, value in _json_ready(fields).items():
+                setattr(row, name, value)
+            row.updated_at = utcnow()
+            await session.flush()
+            return MessageRecord.of(row)
+
+    async def get_message(self, conversation_id: str, message_id: str) -> MessageRecord | None:
+        async with self._read() as session:
+            row = await session.scalar(
+                select(Message).where(
+                    Message.id == message_id, Message.conversation_id == conversation_id
+                )
+            )
+            return None if row is None else MessageRecord.of(row)
+
+    async def branch(self, conversation_id: str, leaf_id: str | None) -> list[MessageRecord]:
+        """The path root..leaf, in order: one recursive query. Empty when leaf_id is None or
+        not a message of this conversation."""
+        if leaf_id is None:
+            return []
+        path = (
+            select(Message.id, Message.parent_id, literal_column("0").label("depth"))
+            .where(Message.id == leaf_id, Message.conversation_id == conversation_id)
+            .cte("path", recursive=True)
+        )
+        parent = aliased(Message)
+        path = path.union_all(
+            select(parent.id, parent.parent_id, path.c.depth + literal_column("1"))
+            .where(parent.id == path.c.parent_id, parent.conversation_id == conversation_id)
+        )
+        query = select(Message).join(path, Message.id == path.c.id).order_by(path.c.depth.desc())
+        async with self._read() as session:
+            return [MessageRecord.of(row) for row in await session.scalars(query)]
+
+    async def messages(self, conversation_id: str) -> list[MessageRecord]:
+        """The whole tree in creation order (parents before children)."""
+        query = (
+            select(Message)
+            .where(Message.conversation_id == conversation_id)
+            .order_by(Message.created_at, Message.id)
+        )
+        async with self._read() as session:
+            return [MessageRecord.of(row) for row in await session.scalars(query)]
+
+    async def children(self, conversation_id: str, parent_id: str | None) -> list[MessageRecord]:
+        """The messages under parent_id (None: the roots), oldest first: the siblings a client
+        switches between."""
+        under = Message.parent_id.is_(None) if parent_id is None else Message.parent_id == parent_id
+        query = (
+            select(Message)
+            .where(Message.conversation_id == conversation_id, under)
+            .order_by(Message.created_at, Message.id)
+        )
+        async with self._read() as session:
+            return [MessageRecord.of(row) for row in await session.scalars(query)]
+
+    async def mark_interrupted(self) -> int:
+        """After a crash: every message still `generating` becomes `interrupted`. Returns how
+        many did."""
+        async with self._write() as session:
+            result = cast(CursorResult[Any], await session.execute(
+                update(Message)
+                .where(Message.status == "generating")
+                .values(status="interrupted", updated_at=utcnow())
+            ))
+            return result.rowcount
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+
+
+def _json_ready(fields: dict[str, Any]) -> dict[str, Any]:
+    """token_ids and tool_calls as JSON lists (a caller may hold tuples)."""
+    out = dict(fields)
+    for name in ("token_ids", "tool_calls"):
+        if out.get(name) is not None:
+            out[name] = list(out[name])
+    return out

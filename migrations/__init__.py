@@ -1,0 +1,1 @@
+"""Alembic migrations of the service's tables (app.store.tables); run with `kvchat db upgrade`."""
