@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from app.cli_db import db_app, keys_app
+
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
     "turns. Start with `kvchat init-model models/dev` and `kvchat generate --model models/dev "
@@ -58,6 +60,18 @@ def init_model_cmd(
         f"wrote {preset} model to {model_dir}: {config.num_parameters / 1e6:.1f}M parameters, "
         f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
     )
+
+
+def check_model(model_dir: Path) -> None:
+    """What the service needs of a model directory, checked before anything heavy: its
+    config and a tokenizer (errors name the file)."""
+    from inference.errors import ModelLoadError
+    from inference.model_config import ModelConfig
+    from inference.tokenizer_files import load_tokenizer
+
+    ModelConfig.from_dir(model_dir)
+    if load_tokenizer(model_dir) is None:
+        raise ModelLoadError(f"{model_dir} has no tokenizer files; the chat service needs one")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -186,7 +200,7 @@ def serve(
 
     from app.main import configure_logging, create_app
     from app.settings import Settings
-    from app.store import SchemaNotCurrent, Store
+    from app.store import Store, StoreError
 
     overrides = {
         k: v for k, v in
@@ -207,11 +221,12 @@ def serve(
         await store.close()
 
     try:
+        check_model(settings.model)
         asyncio.run(check_database())
-    except SchemaNotCurrent as e:
+    except StoreError as e:
         fail(str(e))
-    except OSError as e:
-        fail(f"cannot reach the database: {e}")
+    except _user_errors() as e:
+        fail(str(e))
     configure_logging(settings.log_level)
     typer.echo(f"kvchat: serving {settings.model_name} on http://{settings.host}:{settings.port} "
                f"(API docs at /docs; database {settings.database.split('://')[0]})")
@@ -224,6 +239,8 @@ def serve(
 
 memory_app = typer.Typer(help="Plan and inspect KV-cache memory.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
 
 
 @memory_app.command("plan")

@@ -83,9 +83,9 @@ class Settings(BaseSettings):
 
     @property
     def database(self) -> str:
-        if self.database_url:
-            return self.database_url
-        return f"sqlite+aiosqlite:///{(self.data_dir / 'kvchat.db').as_posix()}"
+        from app.store import default_database_url
+
+        return self.database_url or default_database_url(self.data_dir)
 
     @property
     def model_name(self) -> str:

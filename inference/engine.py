@@ -33,7 +33,7 @@ from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 from .tokenizer import Tokenizer
 from .tokenizer_files import load_tokenizer
 from .weights import load_weights
@@ -284,7 +284,8 @@ class Engine:
         self._inbox.put(("abort", (request_id, reason)))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs) or not self._inbox.empty()
+        """Requests not finished, or finished ones whose last step is still to run."""
+        return bool(self._seqs) or not self._inbox.empty() or bool(self.scheduler.finishing)
 
     @property
     def unfinished_request_ids(self) -> list[str]:
@@ -328,8 +329,14 @@ class Engine:
         if batch.is_empty:
             return outputs
         logits, sampled = self.runner.execute(batch)
+        finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens + n)
+            if seq.status is SequenceStatus.FINISHING:  # its last token's KV is in: pin it
+                self.scheduler.remove(seq)
+        if any(finishing[i] for i in sampled):  # they sample nothing
+            rows = [j for j, i in enumerate(sampled) if not finishing[i]]
+            logits, sampled = logits[rows], [sampled[j] for j in rows]
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
             result = self.sampler(
@@ -346,7 +353,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""
-        self.scheduler.remove(seq)
+        self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         with self._ids_lock:
             self._live_ids.discard(seq.request_id)

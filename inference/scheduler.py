@@ -10,6 +10,10 @@ When blocks run short, idle sessions go first (offloaded or dropped, coldest fir
 sequences are never evicted for idle ones' sake. When running sequences alone exhaust the
 pool, the newest is preempted (swapped to host when there is room, else recomputed later).
 
+A request of a session that ends leaves one token without KV (the last it sampled). It is
+computed in a following step, without sampling (FINISHING), when a free block allows, so the
+session pins every token of the turn; the session's next turn waits that one step for it.
+
 Priorities: a request's `priority` orders it (lower first, like vLLM). Requests above
 PRIORITY_NORMAL are background work (history summaries): they get only the token budget and
 the free blocks that normal requests leave this step, never evict an idle session or preempt
@@ -82,14 +86,28 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.finishing: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def finish(self, seq: Sequence) -> None:
+        """A sequence's output is final: release it now, or, in a session with its last token
+        still without KV on the device, once a step has computed it."""
+        if seq.session_id is None or seq.kv.is_on_host or seq.num_uncomputed_tokens != 1:
+            self.remove(seq)
+            return
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        seq.status = SequenceStatus.FINISHING
+        self.finishing.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted): its KV goes to its session, or is freed."""
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.finishing):
             if seq in queue:
                 queue.remove(seq)
                 break
@@ -108,6 +126,16 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
+        # Last tokens of finished session turns: one each, in free blocks only (otherwise the
+        # session pins one token less).
+        for seq in list(self.finishing):
+            need = self.kv_manager.blocks_to_reserve(seq.kv, seq.num_tokens)
+            if budget == 0 or not self.pool.can_allocate(need):
+                self.remove(seq)
+                continue
+            self.stats.cow_copies += self.kv_manager.reserve_slots(seq.kv, seq.num_tokens)
+            planned.append((seq, 1))
+            budget -= 1
 
         # Normal requests first (oldest first within a priority): the tail, which preemption
         # takes from, holds the background work and the newest.
@@ -153,6 +181,10 @@ class Scheduler:
                     )
                 if self._prefix_in_flight(seq):
                     continue  # a running prefill is computing its next blocks: wait for them
+                if seq.session_id is not None and any(
+                    f.session_id == seq.session_id for f in self.finishing
+                ):
+                    continue  # its session's last turn pins its last token this step
                 n = min(seq.num_uncomputed_tokens, budget)
                 if not self._reserve(seq, n):
                     break

@@ -17,6 +17,9 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    # Its output is final; it runs once more, without sampling, to put its last token's KV in
+    # its session (so the next turn reuses every token of this one).
+    FINISHING = "finishing"
     FINISHED = "finished"
 
 

@@ -12,43 +12,71 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import asyncpg
 import httpx
+from sqlalchemy.engine import URL, make_url
 
-ADMIN_POSTGRES = os.environ.get(
-    "KVCHAT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
 KEY_LINE = re.compile(r"created an admin API key \(shown once, keep it\): (\S+)")
 
+ADMIN_URL = os.environ.get(
+    "KVCHAT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
-async def _admin(sql: str) -> None:
-    import asyncpg
 
-    conn = await asyncpg.connect(ADMIN_POSTGRES)
+def postgres_url(name: str) -> URL:
+    """The URL of database `name` on the admin URL's server (asyncpg driver)."""
+    return make_url(ADMIN_URL).set(drivername="postgresql+asyncpg", database=name)
+
+
+async def _admin(*statements: str, args: tuple[Any, ...] = ()) -> None:
+    dsn = make_url(ADMIN_URL).set(drivername="postgresql")
+    connection = await asyncpg.connect(
+        dsn.render_as_string(hide_password=False), timeout=10
+    )
     try:
-        await conn.execute(sql)
+        for statement in statements:
+            await connection.execute(statement, *args)
     finally:
-        await conn.close()
+        await connection.close()
+
+
+def create_postgres_database() -> str:
+    name = f"kvchat_test_{secrets.token_hex(6)}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    return name
+
+
+def drop_postgres_database(name: str) -> None:
+    async def drop() -> None:
+        await _admin(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            args=(name,),
+        )
+        await _admin(f'DROP DATABASE IF EXISTS "{name}"')
+
+    asyncio.run(drop())
 
 
 @contextlib.contextmanager
-def postgres_database() -> Iterator[str]:
+def postgres_database(migrated: bool = True) -> Iterator[str]:
     """A database of its own (random name) on this machine's Postgres, dropped after."""
-    name = f"kvchat_test_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    base = ADMIN_POSTGRES.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://")
+    from app.store import upgrade
+
+    name = create_postgres_database()
     try:
-        yield f"{base}/{name}"
+        url = postgres_url(name)
+        if migrated:
+            asyncio.run(upgrade(url))
+        yield url.render_as_string(hide_password=False)
     finally:
-        asyncio.run(_admin(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            f"WHERE datname = '{name}' AND pid <> pg_backend_pid()"
-        ))
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}"'))
+        drop_postgres_database(name)
 
 
 def free_port() -> int:

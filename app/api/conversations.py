@@ -48,7 +48,10 @@ async def list_conversations(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
 ) -> ConversationList:
-    items, cursor = await state.store.list_conversations(key.owner, limit=limit, after=after)
+    try:
+        items, cursor = await state.store.list_conversations(key.owner, limit=limit, after=after)
+    except ValueError as e:
+        raise invalid_request(f"after is not a cursor this server gave: {e}", "after") from e
     return ConversationList(data=[conversation_out(c) for c in items], has_more=cursor is not None,
                             next_cursor=cursor)
 

@@ -83,10 +83,10 @@ def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
         assert after.plan.num_prompt_tokens + REPLY.max_tokens <= BUDGET  # type: ignore[operator]
         if after.plan.trimmed:
             continue
-        # Between trim events the prompt extends the last one: everything up to the last
-        # generated token (whose KV is never computed) comes from the session.
-        reused = len(before.prompt_ids) + len(before.output.output_token_ids) - 1
-        assert after.prompt_ids[:reused] == before.prompt_ids + before.output.output_token_ids[:-1]
+        # Between trim events the prompt extends the last one: its prompt and every token it
+        # generated come from the session.
+        reused = len(before.prompt_ids) + len(before.output.output_token_ids)
+        assert after.prompt_ids[:reused] == before.prompt_ids + before.output.output_token_ids
         assert after.output.num_cached_tokens == reused
 
 

@@ -85,11 +85,12 @@ def test_turn_two_prefills_only_the_new_tokens(tiny_llama: tuple[Path, Any]) -> 
     p2 = p1 + o1 + user2
     before_computed, before_forward = engine.stats.computed, counter.tokens
     out2 = turn(engine, "t2", p2, session="conv")
-    # Pinned: p1 and all of o1 but its last token (sampled, never fed back).
-    pinned = len(p1) + len(o1) - 1
+    # Pinned: p1 and all of o1 (its last token's KV was computed after turn 1 ended).
+    pinned = len(p1) + len(o1)
     assert out2.num_cached_tokens == pinned
-    assert engine.stats.computed - before_computed == len(p2) - pinned == 1 + len(user2)
-    assert counter.tokens - before_forward == (1 + len(user2)) + (NEW - 1)
+    assert engine.stats.computed - before_computed == len(p2) - pinned == len(user2)
+    # The new tokens, NEW - 1 decode steps, and turn 2's own last token once it ended.
+    assert counter.tokens - before_forward == len(user2) + (NEW - 1) + 1
     assert out2.output_token_ids == cold(path, p2)
 
 
@@ -189,11 +190,11 @@ def test_offloaded_session_restores_by_copy_with_identical_tokens(
     p2 = p1 + o1 + random_prompt(7, seed=63)
     before, forwarded = engine.stats.computed, counter.tokens
     out = turn(engine, "t2", p2, session="conv")
-    pinned = len(p1) + len(o1) - 1
+    pinned = len(p1) + len(o1)
     assert engine.stats.from_host == pinned
     assert out.num_cached_tokens == pinned
     assert engine.stats.computed - before == len(p2) - pinned  # no recompute of history
-    assert counter.tokens - forwarded == len(p2) - pinned + NEW - 1
+    assert counter.tokens - forwarded == len(p2) - pinned + NEW - 1 + 1
     assert engine.stats.session_offloads == 1 and engine.stats.session_restores == 1
     assert out.output_token_ids == cold(path, p2, kv_cache_dtype)
 

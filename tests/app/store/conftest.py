@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import URL, make_url
@@ -23,51 +22,9 @@ from sqlalchemy.engine import URL, make_url
 from app.store import Store, upgrade
 from app.store.column_types import UTCDateTime
 from app.store.database import create_engine, database_url
+from tests.service import create_postgres_database, drop_postgres_database, postgres_url
 
-ADMIN_URL = os.environ.get(
-    "KVCHAT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
 TABLES = ("summaries", "messages", "conversations", "api_keys")
-
-
-def postgres_url(name: str) -> URL:
-    """The URL of database `name` on the admin URL's server (asyncpg driver)."""
-    return make_url(ADMIN_URL).set(drivername="postgresql+asyncpg", database=name)
-
-
-async def _admin(*statements: str, args: tuple[Any, ...] = ()) -> None:
-    dsn = make_url(ADMIN_URL).set(drivername="postgresql")
-    connection = await asyncpg.connect(
-        dsn.render_as_string(hide_password=False), timeout=10
-    )
-    try:
-        for statement in statements:
-            await connection.execute(statement, *args)
-    finally:
-        await connection.close()
-
-
-def create_postgres_database() -> str:
-    name = f"kvchat_test_{secrets.token_hex(6)}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    return name
-
-
-def drop_postgres_database(name: str) -> None:
-    async def drop() -> None:
-        await _admin(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = $1 AND pid <> pg_backend_pid()",
-            args=(name,),
-        )
-        await _admin(f'DROP DATABASE IF EXISTS "{name}"')
-
-    asyncio.run(drop())
-
-
-@pytest.fixture(scope="session")
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -75,17 +32,6 @@ def empty_postgres() -> Iterator[URL]:
     """A new, empty Postgres database, dropped after the test."""
     name = create_postgres_database()
     try:
-        yield postgres_url(name)
-    finally:
-        drop_postgres_database(name)
-
-
-@pytest.fixture(scope="session")
-def migrated_postgres() -> Iterator[URL]:
-    """One migrated Postgres database for this test run (per xdist worker)."""
-    name = create_postgres_database()
-    try:
-        asyncio.run(upgrade(postgres_url(name)))
         yield postgres_url(name)
     finally:
         drop_postgres_database(name)
