@@ -242,7 +242,11 @@ def test_llama3_segments_concatenate_to_whole(
     segments = llama3.render_segments(messages)
     assert segments[0].token_ids[0] == BEGIN_OF_TEXT
     text = llama3.render_text(messages)
-    assert concatenated(segments) == llama3_tokenizer.encode(text, allow_special=True)
+    ids = concatenated(segments)
+    assert llama3_tokenizer.decode(ids) == text
+    # Special-token text in content is escaped to plain text, so only then do ids differ.
+    if not any(t in m.content for m in messages for t in llama3_tokenizer.special_token_texts):
+        assert ids == llama3_tokenizer.encode(text, allow_special=True)
 
 
 def test_llama3_generated_ids_extend_the_prompt(
