@@ -113,13 +113,13 @@ class ChatTemplate:
     ) -> list[Segment]:
         """Token ids per message, in order, then the generation prompt (index None).
 
-        Message i's text is render(messages[:i+1]) minus render(messages[:i]), each
-        tokenized on its own with special tokens parsed. A template that looks ahead
-        (rendering an earlier message differently once later ones exist) breaks that
-        prefix chain: from the first message where it breaks, the remaining text up to
-        the generation prompt becomes one segment of the last message, and the
-        messages in between get no segment. With add_generation_prompt the last
-        segment is always the generation prompt, possibly empty.
+        Message i's text is render(messages[:i+1]) minus the text of the segments before
+        it, tokenized on its own with special tokens parsed. A template that looks ahead
+        (rendering an earlier message differently once later ones exist) or refuses a
+        prefix (say, one without a user message) breaks that prefix chain at some
+        messages: they get no segment, and their text goes to the next message whose
+        prefix lines up again, else to the last message. With add_generation_prompt the
+        last segment is always the generation prompt, possibly empty.
         """
         self._validate(messages)
         dicts = [self._as_dict(m) for m in messages]
@@ -128,19 +128,16 @@ class ChatTemplate:
         segments: list[Segment] = []
         start = 0  # chars of `full` already in segments
         num_messages = len(messages)
-        index = 0
-        while index < num_messages:
-            rendered = (
-                without_prompt
-                if index == num_messages - 1
-                else self._render(dicts[: index + 1], False)
-            )
-            if len(rendered) < start or not full.startswith(rendered):
-                break
+        for index in range(num_messages):
+            if index == num_messages - 1:
+                rendered: str | None = without_prompt
+            else:
+                rendered = self._render_prefix(dicts[: index + 1])
+            if rendered is None or len(rendered) < start or not full.startswith(rendered):
+                continue
             segments.append(self._message_segment(messages, dicts, index, full[:start], rendered))
             start = len(rendered)
-            index += 1
-        if index < num_messages:  # the prefix chain broke at `index`
+        if not segments or segments[-1].message_index != num_messages - 1:
             end = len(without_prompt)
             if end < start or not full.startswith(without_prompt):
                 end = len(full)
@@ -175,8 +172,8 @@ class ChatTemplate:
         (then the caller re-tokenizes the content text).
         """
         probe = dict(dicts[index], content=self._sentinel)
-        rendered = self._render([*dicts[:index], probe], False)
-        if not rendered.startswith(before):
+        rendered = self._render_prefix([*dicts[:index], probe])
+        if rendered is None or not rendered.startswith(before):
             return None
         pieces = rendered[len(before) :].split(self._sentinel)
         if len(pieces) != 2:
@@ -211,6 +208,13 @@ class ChatTemplate:
         if isinstance(value, list | tuple):
             return [self._escape(item) for item in value]
         return value
+
+    def _render_prefix(self, dicts: list[dict[str, Any]]) -> str | None:
+        """The text of the first messages alone, None if the template refuses them."""
+        try:
+            return self._render(dicts, False)
+        except ChatTemplateError:
+            return None
 
     def _render(self, dicts: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         variables: dict[str, Any] = {

@@ -297,6 +297,44 @@ def test_lookahead_from_first_message(dev_tokenizer: Tokenizer) -> None:
     assert segments[1].token_ids == ()
 
 
+def test_prefix_the_template_refuses_joins_the_next_message(dev_tokenizer: Tokenizer) -> None:
+    # Like Llama 3.1 with tools, which folds them into the first user message: a prefix
+    # without one raises. Its text goes to the next message whose prefix renders.
+    template = ChatTemplate(
+        "{% if messages|selectattr('role', 'equalto', 'user')|list|length == 0 %}"
+        "{{ raise_exception('no user message') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}",
+        dev_tokenizer,
+    )
+    messages = [
+        ChatMessage("system", "s"),
+        ChatMessage("system", "t"),
+        ChatMessage("user", "u"),
+        ChatMessage("assistant", "a"),
+        ChatMessage("user", "v"),
+    ]
+    segments = template.render_segments(messages)
+    assert [s.message_index for s in segments] == [2, 3, 4, None]
+    decoded = [dev_tokenizer.decode(s.token_ids) for s in segments]
+    assert decoded == [
+        "system: s\nsystem: t\nuser: u\n",
+        "assistant: a\n",
+        "user: v\n",
+        "assistant:",
+    ]
+    text = template.render_text(messages)
+    assert concatenated(segments) == dev_tokenizer.encode(text, allow_special=True)
+    # A generated turn after a refused prefix is still spliced in.
+    generated = (*dev_tokenizer.encode("hel"), *dev_tokenizer.encode("lo"))
+    reply = ChatMessage("assistant", "hello", token_ids=generated)
+    segments = template.render_segments([*messages[:3], reply], add_generation_prompt=False)
+    assert [s.message_index for s in segments] == [2, 3]
+    assert segments[1].token_ids == (
+        *dev_tokenizer.encode("assistant: "), *generated, *dev_tokenizer.encode("\n")
+    )
+
+
 # --- template variables -------------------------------------------------------------------
 
 
