@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from inference.chat_template import CHATML_TEMPLATE
+from inference.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
 from inference.tool_calls import (
     ContentDelta,
     ParsedOutput,
@@ -373,6 +373,7 @@ def test_detect_tool_call_format() -> None:
     qwen = (TEMPLATES / "qwen2.5-instruct.jinja").read_text()
     llama = (TEMPLATES / "llama-3.1-instruct.jinja").read_text()
     assert detect_tool_call_format(qwen) == "hermes"
+    assert detect_tool_call_format(CHATML_TOOLS_TEMPLATE) == "hermes"
     assert detect_tool_call_format(llama) == "llama3_json"
     assert detect_tool_call_format(llama.replace("<|python_tag|>", "")) == "llama3_json"
     assert detect_tool_call_format(CHATML_TEMPLATE) is None
