@@ -12,6 +12,20 @@ Only the template's own markup becomes control tokens. Every string a caller sup
 Face's `apply_chat_template` + `encode` would give the real tokens). Such text is escaped
 before rendering (each special-token text becomes a private-use marker the template passes
 through untouched) and each marker is tokenized as plain text afterwards.
+
+Tools (OpenAI tool objects) reach the template as its `tools` variable, as Hugging Face's
+`apply_chat_template(tools=...)` passes them, escaped like content. A template supports tools
+if it reads that variable. One that does not, but renders plain conversations exactly as
+ChatML does (the dev model's, most ChatML fine-tunes'), is rendered with CHATML_TOOLS_TEMPLATE:
+Qwen2.5's Hermes-style tool prompt on ChatML, identical to ChatML without tools. Any other
+template without tool support refuses tools (ChatTemplateError) rather than silently
+dropping them. `tool_call_format` names the format the model will write calls in.
+
+Assistant tool calls keep the OpenAI shape, except that `function.arguments` (a JSON string)
+is given to the template as the parsed object, as Hugging Face's docs ask (Llama 3.1 and
+Qwen2.5 `tojson` it); a template that uses it as a string (`{{ }}`, `+`) still gets the
+caller's text. An assistant message carrying generated `token_ids` is rendered from those
+ids alone: the model wrote its calls in them, so its `tool_calls` are not rendered again.
 """
 
 from __future__ import annotations
@@ -20,16 +34,18 @@ import datetime
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from inference.tokenizer import Tokenizer
+from inference.tool_calls import detect_tool_call_format
 
 # ChatML as Hugging Face spells it; content may be None (assistant turns with tool calls).
 CHATML_TEMPLATE = (
@@ -38,6 +54,59 @@ CHATML_TEMPLATE = (
     " + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# ChatML with tools, for templates without tool support that render like ChatML: Qwen2.5's
+# wording and Hermes-style calls, without Qwen's default system prompt. Tools go at the end of
+# the system message (or in a leading one); assistant calls are <tool_call> lines after the
+# content; each tool result is a user turn wrapping <tool_response> (Qwen2.5 merges a run of
+# results into one turn, which needs look-ahead and would blur per-message segments).
+# Without tools and tool messages it renders exactly as CHATML_TEMPLATE.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + function['name'] | tojson + ', \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content']"
+    " + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '')"
+    " + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Render the same under a template as under ChatML only if the template is ChatML (the
+# second catches a default system prompt, as Qwen's templates add).
+_CHATML_PROBES = (
+    (
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "V"},
+    ),
+    ({"role": "user", "content": "U"},),
 )
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -82,12 +151,18 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
+            reads_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(
                 f"chat template does not compile: {e.message} (line {e.lineno})"
             ) from e
         self.source = source
         self._tokenizer = tokenizer
+        # The source actually rendered: the model's own, or ChatML with tools in its place.
+        self._rendered_source: str | None = source if reads_tools else None
+        if not reads_tools and self._renders_like_chatml(env):
+            self._template = env.from_string(CHATML_TOOLS_TEMPLATE)
+            self._rendered_source = CHATML_TOOLS_TEMPLATE
         # Longest first, so a special text that contains another is matched whole.
         self._escaped = [_ESC, *sorted(tokenizer.special_token_texts, key=len, reverse=True)]
         self._escape_index = {text: i for i, text in enumerate(self._escaped)}
@@ -95,52 +170,83 @@ class ChatTemplate:
         # Stands in for an assistant's content to find where the template puts it.
         self._sentinel = f"KVCHATCONTENT{uuid.uuid4().hex}"
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether `tools` can be rendered: the template reads them, or it is ChatML."""
+        return self._rendered_source is not None
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """The format the model writes tool calls in (see inference.tool_calls), if known."""
+        if self._rendered_source is None:
+            return None
+        return detect_tool_call_format(self._rendered_source)
+
     def render_text(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         self._validate(messages)
-        text = self._render([self._as_dict(m) for m in messages], add_generation_prompt)
+        dicts = [self._as_dict(m) for m in messages]
+        text = self._render(dicts, add_generation_prompt, self._tools_variable(tools))
         return _MARKER.sub(lambda m: self._escaped[int(m.group(1))], text)
 
     def render_ids(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        segments = self.render_segments(messages, add_generation_prompt=add_generation_prompt)
+        segments = self.render_segments(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         return [token_id for segment in segments for token_id in segment.token_ids]
 
     def render_segments(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Segment]:
         """Token ids per message, in order, then the generation prompt (index None).
 
-        Message i's text is render(messages[:i+1]) minus render(messages[:i]), each
-        tokenized on its own with special tokens parsed. A template that looks ahead
-        (rendering an earlier message differently once later ones exist) breaks that
-        prefix chain: from the first message where it breaks, the remaining text up to
-        the generation prompt becomes one segment of the last message, and the
-        messages in between get no segment. With add_generation_prompt the last
-        segment is always the generation prompt, possibly empty.
+        Message i's text is render(messages[:i+1]) minus the text of the segments before
+        it, tokenized on its own with special tokens parsed. A template that looks ahead
+        (rendering an earlier message differently once later ones exist) or refuses a
+        prefix (Llama 3.1 with tools wants a user message) breaks that prefix chain at some
+        messages: they get no segment, and their text goes to the next message whose
+        prefix lines up again, else to the last message. The tools are rendered with the
+        first segment that holds them. With add_generation_prompt the last segment is
+        always the generation prompt, possibly empty.
         """
         self._validate(messages)
+        tools_variable = self._tools_variable(tools)
         dicts = [self._as_dict(m) for m in messages]
-        full = self._render(dicts, add_generation_prompt)
-        without_prompt = full if not add_generation_prompt else self._render(dicts, False)
+        full = self._render(dicts, add_generation_prompt, tools_variable)
+        without_prompt = (
+            full if not add_generation_prompt else self._render(dicts, False, tools_variable)
+        )
         segments: list[Segment] = []
         start = 0  # chars of `full` already in segments
         num_messages = len(messages)
-        index = 0
-        while index < num_messages:
-            rendered = (
-                without_prompt
-                if index == num_messages - 1
-                else self._render(dicts[: index + 1], False)
+        for index in range(num_messages):
+            if index == num_messages - 1:
+                rendered: str | None = without_prompt
+            else:
+                rendered = self._render_prefix(dicts[: index + 1], tools_variable)
+            if rendered is None or len(rendered) < start or not full.startswith(rendered):
+                continue
+            before = full[:start]
+            segments.append(
+                self._message_segment(messages, dicts, index, before, rendered, tools_variable)
             )
-            if len(rendered) < start or not full.startswith(rendered):
-                break
-            segments.append(self._message_segment(messages, dicts, index, full[:start], rendered))
             start = len(rendered)
-            index += 1
-        if index < num_messages:  # the prefix chain broke at `index`
+        if not segments or segments[-1].message_index != num_messages - 1:
             end = len(without_prompt)
             if end < start or not full.startswith(without_prompt):
                 end = len(full)
@@ -157,17 +263,23 @@ class ChatTemplate:
         index: int,
         before: str,
         rendered: str,
+        tools: list[dict[str, Any]] | None,
     ) -> Segment:
         """Segment of messages[index], whose text is `rendered` minus `before`."""
         token_ids = messages[index].token_ids
         if token_ids is not None:
-            spliced = self._splice_generated(dicts, index, before, token_ids)
+            spliced = self._splice_generated(dicts, index, before, token_ids, tools)
             if spliced is not None:
                 return Segment(index, spliced)
         return Segment(index, self._tokenize(rendered[len(before) :]))
 
     def _splice_generated(
-        self, dicts: list[dict[str, Any]], index: int, before: str, token_ids: tuple[int, ...]
+        self,
+        dicts: list[dict[str, Any]],
+        index: int,
+        before: str,
+        token_ids: tuple[int, ...],
+        tools: list[dict[str, Any]] | None,
     ) -> tuple[int, ...] | None:
         """tokenize(prefix) + token_ids + tokenize(suffix) for a generated assistant turn.
 
@@ -175,8 +287,8 @@ class ChatTemplate:
         (then the caller re-tokenizes the content text).
         """
         probe = dict(dicts[index], content=self._sentinel)
-        rendered = self._render([*dicts[:index], probe], False)
-        if not rendered.startswith(before):
+        rendered = self._render_prefix([*dicts[:index], probe], tools)
+        if rendered is None or not rendered.startswith(before):
             return None
         pieces = rendered[len(before) :].split(self._sentinel)
         if len(pieces) != 2:
@@ -204,19 +316,64 @@ class ChatTemplate:
     def _escape(self, value: Any) -> Any:
         """`value` (a string, or lists/dicts of them) with special-token text escaped."""
         if isinstance(value, str):
-            return self._escape_re.sub(lambda m: f"{_ESC}{self._escape_index[m.group()]}{_END}",
-                                       value)
-        if isinstance(value, dict):
-            return {key: self._escape(item) for key, item in value.items()}
+            return self._escape_re.sub(
+                lambda m: f"{_ESC}{self._escape_index[m.group()]}{_END}", value
+            )
+        if isinstance(value, Mapping):
+            return {self._escape(key): self._escape(item) for key, item in value.items()}
         if isinstance(value, list | tuple):
             return [self._escape(item) for item in value]
         return value
 
-    def _render(self, dicts: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _tools_variable(
+        self, tools: Sequence[Mapping[str, Any]] | None
+    ) -> list[dict[str, Any]] | None:
+        """The template's `tools`: escaped copies; None for none (an empty list too)."""
+        if not tools:
+            return None
+        if not self.supports_tools:
+            raise ChatTemplateError(
+                "this model's chat template does not support tools (it never reads `tools` "
+                "and is not ChatML); send the request without tools"
+            )
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, Mapping):
+                raise ChatTemplateError(f"tools[{i}] must be an object")
+        return [self._escape(tool) for tool in tools]
+
+    def _renders_like_chatml(self, env: jinja2.Environment) -> bool:
+        chatml = env.from_string(CHATML_TEMPLATE)
+        try:
+            return all(
+                self._render(dicts, prompt, None)
+                == self._render(dicts, prompt, None, template=chatml)
+                for dicts in ([dict(m) for m in probe] for probe in _CHATML_PROBES)
+                for prompt in (False, True)
+            )
+        except ChatTemplateError:
+            return False
+
+    def _render_prefix(
+        self, dicts: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> str | None:
+        """The text of the first messages alone, None if the template refuses them."""
+        try:
+            return self._render(dicts, False, tools)
+        except ChatTemplateError:
+            return None
+
+    def _render(
+        self,
+        dicts: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        *,
+        template: jinja2.Template | None = None,
+    ) -> str:
         variables: dict[str, Any] = {
             "messages": dicts,
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": tools,
         }
         # Left undefined (renders as "") rather than None (renders as "None"), like HF.
         if self._tokenizer.bos_token is not None:
@@ -224,13 +381,15 @@ class ChatTemplate:
         if self._tokenizer.eos_token is not None:
             variables["eos_token"] = self._tokenizer.eos_token
         try:
-            return self._template.render(**variables)
+            return (template or self._template).render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
     def _as_dict(self, message: ChatMessage) -> dict[str, Any]:
         content = message.content
-        if content is None and message.token_ids is not None:
+        # Generated calls are in the ids, as the model wrote them; rendered from there only.
+        from_ids = message.token_ids is not None and bool(message.tool_calls)
+        if message.token_ids is not None and (content is None or from_ids):
             ids = list(message.token_ids)
             while ids and ids[-1] in self._tokenizer.eos_token_ids:
                 ids.pop()
@@ -238,11 +397,25 @@ class ChatTemplate:
         result: dict[str, Any] = {"role": message.role, "content": self._escape(content)}
         if message.name is not None:
             result["name"] = self._escape(message.name)
-        if message.tool_calls is not None:
-            result["tool_calls"] = [self._escape(dict(call)) for call in message.tool_calls]
+        if message.tool_calls is not None and not from_ids:
+            result["tool_calls"] = [self._tool_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             result["tool_call_id"] = self._escape(message.tool_call_id)
         return result
+
+    def _tool_call(self, call: Mapping[str, Any]) -> dict[str, Any]:
+        """An escaped OpenAI tool call whose JSON-text arguments also act as the object."""
+        escaped: dict[str, Any] = self._escape(call)
+        function = escaped.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            arguments = function["arguments"]
+            try:
+                parsed = json.loads(arguments)
+            except (ValueError, RecursionError):
+                parsed = None
+            if isinstance(parsed, dict):
+                escaped["function"] = dict(function, arguments=_ToolArguments(parsed, arguments))
+        return escaped
 
     def _validate(self, messages: Sequence[ChatMessage]) -> None:
         if not messages:
@@ -267,6 +440,29 @@ class ChatTemplate:
                 raise ChatTemplateError(
                     f"messages[{i}].content is required for role {message.role!r}"
                 )
+
+
+class _ToolArguments(dict[str, Any]):
+    """A tool call's arguments as a template sees them: the parsed object (for `tojson`,
+    `items`, `is mapping`), and the caller's JSON text where a template uses it as a string
+    (`{{ arguments }}`, `'...' + arguments`)."""
+
+    def __init__(self, parsed: dict[str, Any], text: str) -> None:
+        super().__init__(parsed)
+        self._text = text
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self._text + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self._text
+        return NotImplemented
 
 
 def load_chat_template(model_dir: str | Path, tokenizer: Tokenizer) -> ChatTemplate:
