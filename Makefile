@@ -1,5 +1,5 @@
 # kvchat — the two commands the README names:
-#   make serve   set up and run on the embedded defaults
+#   make serve   set up and run the service on the embedded defaults
 #   make test    set up and run the test suite
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -24,8 +24,10 @@ setup: $(STAMP)
 $(MODEL_DIR)/config.json: | $(STAMP)
 	$(VENV)/bin/kvchat init-model $(MODEL_DIR) --preset dev
 
+# The embedded defaults: SQLite in ./data, in-process coordination, the dev model. On first
+# start the server makes an admin API key and prints it with the URL.
 serve: $(STAMP) $(MODEL_DIR)/config.json
-	$(VENV)/bin/kvchat generate --model $(MODEL_DIR) --prompt "Hello, kvchat." --max-tokens 24 --seed 0
+	$(VENV)/bin/kvchat serve --model $(MODEL_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
@@ -34,7 +36,7 @@ test: $(STAMP)
 	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app inference kernels memory tests bench
+	$(VENV)/bin/ruff check app inference kernels memory migrations tests bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,7 +17,6 @@ from inference.tool_calls import (
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
-    parse_tool_calls,
 )
 
 from .runtime import Runtime
@@ -127,10 +126,10 @@ class Generation:
                     for event in parser.finish():
                         yield _event(event)
             if out.finished:
-                self._finish(out)
+                self._finish(out, parser)
         yield Done(result)
 
-    def _finish(self, out: RequestOutput) -> None:
+    def _finish(self, out: RequestOutput, parser: ToolCallStreamParser | None) -> None:
         result = self.result
         result.text = out.text or ""
         result.token_ids = list(out.output_token_ids or [])
@@ -138,8 +137,8 @@ class Generation:
         result.completion_tokens = out.num_output_tokens
         result.cached_tokens = out.num_cached_tokens
         result.total_ms = (time.monotonic() - self.started_at) * 1e3
-        if self.tool_format:
-            parsed = parse_tool_calls(result.text, self.tool_format, self.tool_names)
+        if parser is not None:  # the calls as streamed, with the ids the deltas carried
+            parsed = parser.result()
             result.content, result.tool_calls = parsed.content, list(parsed.tool_calls)
         else:
             result.content = result.text

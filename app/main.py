@@ -9,11 +9,12 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .api import chat_completions, conversations, health, models, tokenize
 from .coord import Coordinator, LocalCoordinator
@@ -76,6 +77,30 @@ def announce_key(plaintext: str) -> None:
     print(f"kvchat: created an admin API key (shown once, keep it): {plaintext}", flush=True)
 
 
+class RequestIdMiddleware:
+    """An `x-request-id` on every response, as OpenAI's API sends. Plain ASGI (not
+    BaseHTTPMiddleware), so a client's disconnect still reaches the routes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req_{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", request_id))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(
@@ -95,13 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             expose_headers=["x-request-id", "retry-after"],
         )
 
-    @app.middleware("http")
-    async def request_id(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        response.headers.setdefault("x-request-id", f"req_{uuid.uuid4().hex}")
-        return response
+    app.add_middleware(RequestIdMiddleware)
 
     for module in (health, models, chat_completions, conversations, tokenize):
         app.include_router(module.router)

@@ -170,6 +170,7 @@ def sampling_params(
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         logprobs=fields.logprobs,
         top_logprobs=fields.top_logprobs or 0,
+        ignore_eos=fields.ignore_eos,
     )
 
 

@@ -70,6 +70,33 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass
+class _Step:
+    """What one schedule() call plans, as it goes."""
+
+    budget: int
+    planned: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_memory: list[Sequence] = field(default_factory=list)
+
+    def plan(self, seq: Sequence, num_tokens: int) -> None:
+        self.planned.append((seq, num_tokens))
+        self.budget -= num_tokens
+
+    def batch(self) -> ScheduledBatch:
+        """Decodes (one new token) first, then prefill chunks."""
+        decodes = [(s, n) for s, n in self.planned if n == 1]
+        others = [(s, n) for s, n in self.planned if n != 1]
+        ordered = decodes + others
+        return ScheduledBatch(
+            seqs=[s for s, _ in ordered],
+            num_new_tokens=[n for _, n in ordered],
+            num_decode=len(decodes),
+            preempted=self.preempted,
+            out_of_memory=self.out_of_memory,
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -122,86 +149,92 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        """Normal requests get the step's token budget and blocks first (running, then swapped
+        and waiting ones); background requests get what is left."""
         self.sessions.maintain()
-        batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
-        # Last tokens of finished session turns: one each, in free blocks only (otherwise the
-        # session pins one token less).
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._plan_finishing(step)
+        running = sorted(self.running, key=lambda s: s.priority)  # oldest first within one
+        normal = [s for s in running if s.priority == PRIORITY_NORMAL]
+        background = [s for s in running if s.priority != PRIORITY_NORMAL]
+        # Background work is what preemption takes first, newest first.
+        short = self._plan_running(normal, background, step)
+        if not short:
+            self._swap_in()
+            self._admit([s for s in self.waiting if s.priority == PRIORITY_NORMAL], step)
+        self._plan_running(background, [], step)
+        if not short:
+            self._admit(sorted((s for s in self.waiting if s.priority != PRIORITY_NORMAL),
+                               key=lambda s: s.priority), step)
+        return step.batch()
+
+    def _plan_finishing(self, step: _Step) -> None:
+        """Last tokens of finished session turns: one each, in free blocks only (otherwise
+        the session pins one token less)."""
         for seq in list(self.finishing):
             need = self.kv_manager.blocks_to_reserve(seq.kv, seq.num_tokens)
-            if budget == 0 or not self.pool.can_allocate(need):
+            if step.budget == 0 or not self.pool.can_allocate(need):
                 self.remove(seq)
                 continue
             self.stats.cow_copies += self.kv_manager.reserve_slots(seq.kv, seq.num_tokens)
-            planned.append((seq, 1))
-            budget -= 1
+            step.plan(seq, 1)
 
-        # Normal requests first (oldest first within a priority): the tail, which preemption
-        # takes from, holds the background work and the newest.
-        queue = sorted(self.running, key=lambda s: s.priority)
-        kept: list[Sequence] = []
-        short = False  # a normal request found the pool short: admit nothing new this step
+    def _plan_running(
+        self, queue: list[Sequence], victims: list[Sequence], step: _Step
+    ) -> bool:
+        """Give running sequences their next tokens, oldest first; when blocks run out,
+        preempt from `victims` (newest first), then the newest of `queue`, then the sequence
+        itself. Returns whether a normal request found the pool short."""
+        short = False
+        queue = list(queue)
         while queue:
             seq = queue.pop(0)
-            if budget == 0:
-                kept.append(seq)
+            if step.budget == 0:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, step.budget)
             scheduled = True
             while not self._reserve(seq, n):
                 short |= seq.priority == PRIORITY_NORMAL
-                # Preempt the newest sequence not yet planned; if none is left, this one.
-                victim = queue.pop() if queue else seq
-                if victim is seq and not planned and self._never_fits(seq, n):
-                    batch.out_of_memory.append(seq)
+                victim = victims.pop() if victims else (queue.pop() if queue else seq)
+                if victim is seq and not step.planned and self._never_fits(seq, n):
+                    step.out_of_memory.append(seq)
+                    self.running.remove(seq)
                     scheduled = False
                     break
                 self._preempt(victim)
-                batch.preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is seq:
                     scheduled = False
                     break
             if scheduled:
-                planned.append((seq, n))
-                kept.append(seq)
-                budget -= n
-        self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
+                step.plan(seq, n)
+        return short
 
-        if not short:
-            self._swap_in()
-            for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                if not seq.reuse_checked:
-                    self._look_up_reuse(seq)
-                else:  # blocks computed since the last look may now be cached
-                    seq.pending_reuse.from_prefix_cache += self.kv_manager.match_prefix(
-                        seq.kv, seq.token_ids
-                    )
-                if self._prefix_in_flight(seq):
-                    continue  # a running prefill is computing its next blocks: wait for them
-                if seq.session_id is not None and any(
-                    f.session_id == seq.session_id for f in self.finishing
-                ):
-                    continue  # its session's last turn pins its last token this step
-                n = min(seq.num_uncomputed_tokens, budget)
-                if not self._reserve(seq, n):
-                    break
-                self.waiting.remove(seq)
-                self._count_admission(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                planned.append((seq, n))
-                budget -= n
-
-        decodes = [(s, n) for s, n in planned if n == 1]
-        others = [(s, n) for s, n in planned if n != 1]
-        for seq, n in decodes + others:
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-        batch.num_decode = len(decodes)
-        return batch
+    def _admit(self, candidates: list[Sequence], step: _Step) -> None:
+        """Admit waiting sequences in order while budget, sequence slots and blocks allow."""
+        for seq in candidates:
+            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if seq.session_id is not None and any(
+                f.session_id == seq.session_id for f in self.finishing
+            ):
+                continue  # its session's last turn pins its last token this step
+            if not seq.reuse_checked:
+                self._look_up_reuse(seq)
+            else:  # blocks computed since the last look may now be cached
+                seq.pending_reuse.from_prefix_cache += self.kv_manager.match_prefix(
+                    seq.kv, seq.token_ids
+                )
+            if self._prefix_in_flight(seq):
+                continue  # a running prefill is computing its next blocks: wait for them
+            n = min(seq.num_uncomputed_tokens, step.budget)
+            if not self._reserve(seq, n):
+                return
+            self.waiting.remove(seq)
+            self._count_admission(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            step.plan(seq, n)
 
     # -- reuse -----------------------------------------------------------------------------------
 

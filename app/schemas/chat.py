@@ -105,6 +105,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="vLLM's extension; 0 is off.")
+    ignore_eos: bool = Field(False, description="vLLM's extension: go on past end-of-sequence.")
     seed: int | None = None
     stop: str | list[str] | None = None
     logprobs: bool = False

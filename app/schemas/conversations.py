@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES
 
@@ -27,10 +27,18 @@ class SessionSettings(BaseModel):
     max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS)
     max_summary_tokens: int | None = Field(None, ge=1)
 
+    @field_validator("history_policy")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        if value is not None and value not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(POLICIES)}")
+        return value
+
     @model_validator(mode="after")
-    def _check(self) -> SessionSettings:
-        if self.history_policy is not None and self.history_policy not in POLICIES:
-            raise ValueError(f"history_policy must be one of {', '.join(POLICIES)}")
+    def _watermarks(self) -> SessionSettings:
+        low, high = self.low_watermark, self.high_watermark
+        if low is not None and high is not None and low > high:
+            raise ValueError("low_watermark must not exceed high_watermark")
         return self
 
 
