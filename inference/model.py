@@ -13,7 +13,7 @@ from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
 from .model_config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,8 +51,8 @@ class DecoderLayer:
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [T, 1, head_dim] rotary tables at the tokens' positions
+        sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
         ops: AttentionOps,
@@ -63,7 +63,7 @@ class DecoderLayer:
         qkv = F.linear(h, self.wqkv, self.bqkv)  # [T, q_size + 2 * kv_size]
         # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
         qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
-        qk = rope.apply(qk, positions)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
 
@@ -121,8 +121,9 @@ class LlamaModel:
     ) -> torch.Tensor:
         """-> hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope.tables(positions)
         for layer in self.layers:
-            x = layer.forward(x, positions, self.rope, meta, kv_cache, ops)
+            x = layer.forward(x, cos, sin, meta, kv_cache, ops)
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -49,12 +49,20 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype)
         self.max_positions = max_positions
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, D]; looked up once per forward, shared by
+        every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any heads: q and k may come together), positions: [T] -> rotated
         x, same shape."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
+        return apply_rotary(x, *self.tables(positions))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], cos/sin: [T, 1, D] -> x rotated, same shape."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
