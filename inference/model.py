@@ -12,6 +12,7 @@ from kernels import AttentionOps
 from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
+from .linear import Linear
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -33,20 +34,18 @@ class DecoderLayer:
         self.post_attention_norm = w[p + "post_attention_layernorm.weight"]
         # Fused projections: one matmul for q|k|v and one for gate|up.
         names = ("q_proj", "k_proj", "v_proj")
-        self.wqkv = torch.cat([w[p + f"self_attn.{n}.weight"] for n in names])
-        self.bqkv = (
-            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None
+        self.qkv_proj = Linear(
+            torch.cat([w[p + f"self_attn.{n}.weight"] for n in names]),
+            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None,
         )
-        self.wo = w[p + "self_attn.o_proj.weight"]
-        self.bo = w.get(p + "self_attn.o_proj.bias")
-        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.b_gate_up = (
+        self.o_proj = Linear(w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+        self.gate_up_proj = Linear(
+            torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
             torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
             if config.mlp_bias
-            else None
+            else None,
         )
-        self.w_down = w[p + "mlp.down_proj.weight"]
-        self.b_down = w.get(p + "mlp.down_proj.bias")
+        self.down_proj = Linear(w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
 
     def forward(
         self,
@@ -60,7 +59,7 @@ class DecoderLayer:
         c = self.config
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, self.wqkv, self.bqkv)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
         # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
         qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
         qk = apply_rotary(qk, cos, sin)
@@ -85,11 +84,11 @@ class DecoderLayer:
                 q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                 meta.prefill_query_start_loc, self.scale, out=attn[nd:], **window, **scales,
             )
-        x = x + F.linear(attn.view(num_tokens, c.q_size), self.wo, self.bo)
+        x = x + self.o_proj(attn.view(num_tokens, c.q_size))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -105,7 +104,9 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.lm_head = weights["lm_head.weight"]
+        # A tied lm_head is laid out apart from the embedding, which lookups read as stored
+        # (and single-row GEMVs too).
+        self.lm_head = Linear(weights["lm_head.weight"], keep_plain=config.tie_word_embeddings)
         self.final_norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(config, i, weights) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
@@ -129,4 +130,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
