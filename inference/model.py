@@ -16,10 +16,15 @@ from .linear import Linear
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
+# One layer's (key_cache, value_cache, key_scales, value_scales), as KVCache.layer gives them.
+LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the model dtype (as Hugging Face does); one
     fused op instead of six small ones on the per-token path."""
+    if x.dtype == torch.float32:  # the same products, without the casts and a second op
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -53,7 +58,7 @@ class DecoderLayer:
         cos: torch.Tensor,  # [T, 1, head_dim] rotary tables at the tokens' positions
         sin: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: KVCache,
+        kv_views: LayerKV,
         ops: AttentionOps,
     ) -> torch.Tensor:
         c = self.config
@@ -66,7 +71,7 @@ class DecoderLayer:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
 
-        key_cache, value_cache, key_scales, value_scales = kv_cache.layer(self.index)
+        key_cache, value_cache, key_scales, value_scales = kv_views
         ops.write_kv_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
         )
@@ -104,12 +109,13 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        # A tied lm_head is laid out apart from the embedding, which lookups read as stored
-        # (and single-row GEMVs too).
-        self.lm_head = Linear(weights["lm_head.weight"], keep_plain=config.tie_word_embeddings)
+        # A tied lm_head is laid out apart from the embedding, which lookups read as stored.
+        self.lm_head = Linear(weights["lm_head.weight"])
         self.final_norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(config, i, weights) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+        self._views_of: KVCache | None = None
+        self._views: list[LayerKV] = []
 
     @torch.inference_mode()
     def forward(
@@ -123,9 +129,17 @@ class LlamaModel:
         """-> hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.tables(positions)
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, meta, kv_cache, ops)
+        for layer, kv_views in zip(self.layers, self._layer_views(kv_cache)):
+            x = layer.forward(x, cos, sin, meta, kv_views, ops)
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    def _layer_views(self, kv_cache: KVCache) -> list[LayerKV]:
+        """Each layer's (key, value, key scales, value scales) views of the pool, made once
+        per pool rather than once per layer and step."""
+        if self._views_of is not kv_cache:
+            self._views = [kv_cache.layer(i) for i in range(self.config.num_layers)]
+            self._views_of = kv_cache
+        return self._views
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def gather_rows(
         assert scale_cache is not None, "quantized cache needs its scale cache"
         scales = scale_cache.reshape(num_blocks, -1).index_select(0, block_ids)
         return kv.to(dtype) * scales.view(-1, block_size, num_kv_heads, 1).to(dtype)
-    return kv.to(dtype)
+    return kv if kv.dtype == dtype else kv.to(dtype)
 
 
 def gather_kv(

@@ -69,8 +69,8 @@ def write_kv_slots_ref(
         key_scale_cache.view(-1, num_kv_heads)[slots] = sk
         value_scale_cache.view(-1, num_kv_heads)[slots] = sv
     else:
-        flat_k[slots] = key.to(key_cache.dtype)
-        flat_v[slots] = value.to(value_cache.dtype)
+        flat_k[slots] = key if key.dtype == key_cache.dtype else key.to(key_cache.dtype)
+        flat_v[slots] = value if value.dtype == value_cache.dtype else value.to(value_cache.dtype)
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

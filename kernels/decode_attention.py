@@ -121,7 +121,9 @@ def paged_decode_attention_gathered(
     )
     # The query heads of one KV head play the part of SDPA's query positions, so GQA needs
     # no copies of K and V: q [S, Hkv, G, D] against k, v [S, Hkv, L, D].
-    q = query.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
+    q = (query if query.dtype == dtype else query.to(dtype)).view(
+        num_seqs, num_kv_heads, group, head_dim
+    )
     o = torch.nn.functional.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale
     )  # [S, Hkv, G, D]; mask [S, 1, 1, L]
