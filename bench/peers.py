@@ -136,6 +136,37 @@ class KVChatRunner:
         assert final.output_token_ids is not None
         return prefilled - start, done - prefilled, list(final.output_token_ids)
 
+    def split_decode_step(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        """(seconds per decode step, of which inside the linear layers), one sequence: the
+        weight-streaming part against everything else of the step."""
+        from inference.linear import Linear
+
+        inside = 0.0
+        call = Linear.__call__
+
+        def timed(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+            nonlocal inside
+            start = time.perf_counter()
+            y = call(linear, x)
+            inside += time.perf_counter() - start
+            return y
+
+        engine = self.engine
+        self._count += 1
+        engine.add_request(f"peers-{self._count}", prompt, self._params(new_tokens))
+        engine.step()
+        Linear.__call__ = timed  # type: ignore[method-assign]
+        try:
+            start = time.perf_counter()
+            steps = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            total = time.perf_counter() - start
+        finally:
+            Linear.__call__ = call  # type: ignore[method-assign]
+        return total / steps, inside / steps
+
     def logits(self, prompt: list[int], new_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
         """The logits rows kvchat sampled from (prefill's last row, then each decode step) and
         the greedy tokens."""
@@ -299,6 +330,14 @@ def main() -> int:
         a, b = timings["kvchat float32"].tokens[r], timings["llama.cpp f32"].tokens[r]
         assert a == b, f"round {r}: kvchat and llama.cpp float32 picked different tokens"
 
+    # Where kvchat's single-sequence decode step goes: linear layers (the weight stream)
+    # against the rest, medians of interleaved rounds.
+    splits: dict[str, list[tuple[float, float]]] = {dtype: [] for dtype in kvchat}
+    for r in range(3):
+        prompt = random_prompts(1, args.prompt_tokens, seed=500 + r)[0]
+        for dtype, runner in kvchat.items():
+            splits[dtype].append(runner.split_decode_step(prompt, args.new_tokens))
+
     serving: dict[str, float] = {}
     for concurrency in tqdm([4, 16], desc="serving", unit="run"):
         prompts = random_prompts(args.requests, args.prompt_tokens, seed=1000 + concurrency)
@@ -310,7 +349,7 @@ def main() -> int:
     bandwidths.append(copy_bandwidth())
 
     report = build_report(args, model_dir, timings, serving, checks, num_checked,
-                          max(bandwidths), version)
+                          max(bandwidths), version, splits)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)
@@ -324,7 +363,8 @@ def median(xs: list[float]) -> float:
 
 def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, Timings],
                  serving: dict[str, float], checks: list[list[object]], num_checked: int,
-                 bandwidth: float, version: str) -> str:
+                 bandwidth: float, version: str,
+                 splits: dict[str, list[tuple[float, float]]]) -> str:
     from inference.model_config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
@@ -411,6 +451,23 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         + markdown_table(["variant", "generated tok/s", "vs llama.cpp sequential"], serve_rows)
     )
     report += "\n## Goals\n\n" + markdown_table(["measure", "measured", "goal"], goals)
+    split_rows = []
+    for dtype, pairs in splits.items():
+        step = median([s for s, _ in pairs])
+        linear = median([lin for _, lin in pairs])
+        peer = "llama.cpp f32" if dtype == "float32" else "llama.cpp f16"
+        peer_step = median(timings[peer].decode_step_s)
+        split_rows.append([f"kvchat {dtype}", f"{step * 1e3:.1f}", f"{linear * 1e3:.1f}",
+                           f"{(step - linear) * 1e3:.1f}", f"{peer}: {peer_step * 1e3:.1f}"])
+    report += (
+        "\n## Where the decode step goes\n\n"
+        "kvchat's single-sequence step split into the time inside its linear layers (the "
+        "weight stream: every weight read once) and everything else (norms, RoPE, the paged "
+        "attention's gather and SDPA, cache write, sampling, Python), 3 interleaved rounds, "
+        "beside llama.cpp's whole step:\n\n"
+        + markdown_table(["variant", "step ms", "in linear layers ms", "everything else ms",
+                          "llama.cpp step ms"], split_rows)
+    )
     report += ("\nWhere the time of a decode step goes: bench/results/decode_profile.md "
                "(python bench/decode_profile.py).\n")
     return report
