@@ -258,6 +258,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--requests", type=int, default=16, help="requests of the serving part")
+    ap.add_argument("--serving-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--half", default="bfloat16", choices=["bfloat16", "float16"],
                     help="kvchat's half-precision dtype")
@@ -332,20 +333,28 @@ def main() -> int:
 
     # Where kvchat's single-sequence decode step goes: linear layers (the weight stream)
     # against the rest, medians of interleaved rounds.
-    splits: dict[str, list[tuple[float, float]]] = {dtype: [] for dtype in kvchat}
-    for r in range(3):
+    # Each beside its llama.cpp peer's step on the same prompt, in the same round.
+    splits: dict[str, list[tuple[float, float, float]]] = {dtype: [] for dtype in kvchat}
+    for r in tqdm(range(5), desc="step split", unit="round"):
         prompt = random_prompts(1, args.prompt_tokens, seed=500 + r)[0]
         for dtype, runner in kvchat.items():
-            splits[dtype].append(runner.split_decode_step(prompt, args.new_tokens))
+            step, inside = runner.split_decode_step(prompt, args.new_tokens)
+            peer = llama["llama.cpp f32" if dtype == "float32" else "llama.cpp f16"]
+            _, peer_decode, _ = peer.run(prompt, args.new_tokens)
+            splits[dtype].append((step, inside, peer_decode / (args.new_tokens - 1)))
 
-    serving: dict[str, float] = {}
-    for concurrency in tqdm([4, 16], desc="serving", unit="run"):
-        prompts = random_prompts(args.requests, args.prompt_tokens, seed=1000 + concurrency)
-        for dtype, runner in kvchat.items():
-            seconds = runner.serve(prompts, args.new_tokens, concurrency)
-            serving[f"kvchat {dtype}, {concurrency} in flight"] = (
-                args.requests * args.new_tokens / seconds
-            )
+    # Serving: rounds of every (concurrency, dtype), fresh prompts each, median rate.
+    rates: dict[str, list[float]] = {}
+    for r in tqdm(range(args.serving_rounds), desc="serving rounds", unit="round"):
+        for concurrency in (4, 16):
+            prompts = random_prompts(args.requests, args.prompt_tokens,
+                                     seed=1000 + 100 * r + concurrency)
+            for dtype, runner in kvchat.items():
+                seconds = runner.serve(prompts, args.new_tokens, concurrency)
+                rates.setdefault(f"kvchat {dtype}, {concurrency} in flight", []).append(
+                    args.requests * args.new_tokens / seconds
+                )
+    serving = {name: median(values) for name, values in rates.items()}
     bandwidths.append(copy_bandwidth())
 
     report = build_report(args, model_dir, timings, serving, checks, num_checked,
@@ -364,7 +373,7 @@ def median(xs: list[float]) -> float:
 def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, Timings],
                  serving: dict[str, float], checks: list[list[object]], num_checked: int,
                  bandwidth: float, version: str,
-                 splits: dict[str, list[tuple[float, float]]]) -> str:
+                 splits: dict[str, list[tuple[float, float, float]]]) -> str:
     from inference.model_config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
@@ -446,25 +455,26 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
     report += (
         f"\n## Serving {args.requests} requests\n\n"
         f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.new_tokens} new "
-        "tokens); llama.cpp's rate is its single-request rate above (generated tokens over the "
-        "whole request, prefill included).\n\n"
+        f"tokens), median of {args.serving_rounds} rounds with fresh prompts; llama.cpp's rate "
+        "is its single-request rate above (generated tokens over the whole request, prefill "
+        "included).\n\n"
         + markdown_table(["variant", "generated tok/s", "vs llama.cpp sequential"], serve_rows)
     )
     report += "\n## Goals\n\n" + markdown_table(["measure", "measured", "goal"], goals)
     split_rows = []
-    for dtype, pairs in splits.items():
-        step = median([s for s, _ in pairs])
-        linear = median([lin for _, lin in pairs])
+    for dtype, triples in splits.items():
+        step = median([s for s, _, _ in triples])
+        linear = median([lin for _, lin, _ in triples])
         peer = "llama.cpp f32" if dtype == "float32" else "llama.cpp f16"
-        peer_step = median(timings[peer].decode_step_s)
+        peer_step = median([p for _, _, p in triples])
         split_rows.append([f"kvchat {dtype}", f"{step * 1e3:.1f}", f"{linear * 1e3:.1f}",
                            f"{(step - linear) * 1e3:.1f}", f"{peer}: {peer_step * 1e3:.1f}"])
     report += (
         "\n## Where the decode step goes\n\n"
         "kvchat's single-sequence step split into the time inside its linear layers (the "
         "weight stream: every weight read once) and everything else (norms, RoPE, the paged "
-        "attention's gather and SDPA, cache write, sampling, Python), 3 interleaved rounds, "
-        "beside llama.cpp's whole step:\n\n"
+        "attention's gather and SDPA, cache write, sampling, Python), beside llama.cpp's whole "
+        "step on the same prompt; medians of 5 interleaved rounds:\n\n"
         + markdown_table(["variant", "step ms", "in linear layers ms", "everything else ms",
                           "llama.cpp step ms"], split_rows)
     )
