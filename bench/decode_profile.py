@@ -65,7 +65,7 @@ def step_profile(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> 
     events = prof.key_averages(group_by_input_shape=True)
     total = sum(e.self_cpu_time_total for e in events) / num_profiled / 1e3  # ms per step
     categories: dict[str, float] = defaultdict(float)
-    rows = []
+    rows: list[list[object]] = []
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total):
         ms = e.self_cpu_time_total / num_profiled / 1e3
         categories[CATEGORIES.get(e.key, "other ops")] += ms

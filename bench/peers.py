@@ -155,7 +155,7 @@ class KVChatRunner:
         self._count += 1
         engine.add_request(f"peers-{self._count}", prompt, self._params(new_tokens))
         engine.step()
-        Linear.__call__ = timed  # type: ignore[method-assign]
+        Linear.__call__ = timed  # type: ignore[method-assign,assignment]
         try:
             start = time.perf_counter()
             steps = 0
@@ -242,8 +242,8 @@ def check_logits(model_dir: Path, llama_f32: LlamaCppRunner, kvchat: dict[str, K
         logits = runner.all_logits(prompt + hf_ids)
         ids = [int(i) for i in logits[len(prompt) - 1 : -1].argmax(axis=1)]
         compare(name, logits, ids, exact=name.endswith("f32"))
-    for dtype, runner in kvchat.items():
-        kv_rows, kv_ids = runner.logits(prompt, new)
+    for dtype, kv_runner in kvchat.items():
+        kv_rows, kv_ids = kv_runner.logits(prompt, new)
         compare(f"kvchat {dtype}", torch.stack(kv_rows).numpy(), kv_ids,
                 exact=dtype == "float32")
     return rows
