@@ -22,6 +22,9 @@ def machine_header(title: str, settings: dict[str, object]) -> str:
         f"{torch.get_num_threads()} torch threads"
         + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        # Other work on the machine shows in every timing: say how busy it was.
+        "- load average at start (1, 5, 15 min): "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
     ]
     lines += [f"- {key}: {value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"

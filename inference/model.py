@@ -12,13 +12,19 @@ from kernels import AttentionOps
 from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
+from .linear import Linear
 from .model_config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rotary
+
+# One layer's (key_cache, value_cache, key_scales, value_scales), as KVCache.layer gives them.
+LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the model dtype (as Hugging Face does); one
     fused op instead of six small ones on the per-token path."""
+    if x.dtype == torch.float32:  # the same products, without the casts and a second op
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -33,41 +39,39 @@ class DecoderLayer:
         self.post_attention_norm = w[p + "post_attention_layernorm.weight"]
         # Fused projections: one matmul for q|k|v and one for gate|up.
         names = ("q_proj", "k_proj", "v_proj")
-        self.wqkv = torch.cat([w[p + f"self_attn.{n}.weight"] for n in names])
-        self.bqkv = (
-            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None
+        self.qkv_proj = Linear(
+            torch.cat([w[p + f"self_attn.{n}.weight"] for n in names]),
+            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None,
         )
-        self.wo = w[p + "self_attn.o_proj.weight"]
-        self.bo = w.get(p + "self_attn.o_proj.bias")
-        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.b_gate_up = (
+        self.o_proj = Linear(w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+        self.gate_up_proj = Linear(
+            torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
             torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
             if config.mlp_bias
-            else None
+            else None,
         )
-        self.w_down = w[p + "mlp.down_proj.weight"]
-        self.b_down = w.get(p + "mlp.down_proj.bias")
+        self.down_proj = Linear(w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [T, 1, head_dim] rotary tables at the tokens' positions
+        sin: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: KVCache,
+        kv_views: LayerKV,
         ops: AttentionOps,
     ) -> torch.Tensor:
         c = self.config
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, self.wqkv, self.bqkv)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
         # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
         qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
-        qk = rope.apply(qk, positions)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
 
-        key_cache, value_cache, key_scales, value_scales = kv_cache.layer(self.index)
+        key_cache, value_cache, key_scales, value_scales = kv_views
         ops.write_kv_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
         )
@@ -85,11 +89,11 @@ class DecoderLayer:
                 q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                 meta.prefill_query_start_loc, self.scale, out=attn[nd:], **window, **scales,
             )
-        x = x + F.linear(attn.view(num_tokens, c.q_size), self.wo, self.bo)
+        x = x + self.o_proj(attn.view(num_tokens, c.q_size))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -105,10 +109,13 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.lm_head = weights["lm_head.weight"]
+        # A tied lm_head is laid out apart from the embedding, which lookups read as stored.
+        self.lm_head = Linear(weights["lm_head.weight"])
         self.final_norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(config, i, weights) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+        self._views_of: KVCache | None = None
+        self._views: list[LayerKV] = []
 
     @torch.inference_mode()
     def forward(
@@ -121,11 +128,20 @@ class LlamaModel:
     ) -> torch.Tensor:
         """-> hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer in self.layers:
-            x = layer.forward(x, positions, self.rope, meta, kv_cache, ops)
+        cos, sin = self.rope.tables(positions)
+        for layer, kv_views in zip(self.layers, self._layer_views(kv_cache)):
+            x = layer.forward(x, cos, sin, meta, kv_views, ops)
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    def _layer_views(self, kv_cache: KVCache) -> list[LayerKV]:
+        """Each layer's (key, value, key scales, value scales) views of the pool, made once
+        per pool rather than once per layer and step."""
+        if self._views_of is not kv_cache:
+            self._views = [kv_cache.layer(i) for i in range(self.config.num_layers)]
+            self._views_of = kv_cache
+        return self._views
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

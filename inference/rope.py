@@ -46,17 +46,26 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        sin = emb.sin().to(dtype)
+        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * this.
+        half = head_dim // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, signed sin), each [T, 1, D], as `apply_rotary` takes them;
+        looked up once per forward, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any heads: q and k may come together), positions: [T] -> rotated
         x, same shape."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
+        return apply_rotary(x, *self.tables(positions))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], cos / signed_sin: [T, 1, D] (`RotaryEmbedding.tables`) -> x rotated,
+    same shape: x * cos + rotate_half(x) * sin, in three ops instead of six."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)

@@ -34,13 +34,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def get_attention_ops(backend: str, device: torch.device) -> AttentionOps:
     name = resolve_backend(backend, device)
     if name == "torch":
-        from .cache_write import write_kv_cache_ref
-        from .decode_attention import paged_decode_attention_ref
         from .prefill_attention import paged_prefill_attention_ref
+        from .torch_ops import StepCacheWrite, StepDecode
 
-        return AttentionOps(
-            "torch", write_kv_cache_ref, paged_decode_attention_ref, paged_prefill_attention_ref
-        )
+        # The references, with what the layers of a step share derived once (per engine).
+        return AttentionOps("torch", StepCacheWrite(), StepDecode(), paged_prefill_attention_ref)
     from .cache_write import write_kv_cache
     from .decode_attention import paged_decode_attention
     from .prefill_attention import paged_prefill_attention

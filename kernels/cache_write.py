@@ -39,11 +39,25 @@ def write_kv_cache_ref(
     value_scale_cache: torch.Tensor | None = None,
 ) -> None:
     """Torch reference (and CPU path) of the cache write; quantizes on the way in."""
-    _, _, num_kv_heads, head_dim = key_cache.shape
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
+    write_kv_slots_ref(key, value, key_cache, value_cache, slots, key_scale_cache,
+                       value_scale_cache)
+
+
+def write_kv_slots_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [num_tokens] int64, no padding
+    key_scale_cache: torch.Tensor | None = None,
+    value_scale_cache: torch.Tensor | None = None,
+) -> None:
+    """`write_kv_cache_ref` once padding tokens are dropped."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     if is_quantized(key_cache.dtype):
@@ -55,8 +69,8 @@ def write_kv_cache_ref(
         key_scale_cache.view(-1, num_kv_heads)[slots] = sk
         value_scale_cache.view(-1, num_kv_heads)[slots] = sv
     else:
-        flat_k[slots] = key.to(key_cache.dtype)
-        flat_v[slots] = value.to(value_cache.dtype)
+        flat_k[slots] = key if key.dtype == key_cache.dtype else key.to(key_cache.dtype)
+        flat_v[slots] = value if value.dtype == value_cache.dtype else value.to(value_cache.dtype)
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

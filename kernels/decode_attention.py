@@ -31,7 +31,7 @@ from ._attention_common import (
     check_paged_attention_args,
     dot_mode,
 )
-from ._paged import compute_dtype_for, gather_kv, visible
+from ._paged import compute_dtype_for, gather_rows, visible
 from .quant import is_quantized
 
 def paged_decode_attention_ref(
@@ -49,28 +49,83 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> torch.Tensor:
     """Torch reference (and the CPU path): all sequences at once, padded to the longest."""
+    plan = plan_decode_gather(
+        block_tables, seq_lens, key_cache.shape[1], query.shape[0], sliding_window,
+        num_sink_tokens,
+    )
+    return paged_decode_attention_gathered(
+        query, key_cache, value_cache, plan, scale, key_scale_cache=key_scale_cache,
+        value_scale_cache=value_scale_cache, out=out,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeGather:
+    """What the torch decode attention needs besides the cache: the pool rows each sequence
+    reads and the keys it sees. The same for every layer of a step (per window setting)."""
+
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] int64, padding read as block 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, num_blocks * block_size] bool
+    num_seqs: int
+
+
+def plan_decode_gather(
+    block_tables: torch.Tensor,  # [>= num_seqs, max_blocks_per_seq] int32, -1 padded
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    block_size: int,
+    num_seqs: int,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+) -> DecodeGather:
+    """Blocks up to the longest context, and the causal/window/sink mask over them."""
+    device = block_tables.device
+    if num_seqs == 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return DecodeGather(empty, torch.empty((0, 1, 1, 0), dtype=torch.bool, device=device), 0)
+    max_len = int(seq_lens.max())
+    num_blocks_used = (max_len + block_size - 1) // block_size
+    table = block_tables[:num_seqs, :num_blocks_used]
+    lens = seq_lens.to(torch.long).view(num_seqs, 1, 1)
+    key_pos = torch.arange(num_blocks_used * block_size, device=device).view(1, 1, -1)
+    mask = visible(lens - 1, key_pos, sliding_window, num_sink_tokens) & (key_pos < lens)
+    return DecodeGather(table.reshape(-1).long().clamp_min(0), mask.unsqueeze(1), num_seqs)
+
+
+def paged_decode_attention_gathered(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    plan: DecodeGather,
+    scale: float,
+    *,
+    key_scale_cache: torch.Tensor | None = None,
+    value_scale_cache: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference's attention for a planned gather."""
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     dtype = compute_dtype_for(query)
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-
-    max_len = int(seq_lens.max())
-    num_blocks_used = (max_len + block_size - 1) // block_size
-    table = block_tables[:num_seqs, :num_blocks_used]
-    k = gather_kv(key_cache, key_scale_cache, table, dtype)  # [S, L, Hkv, D]
-    v = gather_kv(value_cache, value_scale_cache, table, dtype)
+    assert plan.num_seqs == num_seqs, "the plan was made for another batch"
+    # [S, L, Hkv, D]
+    k = gather_rows(key_cache, key_scale_cache, plan.block_ids, dtype).view(
+        num_seqs, -1, num_kv_heads, head_dim
+    )
+    v = gather_rows(value_cache, value_scale_cache, plan.block_ids, dtype).view(
+        num_seqs, -1, num_kv_heads, head_dim
+    )
     # The query heads of one KV head play the part of SDPA's query positions, so GQA needs
     # no copies of K and V: q [S, Hkv, G, D] against k, v [S, Hkv, L, D].
-    q = query.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    lens = seq_lens.to(torch.long).view(num_seqs, 1, 1)
-    key_pos = torch.arange(k.shape[1], device=query.device).view(1, 1, -1)
-    mask = visible(lens - 1, key_pos, sliding_window, num_sink_tokens) & (key_pos < lens)
+    q = (query if query.dtype == dtype else query.to(dtype)).view(
+        num_seqs, num_kv_heads, group, head_dim
+    )
     o = torch.nn.functional.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale
     )  # [S, Hkv, G, D]; mask [S, 1, 1, L]
     out.copy_(o.reshape(num_seqs, num_heads, head_dim))
     return out

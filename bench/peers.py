@@ -1,0 +1,522 @@
+"""kvchat against llama.cpp (through llama-cpp-python) on the same weights, in one run.
+
+    pip install -e ".[peers]"    # compiles llama.cpp: ~10 min on 2 idle cores
+    python bench/peers.py [--rounds 9] [--prompt-tokens 96] [--new-tokens 48]
+
+The model's weights are converted to GGUF by llama.cpp's own converter (from the pinned
+version's source distribution; see bench/gguf_export.py) and cached by their hash. Before
+anything is timed, llama.cpp's and kvchat's float32 logits are checked against transformers.
+Each round takes a fresh prompt and runs every variant on it, in a rotating order: a reset
+cache and the prompt, then greedy decoding token by token (llama.cpp: `reset()`, `eval()` and
+argmax, never `generate()`, which reuses the previous call's cache). Then kvchat serves
+16 requests with 4 and 16 in flight, against llama.cpp serving them one after another.
+
+Writes bench/results/peers.md and peers.png."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
+
+PEERS_PACKAGE = "llama-cpp-python"
+PEERS_VERSION = "0.3.36"  # the pin of the [peers] extra in pyproject.toml
+INSTALL_HINT = f"""bench/peers.py compares kvchat with llama.cpp through {PEERS_PACKAGE}, which is
+not installed. It is an optional extra (it compiles llama.cpp: ~10 min on 2 idle cores):
+
+    CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip install -e ".[peers]"
+
+then run python bench/peers.py again."""
+
+# ggml type ids of the KV cache (llama.h's ggml_type).
+GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
+F32_LOGITS_ATOL = 1e-4
+
+
+@dataclass
+class Timings:
+    """Per-round wall times of one variant."""
+
+    prefill_s: list[float] = field(default_factory=list)
+    decode_step_s: list[float] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+
+
+class LlamaCppRunner:
+    """One llama.cpp context; a request is reset(), eval(prompt) and eval of each greedy
+    token, the argmax read from the last row of logits."""
+
+    def __init__(self, gguf: Path, kv_type: str, n_ctx: int, threads: int,
+                 logits_all: bool = False, flash_attn: bool = False) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+            n_threads_batch=threads, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type],
+            logits_all=logits_all, flash_attn=flash_attn, verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self.llm._ctx.get_logits_ith(-1)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                     shape=(self.n_vocab,))
+
+    def all_logits(self, tokens: list[int]) -> np.ndarray:
+        """[len(tokens), vocab] float32 (needs logits_all)."""
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return np.array(self.llm.scores[: len(tokens)])
+
+    def run(self, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        """(prefill seconds, decode seconds of new_tokens - 1 steps, generated ids)."""
+        llm = self.llm
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        token = int(self._last_logits().argmax())
+        prefilled = time.perf_counter()
+        out = [token]
+        for _ in range(new_tokens - 1):
+            llm.eval([token])
+            token = int(self._last_logits().argmax())
+            out.append(token)
+        return prefilled - start, time.perf_counter() - prefilled, out
+
+
+class KVChatRunner:
+    def __init__(self, model_dir: Path, dtype: str, max_num_seqs: int = 16) -> None:
+        from inference.engine import Engine
+        from inference.engine_config import EngineConfig
+        from inference.scheduler import SchedulerConfig
+        from memory.config import CacheConfig
+
+        self.engine = Engine(EngineConfig(
+            model=str(model_dir), dtype=dtype, device="cpu",
+            cache=CacheConfig(kv_cache_bytes=512 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+        ))
+        self._count = 0
+
+    def _params(self, new_tokens: int) -> Any:
+        from inference.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(self, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        engine = self.engine
+        self._count += 1
+        request_id = f"peers-{self._count}"
+        engine.add_request(request_id, prompt, self._params(new_tokens))
+        start = time.perf_counter()
+        outs = engine.step()  # prefill and the first token
+        prefilled = time.perf_counter()
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+        done = time.perf_counter()
+        assert final is not None and outs[0].request_id == request_id
+        # A fresh prompt: nothing may come from the prefix cache, or the prefill is not timed.
+        assert final.num_cached_tokens == 0, f"{final.num_cached_tokens} prompt tokens cached"
+        assert final.output_token_ids is not None
+        return prefilled - start, done - prefilled, list(final.output_token_ids)
+
+    def split_decode_step(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        """(seconds per decode step, of which inside the linear layers), one sequence: the
+        weight-streaming part against everything else of the step."""
+        from inference.linear import Linear
+
+        inside = 0.0
+        call = Linear.__call__
+
+        def timed(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+            nonlocal inside
+            start = time.perf_counter()
+            y = call(linear, x)
+            inside += time.perf_counter() - start
+            return y
+
+        engine = self.engine
+        self._count += 1
+        engine.add_request(f"peers-{self._count}", prompt, self._params(new_tokens))
+        engine.step()
+        Linear.__call__ = timed  # type: ignore[method-assign,assignment]
+        try:
+            start = time.perf_counter()
+            steps = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            total = time.perf_counter() - start
+        finally:
+            Linear.__call__ = call  # type: ignore[method-assign]
+        return total / steps, inside / steps
+
+    def logits(self, prompt: list[int], new_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+        """The logits rows kvchat sampled from (prefill's last row, then each decode step) and
+        the greedy tokens."""
+        engine = self.engine
+        sampler = engine.sampler
+        rows: list[torch.Tensor] = []
+
+        def recording(logits: torch.Tensor, params: Any, generators: Any) -> Any:
+            rows.append(logits[0].detach().clone())
+            return sampler(logits, params, generators)
+
+        engine.sampler = recording  # type: ignore[assignment]
+        try:
+            out = engine.generate([prompt], self._params(new_tokens))[0]
+        finally:
+            engine.sampler = sampler
+        assert out.output_token_ids is not None
+        return rows, list(out.output_token_ids)
+
+    def serve(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> float:
+        """Keep `concurrency` requests in flight until all are done; returns seconds."""
+        engine = self.engine
+        pending = list(prompts)
+        in_flight = 0
+        start = time.perf_counter()
+        while pending or in_flight:
+            while pending and in_flight < concurrency:
+                self._count += 1
+                engine.add_request(f"peers-{self._count}", pending.pop(0),
+                                   self._params(new_tokens))
+                in_flight += 1
+            for out in engine.step():
+                if out.finished:
+                    assert out.num_output_tokens == new_tokens and out.num_cached_tokens == 0
+                    in_flight -= 1
+        return time.perf_counter() - start
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Ids of ordinary cl100k tokens (below the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100_000, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def check_logits(model_dir: Path, llama_f32: LlamaCppRunner, kvchat: dict[str, KVChatRunner],
+                 llama_half: dict[str, LlamaCppRunner]) -> list[list[object]]:
+    """Logits of every engine against transformers float32 on one prompt; float32 must be
+    within F32_LOGITS_ATOL and pick the same greedy tokens."""
+    from transformers import LlamaForCausalLM
+
+    prompt = random_prompts(1, 40, seed=12345)[0]
+    new = 8
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                             dtype=torch.long), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        hf_logits = hf(torch.tensor([prompt + hf_ids])).logits[0].float().numpy()
+    del hf
+    positions = list(range(len(prompt) - 1, len(prompt) - 1 + new))
+    rows: list[list[object]] = []
+
+    def compare(name: str, logits: np.ndarray, ids: list[int] | None, exact: bool) -> None:
+        ref = hf_logits[: len(logits)] if len(logits) > new else hf_logits[positions]
+        err = float(np.abs(logits - ref).max())
+        greedy = ids == hf_ids if ids is not None else None
+        rows.append([name, f"{err:.2e}", "yes" if greedy else ("-" if greedy is None else "no")])
+        if exact and (err > F32_LOGITS_ATOL or greedy is False):
+            raise SystemExit(f"{name}: logits differ from transformers by {err:.2e} "
+                             f"(limit {F32_LOGITS_ATOL}) or greedy tokens differ; not timing")
+
+    for name, runner in [("llama.cpp f32", llama_f32), *llama_half.items()]:
+        logits = runner.all_logits(prompt + hf_ids)
+        ids = [int(i) for i in logits[len(prompt) - 1 : -1].argmax(axis=1)]
+        compare(name, logits, ids, exact=name.endswith("f32"))
+    for dtype, kv_runner in kvchat.items():
+        kv_rows, kv_ids = kv_runner.logits(prompt, new)
+        compare(f"kvchat {dtype}", torch.stack(kv_rows).numpy(), kv_ids,
+                exact=dtype == "float32")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
+    ap.add_argument("--cache-dir", type=Path, default=REPO / "models" / ".peers",
+                    help="where the GGUF files and the converter are kept")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=16, help="requests of the serving part")
+    ap.add_argument("--serving-rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--half", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="kvchat's half-precision dtype")
+    ap.add_argument("--out", type=Path, default=RESULTS / "peers.md")
+    args = ap.parse_args()
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(INSTALL_HINT)
+        return 0
+    import llama_cpp
+
+    from bench.gguf_export import check_side_tokenizer, gguf_files, weights_key
+
+    version = llama_cpp.__version__
+    if version != PEERS_VERSION:
+        print(f"note: {PEERS_PACKAGE} {version} is installed, the extra pins {PEERS_VERSION}; "
+              f"converting with {version}'s converter")
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_model(args.model, "bench")
+    print("converting the weights to GGUF (cached by their hash) ...")
+    ggufs = gguf_files(model_dir, args.cache_dir, PEERS_PACKAGE, version, ("f32", "f16", "bf16"))
+    side = args.cache_dir / weights_key(model_dir) / "hf"
+    num_checked = check_side_tokenizer(side, model_dir)
+
+    n_ctx = args.prompt_tokens + args.new_tokens + 64
+    llama = {
+        "llama.cpp f32": LlamaCppRunner(ggufs["f32"], "f32", n_ctx, args.threads),
+        "llama.cpp f16": LlamaCppRunner(ggufs["f16"], "f16", n_ctx, args.threads),
+        "llama.cpp bf16": LlamaCppRunner(ggufs["bf16"], "bf16", n_ctx, args.threads),
+    }
+    kvchat = {
+        "float32": KVChatRunner(model_dir, "float32"),
+        args.half: KVChatRunner(model_dir, args.half),
+    }
+    print("checking logits against transformers ...")
+    check_ctx = 64
+    checks = check_logits(
+        model_dir,
+        LlamaCppRunner(ggufs["f32"], "f32", check_ctx, args.threads, logits_all=True),
+        kvchat,
+        {name: LlamaCppRunner(ggufs[name.split()[-1]], name.split()[-1], check_ctx,
+                              args.threads, logits_all=True)
+         for name in ("llama.cpp f16", "llama.cpp bf16")},
+    )
+    print(markdown_table(["engine", "max |logit - transformers f32|", "greedy = transformers"],
+                         checks))
+
+    variants: dict[str, Callable[[list[int], int], tuple[float, float, list[int]]]] = {
+        f"kvchat {dtype}": runner.run for dtype, runner in kvchat.items()
+    }
+    variants.update({name: runner.run for name, runner in llama.items()})
+    # Warm-up: first calls allocate and fault in pages.
+    for run in variants.values():
+        run(random_prompts(1, args.prompt_tokens, seed=999)[0], 4)
+
+    timings = {name: Timings() for name in variants}
+    bandwidths = []
+    names = list(variants)
+    for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        bandwidths.append(copy_bandwidth())
+        prompt = random_prompts(1, args.prompt_tokens, seed=r)[0]
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            prefill, decode, ids = variants[name](prompt, args.new_tokens)
+            t = timings[name]
+            t.prefill_s.append(prefill)
+            t.decode_step_s.append(decode / (args.new_tokens - 1))
+            t.request_s.append(prefill + decode)
+            t.tokens.append(ids)
+    for r in range(args.rounds):
+        a, b = timings["kvchat float32"].tokens[r], timings["llama.cpp f32"].tokens[r]
+        assert a == b, f"round {r}: kvchat and llama.cpp float32 picked different tokens"
+
+    # Where kvchat's single-sequence decode step goes: linear layers (the weight stream)
+    # against the rest, medians of interleaved rounds.
+    # Each beside its llama.cpp peer's step on the same prompt, in the same round.
+    splits: dict[str, list[tuple[float, float, float]]] = {dtype: [] for dtype in kvchat}
+    for r in tqdm(range(5), desc="step split", unit="round"):
+        prompt = random_prompts(1, args.prompt_tokens, seed=500 + r)[0]
+        for dtype, runner in kvchat.items():
+            step, inside = runner.split_decode_step(prompt, args.new_tokens)
+            peer = llama["llama.cpp f32" if dtype == "float32" else "llama.cpp f16"]
+            _, peer_decode, _ = peer.run(prompt, args.new_tokens)
+            splits[dtype].append((step, inside, peer_decode / (args.new_tokens - 1)))
+
+    # Serving: rounds of every (concurrency, dtype), fresh prompts each, median rate.
+    rates: dict[str, list[float]] = {}
+    for r in tqdm(range(args.serving_rounds), desc="serving rounds", unit="round"):
+        for concurrency in (4, 16):
+            prompts = random_prompts(args.requests, args.prompt_tokens,
+                                     seed=1000 + 100 * r + concurrency)
+            for dtype, runner in kvchat.items():
+                seconds = runner.serve(prompts, args.new_tokens, concurrency)
+                rates.setdefault(f"kvchat {dtype}, {concurrency} in flight", []).append(
+                    args.requests * args.new_tokens / seconds
+                )
+    serving = {name: median(values) for name, values in rates.items()}
+    bandwidths.append(copy_bandwidth())
+
+    report = build_report(args, model_dir, timings, serving, checks, num_checked,
+                          max(bandwidths), version, splits)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(report)
+    plot(timings, serving, args, args.out.with_suffix(".png"))
+    return 0
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, Timings],
+                 serving: dict[str, float], checks: list[list[object]], num_checked: int,
+                 bandwidth: float, version: str,
+                 splits: dict[str, list[tuple[float, float, float]]]) -> str:
+    from inference.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    params = config.num_parameters
+    embed = config.vocab_size * config.hidden_size
+    # Read per decode step: every weight once (the tied embedding as lm_head), one row of the
+    # embedding, and the KV of the context (mean context of the decode steps).
+    context = args.prompt_tokens + args.new_tokens // 2
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+
+    def floor_s(elem_bytes: int) -> float:
+        return (params * elem_bytes + kv_per_token * elem_bytes * context) / bandwidth
+
+    elem = {"float32": 4, "f32": 4}
+    rows = []
+    for name, t in timings.items():
+        e = elem.get(name.split()[-1], 2)
+        step = median(t.decode_step_s)
+        prefill = median(t.prefill_s)
+        rows.append([
+            name, f"{step * 1e3:.1f}", f"{1 / step:.1f}", f"{floor_s(e) / step:.2f}",
+            f"{args.prompt_tokens / prefill:.0f}", f"{floor_s(e) / prefill:.2f}",
+            f"{args.new_tokens / median(t.request_s):.1f}",
+        ])
+
+    def tps(name: str) -> float:
+        return 1 / median(timings[name].decode_step_s)
+
+    def pps(name: str) -> float:
+        return args.prompt_tokens / median(timings[name].prefill_s)
+
+    half = f"kvchat {args.half}"
+    llama_seq = args.new_tokens / median(timings["llama.cpp f32"].request_s)
+    f32_decode = tps("kvchat float32") / tps("llama.cpp f32")
+    f32_prompt = pps("kvchat float32") / pps("llama.cpp f32")
+    goals = [
+        ["f32 decode tok/s, kvchat / llama.cpp", f"{f32_decode:.2f}x", ">= 0.8x (stretch 1.0x)"],
+        ["f32 prompt tok/s, kvchat / llama.cpp", f"{f32_prompt:.2f}x", ">= 1.0x"],
+        [f"half decode tok/s, kvchat {args.half} / llama.cpp f16",
+         f"{tps(half) / tps('llama.cpp f16'):.2f}x", ">= 0.8x"],
+        [f"half decode tok/s, kvchat {args.half} / llama.cpp bf16",
+         f"{tps(half) / tps('llama.cpp bf16'):.2f}x", "(for information)"],
+        [f"half prompt tok/s, kvchat {args.half} / kvchat float32",
+         f"{pps(half) / pps('kvchat float32'):.2f}x", ">= 0.8x"],
+    ]
+    serve_rows = [["llama.cpp f32, one request after another", f"{llama_seq:.1f}", "1.00x"]]
+    for name, rate in serving.items():
+        serve_rows.append([name, f"{rate:.1f}", f"{rate / llama_seq:.2f}x"])
+    goals.append(["kvchat float32 16 in flight / llama.cpp f32 sequential",
+                  f"{serving['kvchat float32, 16 in flight'] / llama_seq:.2f}x", ">= 3x"])
+
+    report = machine_header("Peers: kvchat vs llama.cpp (same weights, same run)", {
+        "model": f"bench preset, {params / 1e6:.1f}M parameters ({embed / 1e6:.1f}M of them the "
+                 f"tied embedding / lm_head), weights stored in bfloat16",
+        "llama.cpp": f"{PEERS_PACKAGE} {version}, GGUF from its convert_hf_to_gguf.py, KV cache "
+                     f"in the weights' type, {args.threads} threads",
+        "workload": f"{args.prompt_tokens}-token prompt + {args.new_tokens} greedy tokens, "
+                    f"{args.rounds} rounds, a fresh prompt each round, variants interleaved",
+        "command": "python bench/peers.py",
+    })
+    report += (
+        "\n## Checks before timing\n\n"
+        f"Side tokenizer.json equals kvchat's tokenizer on {num_checked} tokens of test text; "
+        "llama.cpp reads it as its `dbrx` (cl100k) pre-tokenizer. Logits on a 40-token prompt "
+        "and 8 greedy tokens, against transformers float32:\n\n"
+        + markdown_table(["engine", "max |logit - transformers f32|", "greedy = transformers"],
+                         checks)
+    )
+    report += (
+        f"\n## One sequence\n\nMedians over {args.rounds} rounds. Floor: bytes read per decode "
+        f"step (every weight once, plus the KV of a {context}-token context) / "
+        f"{bandwidth / 1e9:.1f} GB/s (best measured copy bandwidth of the run); floor share "
+        "= floor / measured time (1.0 = at the floor; prefill is compute-bound, its share is "
+        "the same floor over the whole prompt's time).\n\n"
+        + markdown_table(["variant", "decode ms/token", "decode tok/s", "decode floor share",
+                          "prompt tok/s", "prompt floor share", "request tok/s (generated)"],
+                         rows)
+    )
+    report += (
+        f"\n## Serving {args.requests} requests\n\n"
+        f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.new_tokens} new "
+        f"tokens), median of {args.serving_rounds} rounds with fresh prompts; llama.cpp's rate "
+        "is its single-request rate above (generated tokens over the whole request, prefill "
+        "included).\n\n"
+        + markdown_table(["variant", "generated tok/s", "vs llama.cpp sequential"], serve_rows)
+    )
+    report += "\n## Goals\n\n" + markdown_table(["measure", "measured", "goal"], goals)
+    split_rows = []
+    for dtype, triples in splits.items():
+        step = median([s for s, _, _ in triples])
+        linear = median([lin for _, lin, _ in triples])
+        peer = "llama.cpp f32" if dtype == "float32" else "llama.cpp f16"
+        peer_step = median([p for _, _, p in triples])
+        split_rows.append([f"kvchat {dtype}", f"{step * 1e3:.1f}", f"{linear * 1e3:.1f}",
+                           f"{(step - linear) * 1e3:.1f}", f"{peer}: {peer_step * 1e3:.1f}"])
+    report += (
+        "\n## Where the decode step goes\n\n"
+        "kvchat's single-sequence step split into the time inside its linear layers (the "
+        "weight stream: every weight read once) and everything else (norms, RoPE, the paged "
+        "attention's gather and SDPA, cache write, sampling, Python), beside llama.cpp's whole "
+        "step on the same prompt; medians of 5 interleaved rounds:\n\n"
+        + markdown_table(["variant", "step ms", "in linear layers ms", "everything else ms",
+                          "llama.cpp step ms"], split_rows)
+    )
+    report += ("\nWhere the time of a decode step goes: bench/results/decode_profile.md "
+               "(python bench/decode_profile.py).\n")
+    return report
+
+
+def plot(timings: dict[str, Timings], serving: dict[str, float], args: argparse.Namespace,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(timings)
+    colors = ["#2a7ab9" if n.startswith("kvchat") else "#999999" for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    decode = [1 / median(timings[n].decode_step_s) for n in names]
+    prompt = [args.prompt_tokens / median(timings[n].prefill_s) for n in names]
+    for ax, values, label in ((axes[0], decode, "decode tok/s"),
+                              (axes[1], prompt, "prompt tok/s")):
+        bars = ax.barh(names, values, color=colors)
+        ax.bar_label(bars, fmt="%.0f", padding=3)
+        ax.set_xlabel(f"{label} (higher is better)")
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(values) * 1.25)
+    axes[1].set_yticklabels([])
+    llama_seq = args.new_tokens / median(timings["llama.cpp f32"].request_s)
+    serve_names = ["llama.cpp f32 sequential", *serving]
+    serve_values = [llama_seq, *serving.values()]
+    bars = axes[2].barh(serve_names, serve_values,
+                        color=["#999999"] + ["#2a7ab9"] * len(serving))
+    axes[2].bar_label(bars, fmt="%.0f", padding=3)
+    axes[2].set_xlabel(f"generated tok/s, {args.requests} requests")
+    axes[2].invert_yaxis()
+    axes[2].set_xlim(0, max(serve_values) * 1.25)
+    fig.suptitle("bench model on CPU: kvchat vs llama.cpp, same weights")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

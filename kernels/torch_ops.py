@@ -1,0 +1,99 @@
+"""The torch backend's ops: the references, with what every layer of a step derives from the
+same metadata (gather rows, masks, which slots are padding) computed for the first layer only.
+
+The model runner builds new metadata tensors for each step and hands the same objects to
+every layer; the ops recognise them by identity (and, outside inference mode, by version, so
+an in-place change is seen). Results equal the references' exactly: the same ops run, fewer
+times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache_write import write_kv_slots_ref
+from .decode_attention import DecodeGather, paged_decode_attention_gathered, plan_decode_gather
+
+
+def _stamp(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The tensor itself (held, so its id is not reused) and its version counter."""
+    return t, None if t.is_inference() else t._version
+
+
+def _same(stamp: tuple[torch.Tensor, int | None] | None, t: torch.Tensor) -> bool:
+    return stamp is not None and stamp[0] is t and stamp == _stamp(t)
+
+
+class StepDecode:
+    """`paged_decode_attention_ref` with the gather plan made once per step (per window
+    setting: layers may differ in sliding window)."""
+
+    def __init__(self) -> None:
+        self._tables: tuple[torch.Tensor, int | None] | None = None
+        self._lens: tuple[torch.Tensor, int | None] | None = None
+        self._plans: dict[tuple[int, int, int | None, int], DecodeGather] = {}
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        num_sink_tokens: int = 0,
+        key_scale_cache: torch.Tensor | None = None,
+        value_scale_cache: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not (_same(self._tables, block_tables) and _same(self._lens, seq_lens)):
+            self._tables, self._lens, self._plans = _stamp(block_tables), _stamp(seq_lens), {}
+        block_size = key_cache.shape[1]
+        key = (query.shape[0], block_size, sliding_window, num_sink_tokens)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_decode_gather(
+                block_tables, seq_lens, block_size, query.shape[0], sliding_window,
+                num_sink_tokens,
+            )
+            self._plans[key] = plan
+        return paged_decode_attention_gathered(
+            query, key_cache, value_cache, plan, scale, key_scale_cache=key_scale_cache,
+            value_scale_cache=value_scale_cache, out=out,
+        )
+
+
+class StepCacheWrite:
+    """`write_kv_cache_ref` that looks for padding slots (-1) once per step: the check reads
+    the slots back to the host."""
+
+    def __init__(self) -> None:
+        self._slots: tuple[torch.Tensor, int | None] | None = None
+        self._keep: torch.Tensor | None = None  # [num_tokens] bool, None: no padding
+        self._kept_slots: torch.Tensor | None = None  # [num_kept] int64
+
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_scale_cache: torch.Tensor | None = None,
+        value_scale_cache: torch.Tensor | None = None,
+    ) -> None:
+        if not _same(self._slots, slot_mapping):
+            slots = slot_mapping.long()
+            keep = slots >= 0
+            self._slots = _stamp(slot_mapping)
+            self._keep = None if bool(keep.all()) else keep
+            self._kept_slots = slots if self._keep is None else slots[keep]
+        assert self._kept_slots is not None
+        if self._keep is not None:
+            key, value = key[self._keep], value[self._keep]
+        write_kv_slots_ref(
+            key, value, key_cache, value_cache, self._kept_slots, key_scale_cache,
+            value_scale_cache,
+        )
