@@ -19,6 +19,12 @@ class AttentionMetadata:
     prefill_query_start_loc: [num_prefill + 1] int32, offsets into the prefill part of the
                      flattened tokens.
     seq_lens count the whole context including this step's new tokens.
+
+    num_tokens:      tokens this metadata's attention covers (the leading ones of the step).
+    window:          (size, sinks) overriding the layers' own window for this group: sequences
+                     in sink + window mode.
+    windowed:        the step's windowed sequences, as a group of their own whose tokens follow
+                     this group's (they need other window arguments in the same kernels).
     """
 
     slot_mapping: torch.Tensor
@@ -29,6 +35,9 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     num_sink_tokens: int = 0
+    num_tokens: int = 0
+    window: tuple[int, int] | None = None
+    windowed: AttentionMetadata | None = None
 
     @property
     def num_prefill(self) -> int:

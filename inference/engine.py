@@ -19,7 +19,7 @@ from kernels import get_attention_ops
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
 from memory.kv_cache import KVCache, KVCacheSpec
-from memory.kv_cache_manager import KVCacheManager, KVState
+from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
 from memory.sessions import SessionStore
 from memory.stats import CacheStats, HistoryStats
 
@@ -256,6 +256,9 @@ class Engine:
         cache_salt: str | None,
     ) -> Sequence:
         limit = self.validate_prompt(prompt_token_ids, params, session_id)
+        window = self._window_for(session_id, limit)
+        if window is not None and len(prompt_token_ids) >= window.start:
+            window = None  # the prompt alone is over the budget: computed whole, pinned in part
         return Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -263,7 +266,20 @@ class Engine:
             max_total_tokens=limit,
             session_id=session_id,
             kv=KVState(salt=cache_salt),
+            window=window,
         )
+
+    def _window_for(self, session_id: str | None, max_total_tokens: int) -> KVWindow | None:
+        """Sink + window attention for a turn whose own generation could take it past its
+        session's max_kv_tokens (the prompt fits), so its KV stays within that budget; models
+        with their own sliding window keep it."""
+        if session_id is None or any(w is not None for w in self.model_config.sliding_windows):
+            return None
+        budget = self.sessions.budget(session_id).max_kv_tokens
+        if budget is None or max_total_tokens <= budget:
+            return None
+        return KVWindow.for_budget(budget, self.config.cache.block_size,
+                                   self.config.cache.window_sink_tokens)
 
     def _enqueue(self, seqs: list[Sequence]) -> None:
         """Take the ids (all or none) and queue the sequences for the next step."""
@@ -331,7 +347,10 @@ class Engine:
         logits, sampled = self.runner.execute(batch)
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens + n)
+            self.kv_manager.commit(
+                seq.kv, seq.token_ids, seq.num_computed_tokens + n,
+                shareable_tokens=None if seq.window is None else seq.window.exact_tokens,
+            )
             if seq.status is SequenceStatus.FINISHING:  # its last token's KV is in: pin it
                 self.scheduler.remove(seq)
         if any(finishing[i] for i in sampled):  # they sample nothing
@@ -353,6 +372,8 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""
+        if seq.window_applied and seq.session_id is not None:
+            self.record_history(seq.session_id, HistoryStats(window_turns=1))
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         with self._ids_lock:

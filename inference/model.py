@@ -76,19 +76,29 @@ class DecoderLayer:
             k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
         )
         attn = torch.empty_like(q)  # [T, Hq, D]
-        window = dict(sliding_window=self.sliding_window, num_sink_tokens=meta.num_sink_tokens)
         scales = dict(key_scale_cache=key_scales, value_scale_cache=value_scales)
-        nd = meta.num_decode
-        if nd:
-            ops.decode(
-                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=attn[:nd], **window, **scales,
-            )
-        if nd < num_tokens:
-            ops.prefill(
-                q[nd:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-                meta.prefill_query_start_loc, self.scale, out=attn[nd:], **window, **scales,
-            )
+        group: AttentionMetadata | None = meta
+        start = 0
+        while group is not None:  # the step's groups, one after another in the tokens
+            end = start + group.num_tokens
+            if group.window is None:
+                window = dict(sliding_window=self.sliding_window,
+                              num_sink_tokens=group.num_sink_tokens)
+            else:
+                window = dict(sliding_window=group.window[0], num_sink_tokens=group.window[1])
+            mid = start + group.num_decode
+            if group.num_decode:
+                ops.decode(
+                    q[start:mid], key_cache, value_cache, group.decode_block_tables,
+                    group.decode_seq_lens, self.scale, out=attn[start:mid], **window, **scales,
+                )
+            if mid < end:
+                ops.prefill(
+                    q[mid:end], key_cache, value_cache, group.prefill_block_tables,
+                    group.prefill_seq_lens, group.prefill_query_start_loc, self.scale,
+                    out=attn[mid:end], **window, **scales,
+                )
+            start, group = end, group.windowed
         x = x + self.o_proj(attn.view(num_tokens, c.q_size))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_norm_eps)

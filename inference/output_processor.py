@@ -135,6 +135,7 @@ def _output(
         text=full_text,
         time_to_first_token=ttft,
         abort_reason=abort_reason,
+        window_applied=seq.window_applied,
     )
 
 

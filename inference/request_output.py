@@ -25,3 +25,6 @@ class RequestOutput:
     # Why an aborted request ended: "cancelled" (the caller aborted it), "shutdown" (the engine
     # stopped before it finished); None unless finish_reason is "abort".
     abort_reason: str | None = None
+    # The turn ran in sink + window mode and its attention left earlier tokens out (it would
+    # have outgrown its session's max_kv_tokens).
+    window_applied: bool = False

@@ -122,7 +122,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """A sequence's output is final: release it now, or, in a session with its last token
         still without KV on the device, once a step has computed it."""
-        if seq.session_id is None or seq.kv.is_on_host or seq.num_uncomputed_tokens != 1:
+        if (seq.session_id is None or seq.kv.is_on_host or seq.num_uncomputed_tokens != 1
+                or seq.window_applied):
             self.remove(seq)
             return
         for queue in (self.running, self.waiting):
@@ -140,6 +141,11 @@ class Scheduler:
                 break
         if seq.kv.is_on_host:  # finished while swapped out (aborted): nothing to pin
             self.kv_manager.free(seq.kv)
+        if seq.window_applied and seq.window is not None:
+            # Only KV that full attention would have computed may be kept for reuse.
+            keep = min(seq.kv.leading_tokens(self.kv_manager.block_size),
+                       seq.window.exact_tokens)
+            self.kv_manager.truncate(seq.kv, keep)
         if seq.session_id is not None:
             self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv)
         else:
@@ -191,7 +197,7 @@ class Scheduler:
             seq = queue.pop(0)
             if step.budget == 0:
                 continue
-            n = min(seq.num_uncomputed_tokens, step.budget)
+            n = seq.chunk(min(seq.num_uncomputed_tokens, step.budget))
             scheduled = True
             while not self._reserve(seq, n):
                 short |= seq.priority == PRIORITY_NORMAL
@@ -227,7 +233,7 @@ class Scheduler:
                 )
             if self._prefix_in_flight(seq):
                 continue  # a running prefill is computing its next blocks: wait for them
-            n = min(seq.num_uncomputed_tokens, step.budget)
+            n = seq.chunk(min(seq.num_uncomputed_tokens, step.budget))
             if not self._reserve(seq, n):
                 return
             self.waiting.remove(seq)
@@ -316,6 +322,9 @@ class Scheduler:
         """Make sure slots exist for the next `num_new_tokens` tokens of `seq`, making room
         from idle sessions if needed (background requests take free blocks only)."""
         total = seq.num_computed_tokens + num_new_tokens
+        if seq.in_window:
+            assert seq.window is not None
+            self.kv_manager.release_out_of_window(seq.kv, seq.window, seq.num_computed_tokens)
         need = self.kv_manager.blocks_to_reserve(seq.kv, total)
         if seq.priority > PRIORITY_NORMAL:
             if not self.pool.can_allocate(need):
@@ -343,7 +352,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         blocks = seq.kv.block_ids
-        if blocks and self.sessions.host_room(len(blocks)):
+        if blocks and not seq.kv.has_holes and self.sessions.host_room(len(blocks)):
             self.kv_manager.swap_out(seq.kv)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memory.kv_cache_manager import KVState
+from memory.kv_cache_manager import KVState, KVWindow
 
 from .sampling_params import SamplingParams
 
@@ -60,6 +60,8 @@ class Sequence:
     was_admitted: bool = False  # admitted at least once (later admissions are resumptions)
     pending_reuse: PrefillAccounting = field(default_factory=PrefillAccounting)
     prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks
+    # Sink + window attention when the turn would outgrow its session's max_kv_tokens.
+    window: KVWindow | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -90,6 +92,26 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.kv.num_computed_tokens
+
+    @property
+    def window_applied(self) -> bool:
+        """Whether the window left some earlier token out of some query's attention (a query
+        at a position >= exact_tokens has run)."""
+        return self.window is not None and self.num_computed_tokens > self.window.exact_tokens
+
+    @property
+    def in_window(self) -> bool:
+        """Whether this step's queries run with the window (they start at or after it)."""
+        return self.window is not None and self.window.applies(self.num_computed_tokens)
+
+    def chunk(self, num_tokens: int) -> int:
+        """`num_tokens` new tokens, or fewer so a chunk never spans the window's start (the
+        queries of one chunk share one attention mode)."""
+        window = self.window
+        start = self.num_computed_tokens
+        if window is not None and start < window.start < start + num_tokens:
+            return window.start - start
+        return num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -54,6 +54,9 @@ class CacheConfig:
     watermark_low: float = 0.05
     watermark_high: float = 0.15
     default_budget: SessionBudget = SessionBudget()
+    # A turn that would outgrow its session's max_kv_tokens runs with sink + window attention
+    # (this many first tokens kept, StreamingLLM's 4) instead of holding more KV.
+    window_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -78,6 +81,10 @@ class CacheConfig:
         if self.max_pinned_sessions is not None and self.max_pinned_sessions < 0:
             raise MemoryConfigError(
                 f"max_pinned_sessions must be >= 0, got {self.max_pinned_sessions}"
+            )
+        if self.window_sink_tokens < 0:
+            raise MemoryConfigError(
+                f"window_sink_tokens must be >= 0, got {self.window_sink_tokens}"
             )
         if not 0.0 <= self.watermark_low <= self.watermark_high <= 1.0:
             raise MemoryConfigError(

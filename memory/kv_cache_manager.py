@@ -17,11 +17,46 @@ from .prefix_cache import PrefixCache
 from .stats import CacheStats
 
 
+HOLE = -1  # a block table entry whose block was released (fell out of a sink + window)
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    """Sink + window attention for one stream (StreamingLLM): from position `start` on, each
+    token attends to the first `num_sinks` positions and the last `size` ones (itself
+    included), so blocks that fall out of both are released and the stream holds a flat
+    amount of KV however long it grows. Tokens before `start` attend to everything."""
+
+    num_sinks: int
+    size: int
+    start: int
+
+    @property
+    def exact_tokens(self) -> int:
+        """Positions before this see every earlier token: their KV equals full attention's."""
+        return max(self.start, self.num_sinks + self.size)
+
+    @classmethod
+    def for_budget(cls, max_kv_tokens: int, block_size: int, num_sinks: int) -> KVWindow | None:
+        """The window that keeps a stream within ceil(max_kv_tokens / block_size) blocks:
+        full attention while it fits, then the sink blocks and a window of k*block_size + 1
+        tokens (which touches at most k + 1 blocks). None when the budget leaves no room for
+        a window block."""
+        k = cdiv(max_kv_tokens, block_size) - cdiv(num_sinks, block_size) - 1
+        if k < 1:
+            return None
+        return cls(num_sinks=num_sinks, size=k * block_size + 1, start=max_kv_tokens)
+
+    def applies(self, position: int) -> bool:
+        return position >= self.start
+
+
 @dataclass
 class KVState:
     """One token stream's KV, in the device pool or (swapped out / offloaded) on the host.
 
-    block_ids: its device block table, in order (empty while on the host).
+    block_ids: its device block table, in order (empty while on the host); HOLE where a
+        block fell out of the stream's sink + window and was released.
     host_block_ids: its host block table while swapped out or offloaded.
     block_hashes: chain hashes of its leading full, computed blocks (kept on the host too, so
         a restore can take blocks the prefix cache still holds instead of copying them).
@@ -37,6 +72,21 @@ class KVState:
     @property
     def is_on_host(self) -> bool:
         return bool(self.host_block_ids)
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """Device blocks actually held (holes left out)."""
+        return [b for b in self.block_ids if b != HOLE]
+
+    @property
+    def has_holes(self) -> bool:
+        return HOLE in self.block_ids
+
+    def leading_tokens(self, block_size: int) -> int:
+        """Computed tokens before the first hole: the KV a reader can take as a prefix."""
+        if HOLE not in self.block_ids:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.block_ids.index(HOLE) * block_size)
 
 
 @dataclass(frozen=True)
@@ -145,27 +195,54 @@ class KVCacheManager:
 
     # -- progress and release ------------------------------------------------------------------
 
-    def commit(self, state: KVState, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(
+        self,
+        state: KVState,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        shareable_tokens: int | None = None,
+    ) -> None:
         """Record that the first `num_computed_tokens` of `token_ids` now have KV; full blocks
-        get hashed and become findable."""
+        (within `shareable_tokens`, when given: KV computed under a window is not what full
+        attention computes, so it is never shared) get hashed and become findable."""
         assert num_computed_tokens <= len(state.block_ids) * self.block_size
         state.num_computed_tokens = num_computed_tokens
+        hashable = num_computed_tokens
+        if shareable_tokens is not None:
+            hashable = min(hashable, shareable_tokens)
         self.prefix_cache.extend_hashes(
-            state.block_ids, state.block_hashes, token_ids, num_computed_tokens, state.salt
+            state.block_ids, state.block_hashes, token_ids, hashable, state.salt
         )
+
+    def release_out_of_window(self, state: KVState, window: KVWindow, next_position: int) -> int:
+        """Release the blocks that no query from `next_position` on can see (past the sink
+        blocks, wholly before the window of that position); their table entries become HOLE.
+        Returns how many blocks were released."""
+        bs = self.block_size
+        first_window_position = next_position - window.size + 1
+        released = 0
+        for index in range(cdiv(window.num_sinks, bs), len(state.block_ids)):
+            if (index + 1) * bs > first_window_position:
+                break
+            block_id = state.block_ids[index]
+            if block_id != HOLE:
+                self.pool.decref(block_id)
+                state.block_ids[index] = HOLE
+                released += 1
+        return released
 
     def truncate(self, state: KVState, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens; release the blocks past them."""
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(state.block_ids):
-            self.pool.release(state.block_ids[keep:])
+            self.pool.release([b for b in state.block_ids[keep:] if b != HOLE])
             del state.block_ids[keep:]
         del state.block_hashes[num_tokens // self.block_size :]
         state.num_computed_tokens = min(state.num_computed_tokens, num_tokens)
 
     def free(self, state: KVState) -> None:
         """Release everything the stream holds, on the device and on the host."""
-        self.pool.release(state.block_ids)
+        self.pool.release(state.held_block_ids)
         self.host_pool.release(state.host_block_ids)
         state.block_ids.clear()
         state.host_block_ids.clear()
@@ -185,8 +262,10 @@ class KVCacheManager:
 
     def swap_out(self, state: KVState) -> None:
         """Copy the stream's device blocks to host blocks and free the device blocks. Its hashes
-        and progress are kept. The caller made sure the host pool has room."""
+        and progress are kept. The caller made sure the host pool has room (and that the table
+        has no holes: a windowed stream is recomputed instead)."""
         assert not state.host_block_ids, "already on the host"
+        assert not state.has_holes, "a stream with released blocks cannot be swapped"
         blocks = state.block_ids
         host_ids = self.host_pool.allocate(len(blocks))
         self._kv().swap_out(blocks, host_ids)
