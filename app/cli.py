@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from app.cli_admin import admin_app
 from app.cli_db import db_app, keys_app
 
 app = typer.Typer(
@@ -241,6 +242,7 @@ memory_app = typer.Typer(help="Plan and inspect KV-cache memory.", no_args_is_he
 app.add_typer(memory_app, name="memory")
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+app.add_typer(admin_app, name="admin")
 
 
 @memory_app.command("plan")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,6 +17,7 @@ from inference.tokenizer import Tokenizer
 
 from . import sse
 from .errors import APIError, unavailable
+from .limits import spend_tokens
 from .generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
 from .prompting import chat_messages, offered_tools, sampling_params, session_key
 from .schemas import chat as schema
@@ -61,7 +62,7 @@ async def create(
     generations = [
         Generation(runtime, prompt, p, session_id=skey if i == 0 else None,
                    cache_salt=key.owner, tool_format=fmt, tool_names=tool_names,
-                   started_at=started)
+                   started_at=started, on_finish=_spend(state, key.id))
         for i, p in enumerate(params)
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -97,6 +98,13 @@ async def create(
         ],
         usage=_usage(results),
     )
+
+
+def _spend(state: AppState, key_id: str) -> Callable[[Generated], None]:
+    def finished(result: Generated) -> None:
+        state.spawn(spend_tokens(state, key_id, result.prompt_tokens + result.completion_tokens))
+
+    return finished
 
 
 async def _drain(generation: Generation) -> Generated:

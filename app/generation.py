@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 from inference.request_output import RequestOutput
@@ -83,6 +83,7 @@ class Generation:
         tool_names: Collection[str] | None = None,
         started_at: float | None = None,
         request_id: str | None = None,
+        on_finish: Callable[[Generated], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.prompt_ids = prompt_ids
@@ -94,6 +95,7 @@ class Generation:
         self.started_at = started_at if started_at is not None else time.monotonic()
         self.request_id = request_id or f"req-{uuid.uuid4().hex}"
         self.result = Generated(self.request_id, prompt_tokens=len(prompt_ids))
+        self.on_finish = on_finish
         self._stopped = False
 
     def stop(self) -> None:
@@ -111,9 +113,16 @@ class Generation:
             self.request_id, self.prompt_ids, self.params,
             session_id=self.session_id, cache_salt=self.cache_salt,
         )
+        metrics = self.runtime.metrics
+        last_token_at: float | None = None
         async for out in stream:
-            if result.ttft_ms is None and out.new_token_ids:
-                result.ttft_ms = (time.monotonic() - self.started_at) * 1e3
+            if out.new_token_ids:
+                now = time.monotonic()
+                if result.ttft_ms is None:
+                    result.ttft_ms = (now - self.started_at) * 1e3
+                elif last_token_at is not None:
+                    metrics.itl.observe(now - last_token_at)
+                last_token_at = now
             logprobs = _logprobs(out)
             result.logprobs.extend(logprobs)
             if parser is None:
@@ -127,6 +136,14 @@ class Generation:
                         yield _event(event)
             if out.finished:
                 self._finish(out, parser)
+                metrics.finished(
+                    ttft_s=None if result.ttft_ms is None else result.ttft_ms / 1e3,
+                    e2e_s=result.total_ms / 1e3, queue_s=out.queue_time,
+                    completion_tokens=result.completion_tokens,
+                    finish_reason=result.finish_reason,
+                )
+                if self.on_finish is not None:
+                    self.on_finish(result)
         yield Done(result)
 
     def _finish(self, out: RequestOutput, parser: ToolCallStreamParser | None) -> None:

@@ -16,9 +16,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .api import chat_completions, conversations, health, models, tokenize
-from .coord import Coordinator, LocalCoordinator
+from .api import admin, chat_completions, conversations, health, metrics, models, tokenize, ws
+from .coord import make_coordinator
 from .errors import install_error_handlers
+from .leases import LeaseKeeper, default_replica_id
 from .runtime import Runtime
 from .settings import Settings
 from .state import AppState
@@ -39,10 +40,6 @@ Every route but the health checks takes `Authorization: Bearer <key>`.
 """
 
 
-def make_coordinator(settings: Settings) -> Coordinator:
-    return LocalCoordinator()
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
@@ -52,9 +49,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("%d replies were cut off by a restart; stored as interrupted", interrupted)
     runtime = await asyncio.to_thread(Runtime, settings)
     runtime.start()
-    coord = make_coordinator(settings)
+    coord = make_coordinator(settings.redis_url, settings.redis_prefix)
     await coord.start()
     state = AppState(settings=settings, store=store, runtime=runtime, coord=coord)
+    state.replica_id = settings.replica_id or default_replica_id(settings.port)
+    state.leases = LeaseKeeper(coord, runtime, state.replica_id, settings.lease_ttl)
+    state.leases.start()
     app.state.kvchat = state
     if settings.is_embedded_database and await store.count_keys() == 0:
         _, plaintext = await store.create_key("default", admin=True)
@@ -68,6 +68,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await runtime.shutdown(settings.drain_timeout)
         if state.background:
             await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
+        await state.leases.close()
         await coord.close()
         await store.close()
 
@@ -78,8 +79,9 @@ def announce_key(plaintext: str) -> None:
 
 
 class RequestIdMiddleware:
-    """An `x-request-id` on every response, as OpenAI's API sends. Plain ASGI (not
-    BaseHTTPMiddleware), so a client's disconnect still reaches the routes."""
+    """An `x-request-id` on every response, as OpenAI's API sends, and the headers a route
+    left in `request.state.extra_headers`. Plain ASGI (not BaseHTTPMiddleware), so a client's
+    disconnect still reaches the routes."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -93,8 +95,13 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
-                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                names = {k.lower() for k, _ in headers}
+                if b"x-request-id" not in names:
                     headers.append((b"x-request-id", request_id))
+                # Headers a route left in request.state (rate-limit counters).
+                extra = scope.get("state", {}).get("extra_headers", {})
+                headers += [(k.encode(), v.encode()) for k, v in extra.items()
+                            if k.encode() not in names]
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -122,7 +129,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(RequestIdMiddleware)
 
-    for module in (health, models, chat_completions, conversations, tokenize):
+    for module in (health, models, chat_completions, conversations, tokenize, admin, metrics,
+                   ws):
         app.include_router(module.router)
     app.state.started_at = int(time.time())
     return app

@@ -15,6 +15,7 @@ from inference.engine import Engine
 from inference.errors import ModelLoadError
 from inference.tokenizer import Tokenizer
 
+from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Runtime:
         self.builder = ContextBuilder(self.template, self.tokenizer)
         self.async_engine = AsyncEngine(self.engine)
         self.model_name = settings.model_name
+        self.metrics = Metrics(self.engine)
 
     def start(self) -> None:
         self.async_engine.start()
@@ -41,6 +43,10 @@ class Runtime:
     async def shutdown(self, drain_timeout: float) -> None:
         """Finish or abort in-flight requests (their callers store them), stop the thread."""
         await asyncio.to_thread(self.async_engine.shutdown, drain_timeout)
+
+    def notify(self) -> None:
+        """Wake the engine thread for queued operator work (an eviction) when it is idle."""
+        self.async_engine.notify()
 
     @property
     def is_running(self) -> bool:

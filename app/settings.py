@@ -65,9 +65,26 @@ class Settings(BaseSettings):
     data_dir: Path = Path("data")
     database_url: str | None = Field(None, description="Default: SQLite in data_dir.")
     redis_url: str | None = Field(None, description="Unset: in-process coordination.")
+    redis_prefix: str = Field("kvchat:", description="Prefix of every Redis key and channel.")
     cors_origins: list[str] = Field(default_factory=list)
     drain_timeout: float = Field(10.0, description="Seconds in-flight turns get at shutdown.")
     log_level: str = "info"
+    replica_id: str | None = Field(
+        None, description="This process's name in session leases (default: host:port:pid)."
+    )
+    lease_ttl: float = Field(30.0, description="Session ownership leases expire unless renewed.")
+
+    # -- limits (per API key; unset: none) ------------------------------------------------------
+    rate_limit_requests: int | None = Field(None, description="Requests per minute per key.")
+    rate_limit_tokens: int | None = Field(None, description="Tokens per minute per key.")
+
+    # -- WebSocket -------------------------------------------------------------------------------
+    ws_grace_period: float = Field(
+        30.0, description="A reply goes on this long after its socket drops (resume window)."
+    )
+    ws_max_frame_bytes: int = 256 * 1024
+    ws_max_connections_per_key: int = 16
+    ws_idle_timeout: float = Field(300.0, description="Close a socket silent this long.")
 
     @field_validator("history_policy")
     @classmethod

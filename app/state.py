@@ -19,6 +19,24 @@ from .store import KeyRecord, Store
 
 
 @dataclass
+class SessionDefaults:
+    """Budgets and history policy of sessions that set none of their own (from the settings;
+    operators change them at run time with PUT /v1/admin/defaults)."""
+
+    max_context_tokens: int | None = None
+    max_kv_tokens: int | None = None
+    history_policy: str = "drop"
+    high_watermark: float = 0.8
+    low_watermark: float = 0.5
+    max_tool_result_tokens: int | None = None
+    max_summary_tokens: int = 512
+
+    @classmethod
+    def of(cls, settings: Settings) -> SessionDefaults:
+        return cls(**{f: getattr(settings, f) for f in cls.__dataclass_fields__})
+
+
+@dataclass
 class AppState:
     settings: Settings
     store: Store
@@ -31,6 +49,13 @@ class AppState:
     # awaited at shutdown.
     background: set[asyncio.Task[None]] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    defaults: SessionDefaults = field(default_factory=SessionDefaults)
+    replica_id: str = ""
+    websockets: dict[str, int] = field(default_factory=dict)  # key id -> open sockets
+    leases: Any = None  # LeaseKeeper: this process's session ownership leases
+
+    def __post_init__(self) -> None:
+        self.defaults = SessionDefaults.of(self.settings)
 
     def spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from memory.history import (
     SummaryState,
     plan_context,
 )
+from memory.config import SessionBudget
 from memory.stats import HistoryStats
 
 from .errors import APIError, busy, invalid_request, not_found
@@ -75,11 +76,16 @@ class Turn:
     text_sent: int = 0  # characters of deltas so far (the offset of the next delta)
     final: MessageRecord | None = None
     task: asyncio.Task[None] | None = None
+    # Also buffered elsewhere (Redis Streams when configured), for a client of another process.
+    on_event: Any = None
+    watchers: int = 0  # sockets streaming this turn right now
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, event: TurnEvent) -> None:
         self.events_log.append(event)
         self._changed.set()
+        if self.on_event is not None:
+            self.on_event(self, event)
 
     @property
     def is_done(self) -> bool:
@@ -126,7 +132,7 @@ class Turn:
 
 
 def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
-    default = state.settings
+    default = state.defaults
     return HistoryPolicy(
         policy=conv.history_policy or default.history_policy,
         high_watermark=_pick(conv.high_watermark, default.high_watermark),
@@ -138,8 +144,17 @@ def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
 
 def context_budget(state: AppState, conv: ConversationRecord) -> int:
     limit = state.runtime.max_model_len
-    budget = _pick(conv.max_context_tokens, state.settings.max_context_tokens)
+    budget = _pick(conv.max_context_tokens, state.defaults.max_context_tokens)
     return min(limit, budget) if budget else limit
+
+
+def session_budget(state: AppState, conv: ConversationRecord) -> SessionBudget:
+    """The engine-side budget of the conversation's session, set before each of its turns
+    (an operator's change applies at the next turn)."""
+    return SessionBudget(
+        max_kv_tokens=_pick(conv.max_kv_tokens, state.defaults.max_kv_tokens),
+        max_context_tokens=context_budget(state, conv),
+    )
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -175,10 +190,12 @@ async def start_turn(
     *,
     new_message: ChatMessage | None,
     parent_id: str | None,
+    key_id: str | None = None,
 ) -> Turn:
     """Plan and start a turn (the caller holds the conversation's turn lock). `new_message`
     None regenerates the reply to `parent_id` (a user or tool message)."""
     runtime, store = state.runtime, state.store
+    runtime.engine.set_session_budget(conv.id, session_budget(state, conv))
     tools = offered_tools(fields)
     tool_names = {t.function.name for t in fields.tools} if fields.tools else None
     parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
@@ -262,14 +279,63 @@ async def start_turn(
         runtime, prompt, params, session_id=conv.id, cache_salt=owner,
         tool_format=runtime.template.tool_call_format if tools else None,
         tool_names=tool_names, request_id=f"turn-{assistant.id}",
+        on_finish=_spend(state, key_id),
     )
     turn = Turn(conv.id, owner, user, assistant, generation)
+    if state.coord.name != "local":
+        turn.on_event = _buffer_in(state)
     turn.publish(TurnEvent("start", {"message_id": assistant.id, "parent_id": reply_parent}))
     summary_job = _summary_job(state, conv, policy, plan, branch, chat, summary)
     turn.task = asyncio.ensure_future(_run(state, turn, [*chat] + ([new_message] if new_message
                                                                   else []), system, tools,
                                            summary_job))
     return turn
+
+
+EVENTS_TTL = 3600.0
+
+
+def events_stream(message_id: str) -> str:
+    return f"reply:{message_id}"
+
+
+def _buffer_in(state: AppState) -> Any:
+    """Copy a turn's events to the coordination back end, in order (one task per turn)."""
+    queues: dict[str, asyncio.Queue[TurnEvent | None]] = {}
+
+    def on_event(turn: Turn, event: TurnEvent) -> None:
+        name = events_stream(turn.assistant_message.id)
+        queue = queues.get(name)
+        if queue is None:
+            queue = queues[name] = asyncio.Queue()
+
+            async def drain() -> None:
+                while (item := await queue.get()) is not None:
+                    try:
+                        await state.coord.append_event(name, item.frame(), EVENTS_TTL)
+                    except Exception:
+                        log.exception("buffering a reply's event failed")
+                    if item.type in ("done", "error"):
+                        queues.pop(name, None)
+                        return
+
+            state.spawn(drain())
+        queue.put_nowait(event)
+
+    return on_event
+
+
+def _spend(state: AppState, key_id: str | None) -> Any:
+    """Count a finished generation's tokens against its key's tokens-per-minute limit."""
+    if key_id is None:
+        return None
+
+    def finished(result: Any) -> None:
+        from .limits import spend_tokens
+
+        state.spawn(spend_tokens(state, key_id, result.prompt_tokens + result.completion_tokens))
+
+    return finished
 
 
 def _with_counts(m: MessageRecord, num_tokens: int, content_tokens: int) -> MessageRecord:
@@ -446,9 +512,12 @@ async def unlock_conversation(state: AppState, conversation_id: str, token: str)
     await state.coord.unlock(f"turn:{conversation_id}", token)
 
 
-def run_turn_holding_lock(state: AppState, turn: Turn, token: str) -> None:
-    """Release the lock when the turn ends; keep the turn findable while it runs."""
+async def run_turn_holding_lock(state: AppState, turn: Turn, token: str) -> None:
+    """Keep the turn findable and stoppable (from any process) while it runs; when it ends,
+    release the conversation's lock and hold the lease on its pinned session."""
     state.turns[turn.conversation_id] = turn
+    unsubscribe = await state.coord.subscribe_stop(turn.conversation_id,
+                                                   lambda _: turn.stop())
 
     async def release() -> None:
         try:
@@ -457,9 +526,12 @@ def run_turn_holding_lock(state: AppState, turn: Turn, token: str) -> None:
         except BaseException:
             pass
         finally:
+            unsubscribe()
             if state.turns.get(turn.conversation_id) is turn:
                 del state.turns[turn.conversation_id]
             await unlock_conversation(state, turn.conversation_id, token)
+            if state.leases is not None:
+                await state.leases.hold(turn.conversation_id)
 
     state.spawn(release())
 
@@ -498,6 +570,7 @@ async def post_turn(
     parent_id: str | None,
     idempotency_key: str | None,
     raw_body: dict[str, Any],
+    key_id: str | None = None,
 ) -> Turn | Replayed:
     """Start a turn in a conversation, or replay the first result of a retried request."""
     conv = await state.store.get_conversation(owner, conversation_id)
@@ -521,7 +594,7 @@ async def post_turn(
         token = await lock_conversation(state, conversation_id)
         try:
             turn = await start_turn(state, owner, conv, fields, new_message=new_message,
-                                    parent_id=parent_id)
+                                    parent_id=parent_id, key_id=key_id)
         except BaseException:
             await unlock_conversation(state, conversation_id, token)
             raise
@@ -529,7 +602,7 @@ async def post_turn(
         if idem is not None:
             await state.coord.idempotency_abandon(idem)
         raise
-    run_turn_holding_lock(state, turn, token)
+    await run_turn_holding_lock(state, turn, token)
     if idem is not None:
         state.spawn(_finish_idempotent(state, turn, idem))
     return turn

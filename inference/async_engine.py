@@ -156,6 +156,10 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def notify(self) -> None:
+        """Wake the engine thread (operator work was queued on the engine: evict, close)."""
+        self._wake.set()
+
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         self.engine.abort_request(request_id, reason)
         self._wake.set()

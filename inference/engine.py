@@ -20,7 +20,7 @@ from memory.block_pool import BlockPool
 from memory.config import SessionBudget
 from memory.kv_cache import KVCache, KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
-from memory.sessions import SessionStore
+from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats, HistoryStats
 
 from .engine_config import EngineConfig
@@ -407,6 +407,7 @@ class Engine:
             return self._session_history.get(session_id, HistoryStats()).snapshot()
 
     def session_info(self, session_id: str) -> dict[str, object] | None:
+        """A session as an operator sees it (any thread: a snapshot)."""
         session = self.sessions.get(session_id)
         if session is None:
             return None
@@ -415,13 +416,21 @@ class Engine:
             "session_id": session_id,
             "state": session.state.value,
             "tokens": session.num_tokens,
-            "device_blocks": len(session.kv.block_ids),
+            "device_blocks": len(session.kv.held_block_ids),
             "host_blocks": len(session.kv.host_block_ids),
             "turns": session.num_turns,
+            "idle_seconds": (
+                None if session.state is SessionState.ACTIVE
+                else round(time.monotonic() - session.last_used, 3)
+            ),
             "max_kv_tokens": budget.max_kv_tokens,
             "max_context_tokens": budget.max_context_tokens,
             "history": self.session_history(session_id),
         }
+
+    def session_ids(self) -> list[str]:
+        """Every session the engine knows (any thread: a snapshot)."""
+        return list(self.sessions.sessions)
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(allocated, filled) KV slots: allocated = slots of every block in use; filled = slots

@@ -120,6 +120,9 @@ def _output(
 ) -> RequestOutput:
     finished = finish_reason is not None
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+    queued = (
+        None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+    )
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=[] if token_id is None else [token_id],
@@ -134,6 +137,7 @@ def _output(
         output_token_ids=list(seq.output_token_ids) if finished else None,
         text=full_text,
         time_to_first_token=ttft,
+        queue_time=queued,
         abort_reason=abort_reason,
         window_applied=seq.window_applied,
     )

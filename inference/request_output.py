@@ -22,6 +22,7 @@ class RequestOutput:
     output_token_ids: list[int] | None = None
     text: str | None = None
     time_to_first_token: float | None = None  # seconds, once the first token exists
+    queue_time: float | None = None  # seconds from arrival to first being scheduled
     # Why an aborted request ended: "cancelled" (the caller aborted it), "shutdown" (the engine
     # stopped before it finished); None unless finish_reason is "abort".
     abort_reason: str | None = None

@@ -22,6 +22,7 @@ a normal request for their own sake, and are the first to be preempted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -237,6 +238,8 @@ class Scheduler:
             if not self._reserve(seq, n):
                 return
             self.waiting.remove(seq)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self._count_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

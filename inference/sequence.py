@@ -52,6 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when it was first admitted to run
     first_token_time: float | None = None
     finish_time: float | None = None
     accounting: PrefillAccounting = field(default_factory=PrefillAccounting)

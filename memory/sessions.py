@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class Session:
     state: SessionState = SessionState.EMPTY
     active_request_id: str | None = None
     num_turns: int = 0
+    last_used: float = field(default_factory=time.monotonic)  # when a turn last ended
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +163,7 @@ class SessionStore:
             return
         session.active_request_id = None
         session.num_turns += 1
+        session.last_used = time.monotonic()
         budget = self.budget(session_id)
         keep = kv.num_computed_tokens
         if budget.max_kv_tokens is not None:

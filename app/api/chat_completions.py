@@ -8,7 +8,8 @@ from fastapi import APIRouter, Header, Request
 
 from .. import completions
 from ..schemas.chat import ChatCompletion, ChatCompletionRequest
-from ..state import CurrentKey, StateDep
+from ..limits import RateLimitedKey
+from ..state import StateDep
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 
@@ -23,7 +24,7 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
-    key: CurrentKey,
+    key: RateLimitedKey,
     state: StateDep,
     x_session_id: Annotated[
         str | None,

@@ -22,6 +22,7 @@ from ..schemas.conversations import (
     PostMessage,
     Regenerate,
 )
+from ..limits import RateLimitedKey
 from ..state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
@@ -140,7 +141,7 @@ async def post_message(
     conversation_id: str,
     body: PostMessage,
     request: Request,
-    key: CurrentKey,
+    key: RateLimitedKey,
     state: StateDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
@@ -157,7 +158,7 @@ async def post_message(
     result = await turns.post_turn(
         state, key.owner, conversation_id, body, new_message=new_message,
         parent_id=body.parent_id, idempotency_key=idempotency_key,
-        raw_body=body.model_dump(mode="json", exclude_unset=True),
+        raw_body=body.model_dump(mode="json", exclude_unset=True), key_id=key.id,
     )
     return await _respond(state, request, result, body.stream)
 
@@ -167,7 +168,7 @@ async def regenerate(
     conversation_id: str,
     body: Regenerate,
     request: Request,
-    key: CurrentKey,
+    key: RateLimitedKey,
     state: StateDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
@@ -183,6 +184,7 @@ async def regenerate(
         state, key.owner, conversation_id, body, new_message=None, parent_id=message.parent_id,
         idempotency_key=idempotency_key,
         raw_body={"regenerate": target, **body.model_dump(mode="json", exclude_unset=True)},
+        key_id=key.id,
     )
     return await _respond(state, request, result, body.stream)
 

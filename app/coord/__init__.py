@@ -1,8 +1,19 @@
 """Coordination of what spans requests, processes and replicas: per-conversation turn locks,
-idempotency records, stop signals (and, with Redis, rate limits and session leases). One
-interface, two back ends: in-process (the embedded default) and Redis."""
+idempotency records, stop signals, rate limits, session ownership leases and the buffered
+events of replies. One interface, two back ends: in-process (the embedded default) and Redis
+(`KVCHAT_REDIS_URL`)."""
 
-from .base import Coordinator, IdempotencyRecord
+from .base import Coordinator, IdempotencyRecord, RateDecision
 from .local import LocalCoordinator
 
-__all__ = ["Coordinator", "IdempotencyRecord", "LocalCoordinator"]
+
+def make_coordinator(redis_url: str | None, prefix: str = "kvchat:") -> Coordinator:
+    if redis_url is None:
+        return LocalCoordinator()
+    from .redis import RedisCoordinator
+
+    return RedisCoordinator(redis_url, prefix=prefix)
+
+
+__all__ = ["Coordinator", "IdempotencyRecord", "LocalCoordinator", "RateDecision",
+           "make_coordinator"]

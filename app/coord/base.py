@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,24 @@ class IdempotencyRecord:
         return self.result is not None
 
 
+@dataclass(frozen=True)
+class RateDecision:
+    """A sliding-window rate limit's answer: whether `cost` more fits in the window now."""
+
+    allowed: bool
+    limit: int
+    remaining: int
+    reset_s: float  # until the window has room for one more unit
+    retry_after: float  # 0 when allowed
+
+
 StopHandler = Callable[[str], Awaitable[None] | None]
+
+
+def sliding_window_count(previous: float, current: float, elapsed_fraction: float) -> float:
+    """The sliding-window estimate from two fixed windows (the previous one weighted by how
+    much of it still overlaps the sliding window), as Cloudflare's rate limiter does."""
+    return previous * (1.0 - elapsed_fraction) + current
 
 
 class Coordinator(abc.ABC):
@@ -76,3 +93,37 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     async def subscribe_stop(self, conversation_id: str, handler: StopHandler) -> Callable[[], None]:
         """Call `handler(conversation_id)` on a stop for it; returns the unsubscribe function."""
+
+    # -- rate limits -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def rate_check(self, key: str, limit: int, window_s: float, cost: int) -> RateDecision:
+        """Whether `cost` more units fit under `limit` per sliding `window_s`; counts them when
+        they do (pass cost 0 to only look)."""
+
+    @abc.abstractmethod
+    async def rate_add(self, key: str, window_s: float, cost: int) -> None:
+        """Count `cost` units that were used (tokens, known after the fact)."""
+
+    # -- session ownership leases --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def acquire_lease(self, name: str, holder: str, ttl: float) -> bool:
+        """Hold `name` for `holder` (or renew it) unless another holder has it."""
+
+    @abc.abstractmethod
+    async def release_lease(self, name: str, holder: str) -> None: ...
+
+    @abc.abstractmethod
+    async def lease_holder(self, name: str) -> str | None: ...
+
+    # -- a reply's events, for a client that comes back --------------------------------------------
+
+    @abc.abstractmethod
+    async def append_event(self, stream: str, event: dict[str, Any], ttl: float) -> None:
+        """Buffer one event of a reply (start, delta, tool_call, done, error)."""
+
+    @abc.abstractmethod
+    def read_events(self, stream: str, timeout: float) -> AsyncIterator[dict[str, Any]]:
+        """Every buffered event of a reply, then the live ones, until `done` or `error` (or
+        `timeout` seconds without one)."""

@@ -49,6 +49,12 @@ class ConversationStore(StoreBase):
             row = await owned_conversation(session, owner, conversation_id)
             return None if row is None else ConversationRecord.of(row)
 
+    async def find_conversation(self, conversation_id: str) -> ConversationRecord | None:
+        """A conversation whoever owns it: for operators (admin routes), never for owners."""
+        async with self._read() as session:
+            row = await session.get(Conversation, conversation_id)
+            return None if row is None else ConversationRecord.of(row)
+
     async def list_conversations(
         self, owner: str, *, limit: int = 20, after: str | None = None
     ) -> tuple[list[ConversationRecord], str | None]:

@@ -207,3 +207,30 @@ def test_postgres_must_be_migrated_first(dev_model: Path, tmp_path: Path) -> Non
             assert r.status_code == 200, r.text
         finally:
             server.stop()
+
+
+def test_the_admin_commands_against_the_running_server(server: Server) -> None:
+    conv = new_conversation(server)
+    httpx.post(f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers(),
+               json={"content": "Something to pin", "max_tokens": 4}, timeout=60)
+    env = {**os.environ, "KVCHAT_URL": server.url, "KVCHAT_API_KEY": server.key or "",
+           "COLUMNS": "200"}
+
+    def admin(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "app.cli", "admin", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    memory = admin("memory")
+    assert memory.returncode == 0, memory.stderr
+    assert "KV memory" in memory.stdout and conv in memory.stdout
+    session = admin("session", conv, "--max-kv-tokens", "48", "--policy", "summarize")
+    assert session.returncode == 0, session.stderr
+    assert "max_kv_tokens" in session.stdout and "48" in session.stdout
+    assert "summarize" in session.stdout
+    wait_for(lambda: httpx.get(f"{server.url}/v1/admin/sessions/{conv}",
+                               headers=server.headers()).json()["engine"]["state"] == "resident")
+    evicted = admin("evict", conv)
+    assert evicted.returncode == 0, evicted.stderr
+    assert evicted.stdout.strip() == f"{conv}: resident -> offloaded"
+    missing = admin("evict", "conv_missing")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: 404")

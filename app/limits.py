@@ -1,0 +1,75 @@
+"""Per-key rate limits (requests and tokens per minute, sliding window) through the
+coordination back end: 429 with `Retry-After` and OpenAI's `x-ratelimit-*` headers on REST,
+an error frame `rate_limited` with `retry_after` on the WebSocket."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from .coord import RateDecision
+from .errors import APIError
+from .state import AppState, CurrentKey, StateDep
+from .store import KeyRecord
+
+WINDOW_S = 60.0
+
+
+def _headers(kind: str, decision: RateDecision) -> dict[str, str]:
+    return {
+        f"x-ratelimit-limit-{kind}": str(decision.limit),
+        f"x-ratelimit-remaining-{kind}": str(decision.remaining),
+        f"x-ratelimit-reset-{kind}": f"{decision.reset_s:.1f}s",
+    }
+
+
+async def admit(state: AppState, key: KeyRecord) -> dict[str, str]:
+    """Count one request against the key's limits; raise 429 when over. Returns the
+    x-ratelimit headers for the response."""
+    settings = state.settings
+    headers: dict[str, str] = {}
+    checks: list[tuple[str, str, int, int]] = []
+    if settings.rate_limit_requests:
+        checks.append(("requests", f"requests:{key.id}", settings.rate_limit_requests, 1))
+    if settings.rate_limit_tokens:
+        # Tokens are counted after the fact; a request is refused once the window is spent.
+        checks.append(("tokens", f"tokens:{key.id}", settings.rate_limit_tokens, 1))
+    for kind, bucket, limit, cost in checks:
+        decision = await state.coord.rate_check(bucket, limit, WINDOW_S,
+                                                cost if kind == "requests" else 0)
+        if kind == "tokens" and decision.remaining <= 0:
+            decision = RateDecision(False, limit, 0, decision.reset_s,
+                                    max(decision.reset_s, 1.0))
+        headers.update(_headers(kind, decision))
+        if not decision.allowed:
+            state.runtime.metrics.rate_limited.inc()
+            retry = max(1, math.ceil(decision.retry_after))
+            raise APIError(
+                429,
+                f"Rate limit reached for {kind} per minute ({limit}); retry in {retry} s.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry), **headers},
+            )
+    return headers
+
+
+async def spend_tokens(state: AppState, key_id: str, tokens: int) -> None:
+    if state.settings.rate_limit_tokens and tokens > 0:
+        await state.coord.rate_add(f"tokens:{key_id}", WINDOW_S, tokens)
+
+
+def rate_limit_frame(error: APIError) -> dict[str, Any]:
+    return {"type": "error", "code": "rate_limited", "message": error.message,
+            "retry_after": int(error.headers.get("Retry-After", "1"))}
+
+
+async def rate_limited_key(request: Request, key: CurrentKey, state: StateDep) -> KeyRecord:
+    """The caller's key, once this request is counted against its limits (429 when over);
+    the x-ratelimit headers go on the response."""
+    request.state.extra_headers = await admit(state, key)
+    return key
+
+
+RateLimitedKey = Annotated[KeyRecord, Depends(rate_limited_key)]

@@ -1,0 +1,140 @@
+"""Prometheus metrics (prometheus-client), named after vLLM's v1 metrics under a `kvchat:`
+prefix with the same histogram buckets, plus kvchat's own: pinned sessions, session reuse,
+offloads / restores / drops, history trims and summaries, cached tokens by source, WebSocket
+connections, rate-limited requests.
+
+Engine-side values are read from the engine when scraped (gauges and monotonic counters);
+latencies are observed by the service as requests finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from inference.engine import Engine
+
+PREFIX = "kvchat:"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineCollector:
+    """What the engine knows, read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.engine.memory_report()
+        stats: dict[str, Any] = report["stats"]  # type: ignore[assignment]
+        history: dict[str, Any] = report["history"]  # type: ignore[assignment]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+        yield gauge("num_requests_running", "Requests in the running batch.",
+                    float(report["num_running"]))  # type: ignore[arg-type]
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    float(report["num_waiting"]))  # type: ignore[arg-type]
+        yield gauge("num_requests_swapped", "Requests preempted to host memory.",
+                    float(report["num_swapped"]))  # type: ignore[arg-type]
+        yield gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (0-1).",
+                    float(report["kv_cache_usage"]))  # type: ignore[arg-type]
+        pinned = GaugeMetricFamily(PREFIX + "pinned_sessions",
+                                   "Idle sessions holding KV, by tier.", labels=["tier"])
+        tiers = {"gpu": 0, "host": 0}
+        for session_id in self.engine.session_ids():
+            info = self.engine.session_info(session_id)
+            if info is not None and info["state"] == "resident":
+                tiers["gpu"] += 1
+            elif info is not None and info["state"] == "offloaded":
+                tiers["host"] += 1
+        for tier, count in tiers.items():
+            pinned.add_metric([tier], count)
+        yield pinned
+        yield counter("prefix_cache_queries", "Prompt tokens looked up for reuse.",
+                      stats["prompt_tokens"])
+        yield counter("prefix_cache_hits", "Prompt tokens served by the global prefix cache.",
+                      stats["from_prefix_cache"])
+        yield counter("prompt_tokens", "Prompt tokens admitted.", stats["prompt_tokens"])
+        yield counter("num_preemptions", "Running requests preempted (swap or recompute).",
+                      stats["preemptions_swap"] + stats["preemptions_recompute"])
+        yield counter("session_reuse_tokens", "Prompt tokens served by a pinned session.",
+                      stats["from_session"])
+        cached = CounterMetricFamily(PREFIX + "cached_tokens",
+                                     "Prompt tokens whose KV was reused, by source.",
+                                     labels=["source"])
+        cached.add_metric(["session"], stats["from_session"])
+        cached.add_metric(["prefix_cache"], stats["from_prefix_cache"])
+        cached.add_metric(["host"], stats["from_host"])
+        yield cached
+        yield counter("computed_prompt_tokens", "Prompt tokens computed (prefilled).",
+                      stats["computed"] + stats["recomputed"])
+        yield counter("session_offloads", "Idle sessions moved to the host pool.",
+                      stats["session_offloads"])
+        yield counter("session_restores", "Offloaded sessions brought back.",
+                      stats["session_restores"])
+        yield counter("session_drops", "Sessions whose KV was dropped (recomputed later).",
+                      stats["session_drops"])
+        yield counter("history_trims", "History trim events.", history["trims"])
+        yield counter("history_dropped_tokens", "Prompt tokens dropped by trims.",
+                      history["dropped_tokens"])
+        yield counter("history_summaries", "Running summaries generated.", history["summaries"])
+        yield counter("history_window_turns", "Turns run in sink + window mode.",
+                      history["window_turns"])
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to the first generated token.", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive generated tokens.", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Request latency, arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
+                               "Time a request waited before it was first scheduled.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.request_success = Counter(PREFIX + "request_success",
+                                       "Requests finished, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.rate_limited = Counter(PREFIX + "rate_limited_requests",
+                                    "Requests refused by a rate limit.", registry=r)
+        self.websocket_connections = Gauge(PREFIX + "websocket_connections",
+                                           "Open WebSocket connections.", registry=r)
+        r.register(EngineCollector(engine))  # type: ignore[arg-type]
+
+    def finished(self, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
+                 completion_tokens: int, finish_reason: str) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if queue_s is not None:
+            self.queue.observe(queue_s)
+        self.generation_tokens.inc(completion_tokens)
+        self.request_success.labels(finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

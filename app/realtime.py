@@ -1,0 +1,353 @@
+"""One WebSocket of a conversation: JSON text frames in, the turn's events out.
+
+Client -> server: message, regenerate, stop, resume, ping. Server -> client: start, delta
+(`offset`: characters of the reply sent before it), tool_call, done, error (`code`), pong.
+A bad frame gets an error frame (`invalid_json`, `unknown_type`, `invalid_request`,
+`frame_too_large`) and the socket stays usable; a second message while a reply is being
+generated gets `busy`.
+
+A reply belongs to its conversation, not to the socket: when the socket drops, the reply goes
+on for a grace period; a client that reconnects and sends `resume` with the last offset it saw
+gets the rest, without gaps or repeats (from this process's turn, or from the reply's buffered
+events in Redis, or from the stored message once it is done). With no client back in time,
+the reply is stopped and stored as cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import WebSocket
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from inference.chat_template import ChatMessage
+from inference.errors import InvalidRequestError
+from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+
+from . import limits, turns
+from .errors import APIError, _param
+from .schemas.chat import SamplingFields, TextPart
+from .state import AppState, bearer_token
+from .store import KeyRecord
+
+log = logging.getLogger(__name__)
+
+CLOSE_BAD_KEY = 4401
+CLOSE_FORBIDDEN_ORIGIN = 4403
+CLOSE_NOT_FOUND = 4404
+CLOSE_TOO_MANY = 4429
+
+
+class MessageFrame(SamplingFields):
+    type: Literal["message"]
+    role: Literal["user", "tool"] = "user"
+    content: str | list[TextPart]
+    name: str | None = None
+    tool_call_id: str | None = None
+    parent_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class RegenerateFrame(SamplingFields):
+    type: Literal["regenerate"]
+    message_id: str | None = None
+
+
+class StopFrame(BaseModel):
+    type: Literal["stop"]
+
+
+class ResumeFrame(BaseModel):
+    type: Literal["resume"]
+    message_id: str
+    offset: int = Field(0, ge=0)
+
+
+class PingFrame(BaseModel):
+    type: Literal["ping"]
+
+
+Frame = Annotated[
+    MessageFrame | RegenerateFrame | StopFrame | ResumeFrame | PingFrame,
+    Field(discriminator="type"),
+]
+FRAME = TypeAdapter(Frame)
+TYPES = ("message", "regenerate", "stop", "resume", "ping")
+
+
+def error_frame(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "error", "code": code, "message": message, **extra}
+
+
+def origin_allowed(websocket: WebSocket, allowed: list[str]) -> bool:
+    """Browsers send Origin; it must be this server's own or one the CORS setting lists."""
+    origin = websocket.headers.get("origin")
+    if origin is None or "*" in allowed or origin in allowed:
+        return True
+    host = websocket.headers.get("host")
+    return host is not None and origin in (f"http://{host}", f"https://{host}")
+
+
+async def serve(state: AppState, websocket: WebSocket, conversation_id: str) -> None:
+    settings = state.settings
+    token = bearer_token(websocket.headers.get("authorization")) or websocket.query_params.get(
+        "access_token")
+    key = await state.store.authenticate(token) if token else None
+    await websocket.accept()
+    if key is None:
+        await websocket.close(CLOSE_BAD_KEY, "invalid API key")
+        return
+    if not origin_allowed(websocket, settings.cors_origins):
+        await websocket.close(CLOSE_FORBIDDEN_ORIGIN, "origin not allowed")
+        return
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        await websocket.send_json(error_frame("not_found", "conversation not found"))
+        await websocket.close(CLOSE_NOT_FOUND, "conversation not found")
+        return
+    if state.websockets.get(key.id, 0) >= settings.ws_max_connections_per_key:
+        await websocket.send_json(error_frame(
+            "too_many_connections",
+            f"this key has {settings.ws_max_connections_per_key} sockets open already"))
+        await websocket.close(CLOSE_TOO_MANY, "too many connections")
+        return
+    state.websockets[key.id] = state.websockets.get(key.id, 0) + 1
+    state.runtime.metrics.websocket_connections.inc()
+    socket = Socket(state, websocket, key, conversation_id)
+    try:
+        await socket.run()
+    finally:
+        state.websockets[key.id] -= 1
+        state.runtime.metrics.websocket_connections.dec()
+        await socket.detach()
+
+
+class Socket:
+    def __init__(self, state: AppState, websocket: WebSocket, key: KeyRecord,
+                 conversation_id: str) -> None:
+        self.state = state
+        self.websocket = websocket
+        self.key = key
+        self.conversation_id = conversation_id
+        self.send_lock = asyncio.Lock()
+        self.turn: turns.Turn | None = None  # the reply this socket streams
+        self.streaming: asyncio.Task[None] | None = None
+        self.last_activity = time.monotonic()
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        settings = self.state.settings
+        while True:
+            idle = settings.ws_idle_timeout - (time.monotonic() - self.last_activity)
+            try:
+                message = await asyncio.wait_for(self.websocket.receive(), max(idle, 0.01))
+            except TimeoutError:
+                if time.monotonic() - self.last_activity >= settings.ws_idle_timeout:
+                    await self.websocket.close(1001, "idle")
+                    return
+                continue
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            self.last_activity = time.monotonic()
+            text = message.get("text")
+            if text is None:
+                await self.send(error_frame("invalid_json", "frames are JSON text"))
+                continue
+            if len(text.encode()) > settings.ws_max_frame_bytes:
+                await self.send(error_frame(
+                    "frame_too_large", f"frames are at most {settings.ws_max_frame_bytes} bytes"))
+                continue
+            await self.handle(text)
+
+    async def handle(self, text: str) -> None:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            await self.send(error_frame("invalid_json", f"not JSON: {e.msg}"))
+            return
+        if not isinstance(data, dict) or data.get("type") not in TYPES:
+            kind = data.get("type") if isinstance(data, dict) else None
+            await self.send(error_frame(
+                "unknown_type", f"unknown frame type {kind!r}; expected one of "
+                f"{', '.join(TYPES)}"))
+            return
+        try:
+            frame = FRAME.validate_python(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = _param(tuple(first.get("loc", ()))[1:])
+            await self.send(error_frame("invalid_request", str(first.get("msg")), param=param))
+            return
+        try:
+            if isinstance(frame, PingFrame):
+                await self.send({"type": "pong"})
+            elif isinstance(frame, StopFrame):
+                await self.stop()
+            elif isinstance(frame, ResumeFrame):
+                await self.resume(frame)
+            else:
+                await self.start(frame)
+        except APIError as e:
+            await self.send(api_error_frame(e))
+        except (InvalidRequestError, ContextLengthExceeded, InvalidHistoryError,
+                HistoryPolicyError) as e:
+            code = getattr(e, "code", None) or "invalid_request"
+            await self.send(error_frame(code, str(e),
+                                        param=getattr(e, "field", None)
+                                        or getattr(e, "param", None)))
+
+    # -- frames ------------------------------------------------------------------------------------
+
+    async def start(self, frame: MessageFrame | RegenerateFrame) -> None:
+        if self.turn is not None and not self.turn.is_done:
+            await self.send(error_frame("busy", "a reply is being generated; stop it or wait"))
+            return
+        await limits.admit(self.state, self.key)
+        if isinstance(frame, MessageFrame):
+            if frame.role == "tool" and not frame.tool_call_id:
+                raise APIError(400, "a tool message needs tool_call_id", param="tool_call_id")
+            message: ChatMessage | None = ChatMessage(
+                frame.role, frame.text, name=frame.name,
+                tool_call_id=frame.tool_call_id if frame.role == "tool" else None,
+            )
+            parent_id = frame.parent_id
+        else:
+            message, parent_id = None, await self._regenerate_parent(frame.message_id)
+        result = await turns.post_turn(
+            self.state, self.key.owner, self.conversation_id, frame, new_message=message,
+            parent_id=parent_id, idempotency_key=None, raw_body={}, key_id=self.key.id,
+        )
+        assert isinstance(result, turns.Turn)
+        self.attach(result, 0)
+
+    async def _regenerate_parent(self, message_id: str | None) -> str:
+        conv = await self.state.store.get_conversation(self.key.owner, self.conversation_id)
+        target = message_id or (conv.current_leaf_id if conv else None)
+        message = await self.state.store.get_message(self.conversation_id, target) \
+            if target else None
+        if message is None or message.role != "assistant" or message.parent_id is None:
+            raise APIError(400, "message_id must name an assistant reply", param="message_id")
+        return message.parent_id
+
+    async def stop(self) -> None:
+        """Stop the conversation's reply, wherever it is being generated."""
+        turn = self.state.turns.get(self.conversation_id)
+        if turn is not None:
+            turn.stop()
+        await self.state.coord.publish_stop(self.conversation_id)
+
+    async def resume(self, frame: ResumeFrame) -> None:
+        if self.streaming is not None and not self.streaming.done():
+            await self.send(error_frame("busy", "this socket is streaming a reply already"))
+            return
+        turn = self.state.turns.get(self.conversation_id)
+        if turn is not None and turn.assistant_message.id == frame.message_id:
+            self.attach(turn, frame.offset)
+            return
+        stored = await self.state.store.get_message(self.conversation_id, frame.message_id)
+        if stored is None or stored.role != "assistant":
+            await self.send(error_frame("not_found", "no such reply in this conversation"))
+            return
+        if stored.status == "generating" and self.state.coord.name != "local":
+            # Generated by another process: its events are buffered in Redis.
+            events = self.state.coord.read_events(turns.events_stream(stored.id), 60.0)
+            self.streaming = asyncio.create_task(self.forward(from_offset(events,
+                                                                          frame.offset)))
+            return
+        if stored.status == "generating":
+            await self.send(error_frame("not_found", "that reply is not being generated here"))
+            return
+        text = (stored.content or "")[frame.offset:]
+        if text:
+            await self.send({"type": "delta", "message_id": stored.id, "text": text,
+                             "offset": frame.offset})
+        await self.send({"type": "done", **turns.done_frame(stored)})
+
+    # -- streaming a turn --------------------------------------------------------------------------
+
+    def attach(self, turn: turns.Turn, offset: int) -> None:
+        self.turn = turn
+        turn.watchers += 1
+
+        async def frames() -> AsyncIterator[dict[str, Any]]:
+            async for event in turn.events(offset):
+                yield event.frame()
+
+        self.streaming = asyncio.create_task(self.forward(frames()))
+
+    async def forward(self, frames: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for frame in frames:
+                await self.send(frame)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        finally:
+            if self.turn is not None:
+                self.turn.watchers -= 1
+                self.turn = None if self.turn.is_done else self.turn
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        async with self.send_lock:
+            if self.websocket.application_state is WebSocketState.CONNECTED:
+                await self.websocket.send_text(json.dumps(frame, ensure_ascii=False))
+                self.last_activity = time.monotonic()
+
+    async def detach(self) -> None:
+        """The socket is gone: the reply it streamed goes on for the grace period, then
+        stops unless a client resumed it."""
+        turn = self.turn
+        if self.streaming is not None:
+            self.streaming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.streaming
+        if turn is not None and not turn.is_done:
+            self.state.spawn(stop_after_grace(turn, self.state.settings.ws_grace_period))
+
+
+async def stop_after_grace(turn: turns.Turn, grace: float) -> None:
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not turn.is_done:
+        await asyncio.sleep(min(0.2, grace))
+    if not turn.is_done and turn.watchers <= 0:
+        turn.stop()
+
+
+async def from_offset(
+    events: AsyncIterator[dict[str, Any]], offset: int
+) -> AsyncIterator[dict[str, Any]]:
+    """Buffered events from `offset` characters on (the start skipped when resuming)."""
+    async for event in events:
+        kind = event.get("type")
+        if kind == "start" and offset:
+            continue
+        if kind == "delta":
+            start, text = event["offset"], event["text"]
+            if start + len(text) <= offset:
+                continue
+            if start < offset:
+                event = {**event, "text": text[offset - start:], "offset": offset}
+        yield event
+
+
+def api_error_frame(error: APIError) -> dict[str, Any]:
+    if error.status == 429:
+        return limits.rate_limit_frame(error)
+    code = {409: "busy", 404: "not_found"}.get(error.status) or error.code or "invalid_request"
+    if error.status == 400 and error.code in (None, "unsupported"):
+        code = error.code or "invalid_request"
+    return error_frame(code, error.message, param=error.param)

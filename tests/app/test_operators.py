@@ -1,0 +1,177 @@
+"""Operators: memory, per-session budgets live (and across restarts), evictions, defaults,
+Prometheus metrics that move as a scripted workload predicts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.app.conftest import Service, service_settings
+
+
+def start(model: Path, data: Path) -> tuple[Any, TestClient]:
+    from app.main import create_app
+
+    app = create_app(service_settings(model, data, None))
+    return app, TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("operators")
+
+
+@pytest.fixture(scope="module")
+def ops(dev_model: Path, data_dir: Path) -> Iterator[Service]:
+    app, client = start(dev_model, data_dir)
+    with client:
+        state = app.state.kvchat
+        _, admin = client.portal.call(lambda: state.store.create_key("ops", admin=True))
+        _, user = client.portal.call(lambda: state.store.create_key("user"))
+        yield Service(client, state, admin, user, "sqlite")
+
+
+def turn(service: Service, conv: str, text: str, **fields: Any) -> dict[str, Any]:
+    r = service.post(f"/v1/conversations/{conv}/messages",
+                     {"content": text, "max_tokens": 8, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def settled(service: Service, conv: str) -> dict[str, Any]:
+    """The session once its last turn has pinned its KV (a step after the reply)."""
+    for _ in range(200):
+        info = service.get(f"/v1/admin/sessions/{conv}").json()
+        if info["engine"] and info["engine"]["state"] != "active":
+            return info  # type: ignore[no-any-return]
+        time.sleep(0.02)
+    raise AssertionError("the session stayed active")
+
+
+def test_admin_routes_need_an_admin_key(ops: Service) -> None:
+    for method, path in (("GET", "/v1/admin/memory"), ("PUT", "/v1/admin/defaults"),
+                         ("GET", "/v1/admin/sessions/x")):
+        r = ops.client.request(method, path, headers=ops.headers(ops.other_key), json={})
+        assert r.status_code == 403, path
+        assert r.json()["error"]["code"] == "admin_required"
+
+
+def test_a_budget_set_by_put_applies_at_the_next_turn(ops: Service, dev_model: Path,
+                                                     data_dir: Path) -> None:
+    conv = ops.post("/v1/conversations", {"system": "Be brief."}).json()["id"]
+    turn(ops, conv, "First turn, with enough words to fill a few blocks of the cache " * 3)
+    before = settled(ops, conv)
+    assert before["engine"]["tokens"] > 32
+    r = ops.client.put(f"/v1/admin/sessions/{conv}", headers=ops.headers(),
+                       json={"max_kv_tokens": 32, "history_policy": "drop_oldest"})
+    assert r.status_code == 200, r.text
+    assert r.json()["settings"]["max_kv_tokens"] == 32
+    assert r.json()["effective"]["history_policy"] == "drop_oldest"
+    turn(ops, conv, "Second turn.")
+    after = settled(ops, conv)
+    assert after["engine"]["tokens"] == 32 and after["engine"]["max_kv_tokens"] == 32
+    memory = ops.get("/v1/admin/memory").json()
+    (session,) = [s for s in memory["sessions"] if s["conversation_id"] == conv]
+    assert session["tokens"] == 32 and session["budget"]["max_kv_tokens"] == 32
+    bad = ops.client.put(f"/v1/admin/sessions/{conv}", headers=ops.headers(),
+                         json={"history_policy": "forget"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
+    assert ops.client.put("/v1/admin/sessions/conv_nope", headers=ops.headers(),
+                          json={}).status_code == 404
+    # A restart on the same database: the setting is still the conversation's.
+    app, client = start(dev_model, data_dir)
+    with client:
+        again = client.get(f"/v1/admin/sessions/{conv}", headers=ops.headers()).json()
+        assert again["settings"]["max_kv_tokens"] == 32
+        client.post(f"/v1/conversations/{conv}/messages", headers=ops.headers(),
+                    json={"content": "After the restart.", "max_tokens": 4})
+        info = settled(Service(client, app.state.kvchat, ops.key, ops.key, "sqlite"), conv)
+        assert info["engine"]["tokens"] == 32
+
+
+def test_evict_to_host_or_drop_shows_in_the_next_turn(ops: Service) -> None:
+    results = {}
+    for offload in (True, False):
+        conv = ops.post("/v1/conversations", {}).json()["id"]
+        first = turn(ops, conv, f"History number {int(offload)} that will be evicted " * 4)
+        settled(ops, conv)
+        evicted = ops.post(f"/v1/admin/sessions/{conv}/evict?offload={str(offload).lower()}",
+                           {}).json()
+        assert evicted["before"] == "resident"
+        assert evicted["state"] == ("offloaded" if offload else "empty")
+        restores = ops.get("/v1/admin/memory").json()["evictions"]["restores"]
+        second = turn(ops, conv, "Next.")
+        history = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+        results[offload] = (second["usage"]["cached_tokens"], history)
+        now = ops.get("/v1/admin/memory").json()["evictions"]["restores"]
+        assert now == restores + (1 if offload else 0)
+    cached, history = results[True]
+    assert cached >= history  # everything came back from the host pool
+    cached, history = results[False]
+    # Dropped: only the full blocks the prefix cache still had, never the partial last one.
+    assert cached < history and cached % 16 == 0
+
+
+def test_defaults_of_new_sessions(ops: Service) -> None:
+    r = ops.client.put("/v1/admin/defaults", headers=ops.headers(),
+                       json={"max_context_tokens": 300, "history_policy": "summarize"})
+    assert r.status_code == 200 and r.json()["max_context_tokens"] == 300
+    conv = ops.post("/v1/conversations", {}).json()["id"]
+    effective = ops.get(f"/v1/admin/sessions/{conv}").json()["effective"]
+    assert effective["max_context_tokens"] == 300
+    assert effective["history_policy"] == "summarize"
+    bad = ops.client.put("/v1/admin/defaults", headers=ops.headers(),
+                         json={"low_watermark": 0.9, "high_watermark": 0.5})
+    assert bad.status_code == 400
+    ops.client.put("/v1/admin/defaults", headers=ops.headers(),
+                   json={"max_context_tokens": None, "history_policy": "drop"})
+
+
+def metrics(ops: Service) -> dict[str, float]:
+    text = ops.client.get("/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
+def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
+    before = metrics(ops)
+    assert "kvchat:kv_cache_usage_perc{}" in before
+    prompt = [{"role": "system", "content": "A shared system prompt for every request. " * 8},
+              {"role": "user", "content": "Hello"}]
+    n = 4
+    completion = 0
+    for _ in range(n):
+        r = ops.post("/v1/chat/completions", {"model": ops.model, "messages": prompt,
+                                              "max_tokens": 5, "temperature": 0,
+                                              "ignore_eos": True})
+        completion += r.json()["usage"]["completion_tokens"]
+    after = metrics(ops)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("kvchat:time_to_first_token_seconds_count{}") == n
+    assert delta("kvchat:e2e_request_latency_seconds_count{}") == n
+    assert delta("kvchat:request_queue_time_seconds_count{}") == n
+    assert delta("kvchat:generation_tokens_total{}") == completion == 5 * n
+    assert delta("kvchat:request_success_total{finished_reason=length}") == n
+    assert delta("kvchat:inter_token_latency_seconds_count{}") == n * 4
+    # The first request computed the prompt; the next three hit its full blocks.
+    prompt_tokens = ops.post("/v1/tokenize", {"messages": prompt}).json()["count"]
+    assert delta("kvchat:prompt_tokens_total{}") == n * prompt_tokens
+    assert delta("kvchat:prefix_cache_queries_total{}") == n * prompt_tokens
+    assert delta("kvchat:prefix_cache_hits_total{}") == (n - 1) * (prompt_tokens // 16 * 16)
+    assert delta("kvchat:cached_tokens_total{source=prefix_cache}") == delta(
+        "kvchat:prefix_cache_hits_total{}")
+    assert "kvchat:pinned_sessions{tier=gpu}" in after
+    assert after["kvchat:num_requests_running{}"] == 0

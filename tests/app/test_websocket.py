@@ -1,0 +1,253 @@
+"""The conversation WebSocket: frames, stop within a step, resume after a drop, the grace
+period, bad frames, limits. In process (TestClient), and against a started server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from tests.app.conftest import Service, service_settings
+from tests.service import Server
+
+LONG = {"max_tokens": 2000, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def ws_service(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    from app.main import create_app
+
+    settings = service_settings(dev_model, tmp_path_factory.mktemp("ws"), None)
+    settings.ws_grace_period = 1.5
+    settings.ws_max_connections_per_key = 3
+    app = create_app(settings)
+    with TestClient(app) as client:
+        state = app.state.kvchat
+        _, alice = client.portal.call(lambda: state.store.create_key("alice"))
+        _, bob = client.portal.call(lambda: state.store.create_key("bob"))
+        yield Service(client, state, alice, bob, "sqlite")
+
+
+def conversation(service: Service, key: str | None = None) -> str:
+    return str(service.post("/v1/conversations", {}, key=key).json()["id"])
+
+
+def socket(service: Service, conv: str, key: str | None = None) -> Any:
+    return service.client.websocket_connect(
+        f"/v1/conversations/{conv}/ws", headers=service.headers(key))
+
+
+def until(ws: Any, kind: str) -> list[dict[str, Any]]:
+    frames = []
+    while True:
+        frame = ws.receive_json()
+        frames.append(frame)
+        if frame["type"] in (kind, "error") and (frame["type"] == kind or kind != "error"):
+            return frames
+
+
+def stored(service: Service, conv: str) -> list[dict[str, Any]]:
+    return service.get(f"/v1/conversations/{conv}/messages").json()["data"]  # type: ignore[no-any-return]
+
+
+def test_a_turn_streams_start_deltas_and_done(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "Hello socket", "max_tokens": 12,
+                      "temperature": 0})
+        frames = until(ws, "done")
+    assert frames[0]["type"] == "start"
+    deltas = [f for f in frames if f["type"] == "delta"]
+    assert [d["offset"] for d in deltas] == [
+        sum(len(d["text"]) for d in deltas[:i]) for i in range(len(deltas))]
+    done = frames[-1]
+    assert done["message_id"] == frames[0]["message_id"]
+    assert done["finish_reason"] in ("stop", "length")
+    assert set(done["usage"]) >= {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert done["timings"]["ttft_ms"] > 0 and done["timings"]["total_ms"] >= done["timings"][
+        "ttft_ms"]
+    reply = stored(ws_service, conv)[-1]
+    assert reply["id"] == done["message_id"] and reply["status"] == "complete"
+    assert reply["content"] == "".join(d["text"] for d in deltas)
+
+
+def test_stop_ends_the_reply_within_one_step(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "Talk for long", **LONG})
+        frames = until(ws, "delta")
+        frames += [ws.receive_json() for _ in range(3)]
+        ws.send_json({"type": "stop"})
+        sent_at = len(frames)
+        frames += until(ws, "done")
+    done = frames[-1]
+    assert done["finish_reason"] == "cancelled"
+    # Tokens produced after the stop frame arrived: at most one decode step's worth.
+    after_stop = [f for f in frames[sent_at:] if f["type"] == "delta"]
+    assert len(after_stop) <= 2
+    reply = stored(ws_service, conv)[-1]
+    assert reply["status"] == "cancelled"
+    assert reply["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert reply["content"] == "".join(f["text"] for f in frames if f["type"] == "delta")
+
+
+def test_resume_after_a_drop_gets_exactly_the_missing_text(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    seen = ""
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "A long answer please",
+                      **{**LONG, "max_tokens": 60}})
+        start = ws.receive_json()
+        while len(seen) < 5:
+            frame = ws.receive_json()
+            if frame["type"] == "delta":
+                assert frame["offset"] == len(seen)
+                seen += frame["text"]
+    # The socket dropped; the reply goes on. A new socket resumes from what was seen.
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "resume", "message_id": start["message_id"], "offset": len(seen)})
+        frames = until(ws, "done")
+    rest = [f for f in frames if f["type"] == "delta"]
+    assert not rest or rest[0]["offset"] == len(seen)
+    text = seen + "".join(f["text"] for f in rest)
+    reply = stored(ws_service, conv)[-1]
+    assert frames[-1]["finish_reason"] == "length" and reply["status"] == "complete"
+    assert reply["content"] == text  # no gap, no repeat
+    # Resuming a finished reply mid-way gives the remainder from the store.
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "resume", "message_id": reply["id"], "offset": 3})
+        again = until(ws, "done")
+    assert "".join(f["text"] for f in again if f["type"] == "delta") == reply["content"][3:]
+
+
+def test_a_drop_without_resume_is_cancelled_after_the_grace_period(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "Keep going", **LONG})
+        until(ws, "delta")
+    time.sleep(0.5)
+    assert stored(ws_service, conv)[-1]["status"] == "generating"  # still in its grace period
+    deadline = time.monotonic() + 30
+    while stored(ws_service, conv)[-1]["status"] == "generating" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    reply = stored(ws_service, conv)[-1]
+    assert reply["status"] == "cancelled"
+    assert reply["usage"]["completion_tokens"] < LONG["max_tokens"]
+
+
+def test_bad_frames_get_error_frames_and_the_socket_stays_usable(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        cases = [
+            ("{nope", "invalid_json"),
+            ("[1, 2]", "unknown_type"),
+            (json.dumps({"type": "dance"}), "unknown_type"),
+            (json.dumps({"type": "message"}), "invalid_request"),
+            (json.dumps({"type": "message", "content": "x", "temperature": 9}), "invalid_request"),
+            (json.dumps({"type": "resume", "message_id": "msg_nope", "offset": 0}), "not_found"),
+            (json.dumps({"type": "message", "content": "x" * 300_000}), "frame_too_large"),
+            (json.dumps({"type": "regenerate"}), "invalid_request"),
+        ]
+        for text, code in cases:
+            ws.send_text(text)
+            frame = ws.receive_json()
+            assert frame["type"] == "error" and frame["code"] == code, (text[:40], frame)
+        ws.send_json({"type": "ping"})
+        assert ws.receive_json() == {"type": "pong"}
+        ws.send_json({"type": "message", "content": "Still here?", "max_tokens": 4})
+        assert until(ws, "done")[-1]["type"] == "done"
+
+
+def test_a_second_message_while_generating_is_busy(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "First", **LONG})
+        until(ws, "delta")
+        ws.send_json({"type": "message", "content": "Second"})
+        frames = until(ws, "error")
+        assert frames[-1]["code"] == "busy"
+        ws.send_json({"type": "stop"})
+        until(ws, "done")
+
+
+def test_keys_and_owners(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with pytest.raises(WebSocketDisconnect) as closed, \
+            ws_service.client.websocket_connect(f"/v1/conversations/{conv}/ws",
+                                                headers={"Authorization": "Bearer nope"}) as ws:
+        ws.receive_json()
+    assert closed.value.code == 4401
+    with pytest.raises(WebSocketDisconnect) as closed, socket(ws_service, conv,
+                                                              ws_service.other_key) as ws:
+        assert ws.receive_json()["code"] == "not_found"
+        ws.receive_json()
+    assert closed.value.code == 4404
+    # Browsers pass the key as a query parameter.
+    with ws_service.client.websocket_connect(
+            f"/v1/conversations/{conv}/ws?access_token={ws_service.key}") as ws:
+        ws.send_json({"type": "ping"})
+        assert ws.receive_json()["type"] == "pong"
+    with pytest.raises(WebSocketDisconnect) as closed, ws_service.client.websocket_connect(
+            f"/v1/conversations/{conv}/ws",
+            headers={**ws_service.headers(), "Origin": "http://evil.example"}) as ws:
+        ws.receive_json()
+    assert closed.value.code == 4403
+
+
+def test_connections_per_key_are_limited(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as a, socket(ws_service, conv) as b, socket(ws_service, conv) as c:
+        for ws in (a, b, c):
+            ws.send_json({"type": "ping"})
+            assert ws.receive_json()["type"] == "pong"
+        with pytest.raises(WebSocketDisconnect) as closed, socket(ws_service, conv) as d:
+            assert d.receive_json()["code"] == "too_many_connections"
+            d.receive_json()
+        assert closed.value.code == 4429
+
+
+@pytest.fixture(scope="module")
+def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(dev_model, tmp_path_factory.mktemp("ws-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_two_sockets_stream_independently_against_a_started_server(server: Server) -> None:
+    import httpx
+
+    convs = [httpx.post(f"{server.url}/v1/conversations", headers=server.headers(),
+                        json={}).json()["id"] for _ in range(2)]
+
+    async def chat(conv: str, text: str) -> tuple[str, dict[str, Any]]:
+        url = f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws"
+        async with websockets.connect(url, additional_headers=server.headers()) as ws:
+            await ws.send(json.dumps({"type": "message", "content": text, "max_tokens": 24,
+                                      "temperature": 0}))
+            deltas = ""
+            while True:
+                frame = json.loads(await ws.recv())
+                if frame["type"] == "delta":
+                    deltas += frame["text"]
+                if frame["type"] == "done":
+                    return deltas, frame
+
+    async def both() -> list[tuple[str, dict[str, Any]]]:
+        return list(await asyncio.gather(chat(convs[0], "First socket"),
+                                         chat(convs[1], "Second socket")))
+
+    results = asyncio.run(both())
+    for conv, (text, done) in zip(convs, results):
+        reply = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
+                          headers=server.headers()).json()["data"][-1]
+        assert reply["id"] == done["message_id"] and reply["content"] == text
