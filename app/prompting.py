@@ -28,7 +28,7 @@ def unsupported(feature: str, param: str) -> APIError:
     )
 
 
-# -- tools ------------------------------------------------------------------------------------------
+# -- tools -----------------------------------------------------------------------------------------
 
 
 def offered_tools(fields: SamplingFields) -> list[dict[str, Any]] | None:
@@ -74,7 +74,7 @@ def check_parameters_schema(tool: Tool, param: str) -> None:
                               param) from e
 
 
-# -- messages ---------------------------------------------------------------------------------------
+# -- messages --------------------------------------------------------------------------------------
 
 
 def chat_messages(
@@ -174,7 +174,7 @@ def sampling_params(
     )
 
 
-# -- replies generated for a stateless session --------------------------------------------------------
+# -- replies generated for a stateless session -----------------------------------------------------
 
 
 class GeneratedIds:

@@ -146,7 +146,7 @@ class Socket:
         self.streaming: asyncio.Task[None] | None = None
         self.last_activity = time.monotonic()
 
-    # -- the loop -----------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
         settings = self.state.settings

@@ -23,7 +23,9 @@ def event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
-def sse_response(stream: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+def sse_response(
+    stream: AsyncIterator[str], headers: dict[str, str] | None = None
+) -> StreamingResponse:
     return StreamingResponse(
         stream, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})}
     )

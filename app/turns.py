@@ -203,11 +203,10 @@ async def start_turn(
     if parent is not None and await store.get_message(conv.id, parent) is None:
         raise not_found(f"message {parent!r}", "parent_id")
     branch = usable(await store.branch(conv.id, parent))
-    if new_message is None:
-        if not branch or branch[-1].role not in ("user", "tool"):
-            raise invalid_request(
-                "regenerating needs parent_id to name a user or tool message", "parent_id"
-            )
+    if new_message is None and (not branch or branch[-1].role not in ("user", "tool")):
+        raise invalid_request(
+            "regenerating needs parent_id to name a user or tool message", "parent_id"
+        )
     chat = [as_chat(m) for m in branch]
     system = conv.system_prompt
     builder = runtime.builder

@@ -26,11 +26,62 @@ from memory.config import CacheConfig, SessionBudget
 from memory.history import HistoryPolicy
 
 POLICIES = ("drop", "drop_oldest", "summarize")
-WORDS = (
-    "the a of to and in is it that for on with as was at by be this are from or have an "
-    "they which one you had not but what all were when we there can more if out so said "
-    "river lantern copper orbit maple quartz harbor summit willow kettle velvet tundra"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "be",
+    "this",
+    "are",
+    "from",
+    "or",
+    "have",
+    "an",
+    "they",
+    "which",
+    "one",
+    "you",
+    "had",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "more",
+    "if",
+    "out",
+    "so",
+    "said",
+    "river",
+    "lantern",
+    "copper",
+    "orbit",
+    "maple",
+    "quartz",
+    "harbor",
+    "summit",
+    "willow",
+    "kettle",
+    "velvet",
+    "tundra",
+]
 
 
 @dataclass(frozen=True)
@@ -70,22 +121,29 @@ def user_texts(config: LongConfig, index: int) -> list[str]:
 
 
 def run_policy(model_dir: Path, dtype: str, config: LongConfig, policy: str) -> PolicyRun:
-    engine = Engine(EngineConfig(
-        model=str(model_dir), dtype=dtype, device="cpu",
-        cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 2**20),
-        scheduler=SchedulerConfig(max_num_batched_tokens=2048),
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            device="cpu",
+            cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 2**20),
+            scheduler=SchedulerConfig(max_num_batched_tokens=2048),
+        )
+    )
     assert engine.tokenizer is not None
     builder = ContextBuilder(load_chat_template(model_dir, engine.tokenizer), engine.tokenizer)
     hist = HistoryPolicy(policy=policy, max_summary_tokens=config.max_summary_tokens)
     convs = []
     for i in range(config.conversations):
         session = f"long-{i}"
-        engine.set_session_budget(session, SessionBudget(max_context_tokens=config.max_context_tokens))
+        engine.set_session_budget(
+            session, SessionBudget(max_context_tokens=config.max_context_tokens)
+        )
         conv = Conversation(engine, builder, session, system=config.system, policy=hist)
         # Random weights write text only when sampled; seeded, so every policy sees the same.
-        conv.summary_params = SamplingParams(max_tokens=config.max_summary_tokens,
-                                             temperature=1.0, seed=i)
+        conv.summary_params = SamplingParams(
+            max_tokens=config.max_summary_tokens, temperature=1.0, seed=i
+        )
         convs.append(conv)
     texts = [user_texts(config, i) for i in range(config.conversations)]
     run = PolicyRun(policy)
@@ -94,8 +152,12 @@ def run_policy(model_dir: Path, dtype: str, config: LongConfig, policy: str) -> 
     first: dict[str, float] = {}
 
     def submit(i: int) -> None:
-        params = SamplingParams(max_tokens=config.reply_tokens, temperature=1.0,
-                                seed=turn_of[i] * 100 + i, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=config.reply_tokens,
+            temperature=1.0,
+            seed=turn_of[i] * 100 + i,
+            ignore_eos=True,
+        )
         request_id, plan, prompt = convs[i].submit(texts[i][turn_of[i]], params)
         live[request_id] = (i, time.perf_counter(), len(prompt), plan)
 
@@ -143,11 +205,19 @@ def report(runs: dict[str, PolicyRun], config: LongConfig, out_png: Path) -> tup
     summary_rows = []
     for policy, run in runs.items():
         ttfts = [t for v in run.ttft.values() for t in v]
-        summary_rows.append([
-            policy, f"{run.total_prefill:,}", run.trims, f"{run.dropped_tokens:,}",
-            run.summaries, run.summary_tokens, f"{med(ttfts) * 1e3:.0f}",
-            f"{sorted(ttfts)[int(0.99 * (len(ttfts) - 1))] * 1e3:.0f}", f"{run.wall:.0f}",
-        ])
+        summary_rows.append(
+            [
+                policy,
+                f"{run.total_prefill:,}",
+                run.trims,
+                f"{run.dropped_tokens:,}",
+                run.summaries,
+                run.summary_tokens,
+                f"{med(ttfts) * 1e3:.0f}",
+                f"{sorted(ttfts)[int(0.99 * (len(ttfts) - 1))] * 1e3:.0f}",
+                f"{run.wall:.0f}",
+            ]
+        )
     turn_rows = []
     for turn in range(1, config.turns + 1):
         row: list[object] = [turn]
@@ -155,14 +225,28 @@ def report(runs: dict[str, PolicyRun], config: LongConfig, out_png: Path) -> tup
             row.append(f"{med(run.ttft[turn]) * 1e3:.0f} / {med(run.prefill[turn]):.0f}")
         turn_rows.append(row)
     ratio = runs["drop_oldest"].total_prefill / runs["drop"].total_prefill
-    goal = (f"Prompt tokens computed, drop_oldest / drop (watermarks) = {ratio:.1f}x; "
-            f"summarize computed {runs['summarize'].total_prefill / runs['drop'].total_prefill:.2f}x "
-            "of drop (its summary changes the prefix once more per trim event).")
+    goal = (
+        f"Prompt tokens computed, drop_oldest / drop (watermarks) = {ratio:.1f}x; "
+        f"summarize computed {runs['summarize'].total_prefill / runs['drop'].total_prefill:.2f}x "
+        "of drop (its summary changes the prefix once more per trim event)."
+    )
     text = "### Summary\n\n" + markdown_table(
-        ["policy", "prompt tokens computed", "trim events", "tokens dropped", "summaries",
-         "summary tokens", "TTFT p50 ms", "TTFT p99 ms", "wall s"], summary_rows)
+        [
+            "policy",
+            "prompt tokens computed",
+            "trim events",
+            "tokens dropped",
+            "summaries",
+            "summary tokens",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "wall s",
+        ],
+        summary_rows,
+    )
     text += "\n### By turn: median TTFT ms / prompt tokens computed\n\n" + markdown_table(
-        ["turn", *runs], turn_rows)
+        ["turn", *runs], turn_rows
+    )
     plot(runs, config, out_png)
     return text, goal
 
@@ -179,8 +263,9 @@ def plot(runs: dict[str, PolicyRun], config: LongConfig, path: Path) -> None:
         top.plot(turns, [statistics.median(run.prefill[t]) for t in turns], label=policy)
         bottom.plot(turns, [statistics.median(run.ttft[t]) * 1e3 for t in turns], label=policy)
     top.set_ylabel("prompt tokens computed")
-    top.set_title(f"Long conversations, context budget {config.max_context_tokens} tokens",
-                  fontsize=9)
+    top.set_title(
+        f"Long conversations, context budget {config.max_context_tokens} tokens", fontsize=9
+    )
     bottom.set_ylabel("median TTFT (ms)")
     bottom.set_xlabel("turn number")
     for ax in (top, bottom):

@@ -165,7 +165,9 @@ def bytes_per_block(model_dir: Path, args: argparse.Namespace) -> int:
     return spec.bytes_per_block
 
 
-def run_scenario(scenario: Scenario, model_dir: Path, args: argparse.Namespace) -> dict[str, Result]:
+def run_scenario(
+    scenario: Scenario, model_dir: Path, args: argparse.Namespace
+) -> dict[str, Result]:
     workload = scenario.workload
     bs = args.block_size
     pool_blocks = scenario.pool_blocks(workload, bs)

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,36 @@ from tqdm import tqdm
 
 from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 
-WORDS = ("river lantern copper orbit maple quartz harbor summit willow kettle velvet tundra "
-         "how why when what does the a of to in and is it for on with").split()
+WORDS = [
+    "river",
+    "lantern",
+    "copper",
+    "orbit",
+    "maple",
+    "quartz",
+    "harbor",
+    "summit",
+    "willow",
+    "kettle",
+    "velvet",
+    "tundra",
+    "how",
+    "why",
+    "when",
+    "what",
+    "does",
+    "the",
+    "a",
+    "of",
+    "to",
+    "in",
+    "and",
+    "is",
+    "it",
+    "for",
+    "on",
+    "with",
+]
 SYSTEM = "You are a helpful agent. Keep answers short and precise."
 
 
@@ -44,8 +73,10 @@ class Load:
 
     def user_messages(self, loop: int) -> list[str]:
         rng = random.Random(self.seed * 1000 + loop)
-        return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 40)))
-                for _ in range(self.turns)]
+        return [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 40)))
+            for _ in range(self.turns)
+        ]
 
 
 @dataclass
@@ -88,8 +119,9 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
             prompt = template.render_ids(history)
             sent = time.perf_counter()
             first = None
-            async for out in runner.generate(f"e{i}-{turn}-{sessions}", prompt, params,
-                                             session_id=f"s{i}" if sessions else None):
+            async for out in runner.generate(
+                f"e{i}-{turn}-{sessions}", prompt, params, session_id=f"s{i}" if sessions else None
+            ):
                 if first is None and out.new_token_ids:
                     first = time.perf_counter()
                 if out.finished:
@@ -101,7 +133,8 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
                     # session; re-tokenized from their text without one.
                     history.append(
                         ChatMessage("assistant", None, token_ids=tuple(out.output_token_ids or ()))
-                        if sessions else ChatMessage("assistant", out.text or "")
+                        if sessions
+                        else ChatMessage("assistant", out.text or "")
                     )
             bar.update(1)
 
@@ -116,19 +149,29 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
 
 
 def start_server(model: Path, data_dir: Path, port: int) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "KVCHAT_DATA_DIR": str(data_dir), "KVCHAT_DTYPE": "bfloat16",
-           "KVCHAT_SEED": "0", "KVCHAT_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "KVCHAT_DATA_DIR": str(data_dir),
+        "KVCHAT_DTYPE": "bfloat16",
+        "KVCHAT_SEED": "0",
+        "KVCHAT_LOG_LEVEL": "warning",
+        "PYTHONUNBUFFERED": "1",
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     key = None
     assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.stdout:  # the key is printed once the app has started
         if "created an admin API key" in line:
             key = line.rsplit(" ", 1)[-1].strip()
-        if "Application startup complete" in line or (key and "serving" in line):
             break
+    # Keep reading what the server prints, so its pipe never fills up and blocks it.
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -140,27 +183,36 @@ def start_server(model: Path, data_dir: Path, port: int) -> tuple[subprocess.Pop
     return proc, key
 
 
-async def run_service(url: str, key: str, model_name: str, load: Load, sessions: bool,
-                      bar: tqdm) -> Run:
+async def run_service(
+    url: str, key: str, model_name: str, load: Load, sessions: bool, bar: tqdm
+) -> Run:
     run = Run(f"service, X-Session-Id {'on' if sessions else 'off'}")
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=load.loops * 2)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=600, limits=limits
+    ) as client:
 
         async def loop(i: int) -> None:
             messages: list[dict[str, object]] = [{"role": "system", "content": SYSTEM}]
             extra = {"X-Session-Id": f"loop-{i}"} if sessions else {}
             for text in load.user_messages(i):
                 messages.append({"role": "user", "content": text})
-                body = {"model": model_name, "messages": messages, "stream": True,
-                        "stream_options": {"include_usage": True}, "temperature": 0,
-                        "max_tokens": load.reply_tokens, "ignore_eos": True}
+                body = {
+                    "model": model_name,
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "temperature": 0,
+                    "max_tokens": load.reply_tokens,
+                    "ignore_eos": True,
+                }
                 sent = time.perf_counter()
                 first, content, usage = None, "", None
                 try:
-                    async with client.stream("POST", "/v1/chat/completions", json=body,
-                                             headers=extra) as r:
+                    async with client.stream(
+                        "POST", "/v1/chat/completions", json=body, headers=extra
+                    ) as r:
                         if r.status_code != 200:
                             run.errors.append(f"{r.status_code}: {await r.aread()!r}")
                             return
@@ -227,30 +279,53 @@ def main() -> None:
         try:
             for sessions in (True, False):
                 with tqdm(total=total, desc=f"service, sessions {sessions}") as bar:
-                    runs.append(asyncio.run(run_service(
-                        f"http://127.0.0.1:{port}", key, model.name, load, sessions, bar)))
+                    runs.append(
+                        asyncio.run(
+                            run_service(
+                                f"http://127.0.0.1:{port}", key, model.name, load, sessions, bar
+                            )
+                        )
+                    )
         finally:
             proc.terminate()
             proc.wait(60)
     engine_on, engine_off, service_on, service_off = runs
-    rows = [[
-        r.name, f"{percentile(r.ttft, 50) * 1e3:.0f}" if r.ttft else "-",
-        f"{percentile(r.ttft, 99) * 1e3:.0f}" if r.ttft else "-",
-        f"{r.tokens_per_second:.1f}", f"{r.cached_tokens / max(1, r.prompt_tokens):.3f}",
-        len(r.errors), f"{r.wall:.0f}",
-    ] for r in runs]
+    rows = [
+        [
+            r.name,
+            f"{percentile(r.ttft, 50) * 1e3:.0f}" if r.ttft else "-",
+            f"{percentile(r.ttft, 99) * 1e3:.0f}" if r.ttft else "-",
+            f"{r.tokens_per_second:.1f}",
+            f"{r.cached_tokens / max(1, r.prompt_tokens):.3f}",
+            len(r.errors),
+            f"{r.wall:.0f}",
+        ]
+        for r in runs
+    ]
     ratio_on = service_on.tokens_per_second / engine_on.tokens_per_second
     ratio_off = service_off.tokens_per_second / engine_off.tokens_per_second
     errors = sum(len(r.errors) for r in runs)
-    report = machine_header("REST service vs the engine alone, agent-style load", {
-        "model": f"{model.name} preset, bfloat16",
-        "load": f"{load.loops} concurrent loops x {load.turns} turns, whole history resent "
-                f"each turn, {load.reply_tokens} greedy tokens per reply, streamed",
-        "command": "python bench/serve_rest.py",
-    })
+    report = machine_header(
+        "REST service vs the engine alone, agent-style load",
+        {
+            "model": f"{model.name} preset, bfloat16",
+            "load": f"{load.loops} concurrent loops x {load.turns} turns, whole history resent "
+            f"each turn, {load.reply_tokens} greedy tokens per reply, streamed",
+            "command": "python bench/serve_rest.py",
+        },
+    )
     report += "\n" + markdown_table(
-        ["variant", "TTFT p50 ms", "TTFT p99 ms", "tokens/s delivered", "cached fraction",
-         "errors", "wall s"], rows)
+        [
+            "variant",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "tokens/s delivered",
+            "cached fraction",
+            "errors",
+            "wall s",
+        ],
+        rows,
+    )
     report += (
         f"\nService tokens/s as a share of the engine's on the same load: "
         f"{ratio_on:.2f} with X-Session-Id, {ratio_off:.2f} without (goal >= 0.90); "
@@ -276,8 +351,11 @@ def plot(runs: list[Run], path: Path) -> None:
     names = [r.name.replace(", ", "\n") for r in runs]
     left.bar(names, [r.tokens_per_second for r in runs], color=["C0", "C0", "C1", "C1"])
     left.set_ylabel("tokens/s delivered")
-    right.bar(names, [statistics.median(r.ttft) * 1e3 if r.ttft else 0 for r in runs],
-              color=["C0", "C0", "C1", "C1"])
+    right.bar(
+        names,
+        [statistics.median(r.ttft) * 1e3 if r.ttft else 0 for r in runs],
+        color=["C0", "C0", "C1", "C1"],
+    )
     right.set_ylabel("median TTFT (ms)")
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=7)

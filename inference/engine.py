@@ -485,7 +485,9 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         # Validate every prompt before queueing any: a bad one leaves nothing behind.
-        seqs = [self._make_sequence(rid, p, sp, None, None) for rid, p, sp in zip(ids, prompts, plist)]
+        seqs = [
+            self._make_sequence(rid, p, sp, None, None) for rid, p, sp in zip(ids, prompts, plist)
+        ]
         self._enqueue(seqs)
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():

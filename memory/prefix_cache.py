@@ -72,7 +72,9 @@ class PrefixCache:
     ) -> list[bytes]:
         """Chain hashes of the leading full blocks of `token_ids` (at most `num_blocks`)."""
         bs = self.block_size
-        count = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
+        count = len(token_ids) // bs
+        if num_blocks is not None:
+            count = min(count, num_blocks)
         hashes: list[bytes] = []
         parent = None
         for index in range(count):

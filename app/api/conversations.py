@@ -58,7 +58,9 @@ async def list_conversations(
 
 
 @router.get("/{conversation_id}", response_model=ConversationOut)
-async def get_conversation(conversation_id: str, key: CurrentKey, state: StateDep) -> ConversationOut:
+async def get_conversation(
+    conversation_id: str, key: CurrentKey, state: StateDep
+) -> ConversationOut:
     conv = await state.store.get_conversation(key.owner, conversation_id)
     if conv is None:
         raise not_found(f"conversation {conversation_id!r}")
@@ -82,7 +84,9 @@ async def update_conversation(
 
 
 @router.delete("/{conversation_id}")
-async def delete_conversation(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
+async def delete_conversation(
+    conversation_id: str, key: CurrentKey, state: StateDep
+) -> dict[str, Any]:
     conv = await state.store.get_conversation(key.owner, conversation_id)
     if conv is None:
         raise not_found(f"conversation {conversation_id!r}")

@@ -15,5 +15,10 @@ def make_coordinator(redis_url: str | None, prefix: str = "kvchat:") -> Coordina
     return RedisCoordinator(redis_url, prefix=prefix)
 
 
-__all__ = ["Coordinator", "IdempotencyRecord", "LocalCoordinator", "RateDecision",
-           "make_coordinator"]
+__all__ = [
+    "Coordinator",
+    "IdempotencyRecord",
+    "LocalCoordinator",
+    "RateDecision",
+    "make_coordinator",
+]

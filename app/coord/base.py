@@ -91,7 +91,9 @@ class Coordinator(abc.ABC):
         """Ask whoever generates this conversation's reply to stop."""
 
     @abc.abstractmethod
-    async def subscribe_stop(self, conversation_id: str, handler: StopHandler) -> Callable[[], None]:
+    async def subscribe_stop(
+        self, conversation_id: str, handler: StopHandler
+    ) -> Callable[[], None]:
         """Call `handler(conversation_id)` on a stop for it; returns the unsubscribe function."""
 
     # -- rate limits -----------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class Coordinator(abc.ABC):
     async def rate_add(self, key: str, window_s: float, cost: int) -> None:
         """Count `cost` units that were used (tokens, known after the fact)."""
 
-    # -- session ownership leases --------------------------------------------------------------------
+    # -- session ownership leases ------------------------------------------------------------
 
     @abc.abstractmethod
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> bool:

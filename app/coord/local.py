@@ -36,7 +36,7 @@ class LocalCoordinator(Coordinator):
     async def healthy(self) -> bool:
         return True
 
-    # -- locks ---------------------------------------------------------------------------------------
+    # -- locks -------------------------------------------------------------------------------------
 
     async def try_lock(self, key: str, token: str, ttl: float) -> bool:
         return self._hold(self._locks, key, token, ttl)
@@ -55,7 +55,7 @@ class LocalCoordinator(Coordinator):
         table[key] = (token, now + ttl)
         return True
 
-    # -- idempotency ---------------------------------------------------------------------------------
+    # -- idempotency -------------------------------------------------------------------------------
 
     def _live(self, key: str) -> IdempotencyRecord | None:
         entry = self._idempotency.get(key)
@@ -86,7 +86,7 @@ class LocalCoordinator(Coordinator):
     async def idempotency_get(self, key: str) -> IdempotencyRecord | None:
         return self._live(key)
 
-    # -- stop signals ----------------------------------------------------------------------------------
+    # -- stop signals ------------------------------------------------------------------------------
 
     async def publish_stop(self, conversation_id: str) -> None:
         await self.deliver_stop(conversation_id)
@@ -111,7 +111,7 @@ class LocalCoordinator(Coordinator):
 
         return unsubscribe
 
-    # -- rate limits ---------------------------------------------------------------------------------
+    # -- rate limits -------------------------------------------------------------------------------
 
     async def rate_check(self, key: str, limit: int, window_s: float, cost: int) -> RateDecision:
         now = time.time()
@@ -119,13 +119,20 @@ class LocalCoordinator(Coordinator):
         elapsed = now / window_s - index
         self._expire_windows(index)
         used = sliding_window_count(
-            self._windows.get((key, index - 1), 0.0), self._windows.get((key, index), 0.0),
+            self._windows.get((key, index - 1), 0.0),
+            self._windows.get((key, index), 0.0),
             elapsed,
         )
         return self._decide(key, index, used, limit, window_s, elapsed, cost)
 
     def _decide(
-        self, key: str, index: int, used: float, limit: int, window_s: float, elapsed: float,
+        self,
+        key: str,
+        index: int,
+        used: float,
+        limit: int,
+        window_s: float,
+        elapsed: float,
         cost: int,
     ) -> RateDecision:
         reset = (1.0 - elapsed) * window_s
@@ -159,7 +166,7 @@ class LocalCoordinator(Coordinator):
             return None
         return held[0]
 
-    # -- event buffers -------------------------------------------------------------------------------
+    # -- event buffers -----------------------------------------------------------------------------
 
     async def append_event(self, stream: str, event: dict[str, Any], ttl: float) -> None:
         now = time.monotonic()

@@ -51,13 +51,22 @@ return 0
 class RedisCoordinator(Coordinator):
     name = "redis"
 
-    def __init__(self, url: str, *, prefix: str = "kvchat:", probe_interval: float = 1.0,
-                 timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvchat:",
+        probe_interval: float = 1.0,
+        timeout: float = 2.0,
+    ) -> None:
         self.url = url
         self.prefix = prefix  # every key and channel (several deployments can share a Redis)
         self.stop_channel = prefix + "stop"
         self.redis: aioredis.Redis = aioredis.from_url(
-            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
+            url,
+            decode_responses=True,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
             health_check_interval=0,
         )
         self.local = LocalCoordinator()
@@ -90,9 +99,12 @@ class RedisCoordinator(Coordinator):
     def _went_down(self, error: BaseException) -> None:
         if self._up:
             self._up = False
-            log.warning("Redis at %s is unavailable (%s): coordination falls back to this "
-                        "process (rate limits and stop signals hold per process)",
-                        self.url, error)
+            log.warning(
+                "Redis at %s is unavailable (%s): coordination falls back to this "
+                "process (rate limits and stop signals hold per process)",
+                self.url,
+                error,
+            )
 
     async def _probe(self) -> None:
         while True:
@@ -106,7 +118,9 @@ class RedisCoordinator(Coordinator):
                 self._up = True
                 log.warning("Redis at %s is back: coordination spans processes again", self.url)
 
-    async def _call(self, work: Callable[[], Awaitable[T]], fallback: Callable[[], Awaitable[T]]) -> T:
+    async def _call(
+        self, work: Callable[[], Awaitable[T]], fallback: Callable[[], Awaitable[T]]
+    ) -> T:
         if self._up:
             try:
                 return await work()
@@ -146,8 +160,11 @@ class RedisCoordinator(Coordinator):
         async def work() -> None:
             current = await self._idempotency_get(key)
             fingerprint = current.fingerprint if current else ""
-            await self.redis.set(self.prefix + key, json.dumps(
-                {"fingerprint": fingerprint, "result": result}), px=int(ttl * 1000))
+            await self.redis.set(
+                self.prefix + key,
+                json.dumps({"fingerprint": fingerprint, "result": result}),
+                px=int(ttl * 1000),
+            )
 
         await self._call(work, lambda: self.local.idempotency_finish(key, result, ttl))
 
@@ -158,8 +175,9 @@ class RedisCoordinator(Coordinator):
         await self._call(work, lambda: self.local.idempotency_abandon(key))
 
     async def idempotency_get(self, key: str) -> IdempotencyRecord | None:
-        return await self._call(lambda: self._idempotency_get(key),
-                                lambda: self.local.idempotency_get(key))
+        return await self._call(
+            lambda: self._idempotency_get(key), lambda: self.local.idempotency_get(key)
+        )
 
     async def _idempotency_get(self, key: str) -> IdempotencyRecord | None:
         raw = await self.redis.get(self.prefix + key)
@@ -217,8 +235,7 @@ class RedisCoordinator(Coordinator):
             used = sliding_window_count(float(previous or 0), float(current or 0), elapsed)
             reset = (1.0 - elapsed) * window_s
             if used + cost > limit:
-                return RateDecision(False, limit, max(0, int(limit - used)), reset,
-                                    max(reset, 1.0))
+                return RateDecision(False, limit, max(0, int(limit - used)), reset, max(reset, 1.0))
             if cost:
                 await self._count(names[1], window_s, cost)
             return RateDecision(True, limit, max(0, int(limit - used - cost)), reset, 0.0)
@@ -242,8 +259,11 @@ class RedisCoordinator(Coordinator):
 
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> bool:
         async def work() -> bool:
-            return bool(await self.redis.eval(HOLD, 1, f"{self.prefix}lease:{name}", holder,
-                                              int(ttl * 1000)))
+            return bool(
+                await self.redis.eval(
+                    HOLD, 1, f"{self.prefix}lease:{name}", holder, int(ttl * 1000)
+                )
+            )
 
         return await self._call(work, lambda: self.local.acquire_lease(name, holder, ttl))
 
@@ -261,14 +281,18 @@ class RedisCoordinator(Coordinator):
 
         return await self._call(work, lambda: self.local.lease_holder(name))
 
-    # -- a reply's events: a Redis Stream per reply ----------------------------------------------------
+    # -- a reply's events: a Redis Stream per reply ------------------------------------------------
 
     async def append_event(self, stream: str, event: dict[str, Any], ttl: float) -> None:
         async def work() -> None:
             name = f"{self.prefix}events:{stream}"
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(name, {"event": json.dumps(event, ensure_ascii=False)},
-                          maxlen=100_000, approximate=True)
+                pipe.xadd(
+                    name,
+                    {"event": json.dumps(event, ensure_ascii=False)},
+                    maxlen=100_000,
+                    approximate=True,
+                )
                 pipe.pexpire(name, int(ttl * 1000))
                 await pipe.execute()
 

@@ -32,8 +32,9 @@ def prefix() -> str:
 
 @pytest.fixture(params=["local", "redis"])
 async def coord(request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
-    backend: Coordinator = (LocalCoordinator() if request.param == "local"
-                            else RedisCoordinator(REDIS, prefix=prefix()))
+    backend: Coordinator = (
+        LocalCoordinator() if request.param == "local" else RedisCoordinator(REDIS, prefix=prefix())
+    )
     await backend.start()
     assert await backend.healthy()
     try:
@@ -124,11 +125,12 @@ async def test_a_stop_published_by_another_process_reaches_the_subscriber() -> N
         await b.close()
 
 
-# -- the service with Redis: two app instances share it ---------------------------------------------
+# -- the service with Redis: two app instances share it --------------------------------------------
 
 
-def app_instance(model: Path, data: Path, redis_url: str | None, redis_prefix: str,
-                 **settings: Any) -> Any:
+def app_instance(
+    model: Path, data: Path, redis_url: str | None, redis_prefix: str, **settings: Any
+) -> Any:
     from app.main import create_app
 
     config = service_settings(model, data, None)
@@ -150,8 +152,10 @@ def two_instances(dev_model: Path, tmp_path: Path) -> Iterator[tuple[Service, Se
         _, key = client_a.portal.call(lambda: state_a.store.create_key("ops", admin=True))
         client_a.portal.call(lambda: state_a.coord.wait_listening())
         client_b.portal.call(lambda: state_b.coord.wait_listening())
-        yield (Service(client_a, state_a, key, key, "sqlite"),
-               Service(client_b, state_b, key, key, "sqlite"))
+        yield (
+            Service(client_a, state_a, key, key, "sqlite"),
+            Service(client_b, state_b, key, key, "sqlite"),
+        )
 
 
 def test_a_stop_sent_to_another_instance_stops_the_reply(
@@ -160,9 +164,14 @@ def test_a_stop_sent_to_another_instance_stops_the_reply(
     a, b = two_instances
     conv = a.post("/v1/conversations", {}).json()["id"]
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(reply=a.post(
-        f"/v1/conversations/{conv}/messages",
-        {"content": "go", "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}).json()))
+    thread = threading.Thread(
+        target=lambda: result.update(
+            reply=a.post(
+                f"/v1/conversations/{conv}/messages",
+                {"content": "go", "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True},
+            ).json()
+        )
+    )
     thread.start()
     for _ in range(500):
         if conv in a.state.turns:
@@ -181,10 +190,12 @@ def test_idempotency_holds_across_instances(two_instances: tuple[Service, Servic
     a, b = two_instances
     conv = a.post("/v1/conversations", {}).json()["id"]
     body = {"content": "exactly once", "max_tokens": 6}
-    first = a.post(f"/v1/conversations/{conv}/messages", body,
-                   headers={"Idempotency-Key": "k-1"}).json()
-    again = b.post(f"/v1/conversations/{conv}/messages", body,
-                   headers={"Idempotency-Key": "k-1"}).json()
+    first = a.post(
+        f"/v1/conversations/{conv}/messages", body, headers={"Idempotency-Key": "k-1"}
+    ).json()
+    again = b.post(
+        f"/v1/conversations/{conv}/messages", body, headers={"Idempotency-Key": "k-1"}
+    ).json()
     assert again["id"] == first["id"]
     messages = b.get(f"/v1/conversations/{conv}/messages").json()["data"]
     assert len(messages) == 2
@@ -209,15 +220,14 @@ def test_the_lease_is_held_renewed_and_released_on_evict(
     assert holder() is None
 
 
-def test_rate_limits_answer_429_and_a_socket_error_frame(
-    dev_model: Path, tmp_path: Path
-) -> None:
+def test_rate_limits_answer_429_and_a_socket_error_frame(dev_model: Path, tmp_path: Path) -> None:
     for redis_url in (None, REDIS):
-        app = app_instance(dev_model, tmp_path / str(redis_url is None), redis_url, prefix(),
-                           rate_limit_requests=2)
+        app = app_instance(
+            dev_model, tmp_path / str(redis_url is None), redis_url, prefix(), rate_limit_requests=2
+        )
         with TestClient(app) as client:
             state = app.state.kvchat
-            _, key = client.portal.call(lambda: state.store.create_key("limited"))
+            _, key = client.portal.call(state.store.create_key, "limited")
             service = Service(client, state, key, key, "sqlite")
             conv = service.post("/v1/conversations", {}).json()["id"]
             body = {"content": "hi", "max_tokens": 2}
@@ -230,8 +240,9 @@ def test_rate_limits_answer_429_and_a_socket_error_frame(
             assert third.status_code == 429, third.text
             assert int(third.headers["Retry-After"]) >= 1
             assert third.json()["error"]["type"] == "rate_limit_error"
-            with client.websocket_connect(f"/v1/conversations/{conv}/ws",
-                                          headers=service.headers()) as ws:
+            with client.websocket_connect(
+                f"/v1/conversations/{conv}/ws", headers=service.headers()
+            ) as ws:
                 ws.send_json({"type": "message", "content": "hi", "max_tokens": 2})
                 frame = ws.receive_json()
                 assert frame["code"] == "rate_limited" and frame["retry_after"] >= 1
@@ -245,8 +256,20 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
     redis_server = shutil.which("redis-server")
     assert redis_server, "redis-server is not installed"
     process = subprocess.Popen(
-        [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            redis_server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import redis
 
     for _ in range(100):
@@ -270,8 +293,9 @@ def test_the_service_keeps_serving_while_redis_is_away(dev_model: Path, tmp_path
             conv = service.post("/v1/conversations", {}).json()["id"]
 
             def turn() -> int:
-                return service.post(f"/v1/conversations/{conv}/messages",
-                                    {"content": "hello", "max_tokens": 3}).status_code
+                return service.post(
+                    f"/v1/conversations/{conv}/messages", {"content": "hello", "max_tokens": 3}
+                ).status_code
 
             assert turn() == 200 and client.get("/readyz").json()["status"] == "ready"
             redis_process.kill()

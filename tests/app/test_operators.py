@@ -38,8 +38,10 @@ def ops(dev_model: Path, data_dir: Path) -> Iterator[Service]:
 
 
 def turn(service: Service, conv: str, text: str, **fields: Any) -> dict[str, Any]:
-    r = service.post(f"/v1/conversations/{conv}/messages",
-                     {"content": text, "max_tokens": 8, "temperature": 0, **fields})
+    r = service.post(
+        f"/v1/conversations/{conv}/messages",
+        {"content": text, "max_tokens": 8, "temperature": 0, **fields},
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -55,21 +57,28 @@ def settled(service: Service, conv: str) -> dict[str, Any]:
 
 
 def test_admin_routes_need_an_admin_key(ops: Service) -> None:
-    for method, path in (("GET", "/v1/admin/memory"), ("PUT", "/v1/admin/defaults"),
-                         ("GET", "/v1/admin/sessions/x")):
+    for method, path in (
+        ("GET", "/v1/admin/memory"),
+        ("PUT", "/v1/admin/defaults"),
+        ("GET", "/v1/admin/sessions/x"),
+    ):
         r = ops.client.request(method, path, headers=ops.headers(ops.other_key), json={})
         assert r.status_code == 403, path
         assert r.json()["error"]["code"] == "admin_required"
 
 
-def test_a_budget_set_by_put_applies_at_the_next_turn(ops: Service, dev_model: Path,
-                                                     data_dir: Path) -> None:
+def test_a_budget_set_by_put_applies_at_the_next_turn(
+    ops: Service, dev_model: Path, data_dir: Path
+) -> None:
     conv = ops.post("/v1/conversations", {"system": "Be brief."}).json()["id"]
     turn(ops, conv, "First turn, with enough words to fill a few blocks of the cache " * 3)
     before = settled(ops, conv)
     assert before["engine"]["tokens"] > 32
-    r = ops.client.put(f"/v1/admin/sessions/{conv}", headers=ops.headers(),
-                       json={"max_kv_tokens": 32, "history_policy": "drop_oldest"})
+    r = ops.client.put(
+        f"/v1/admin/sessions/{conv}",
+        headers=ops.headers(),
+        json={"max_kv_tokens": 32, "history_policy": "drop_oldest"},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["settings"]["max_kv_tokens"] == 32
     assert r.json()["effective"]["history_policy"] == "drop_oldest"
@@ -79,18 +88,24 @@ def test_a_budget_set_by_put_applies_at_the_next_turn(ops: Service, dev_model: P
     memory = ops.get("/v1/admin/memory").json()
     (session,) = [s for s in memory["sessions"] if s["conversation_id"] == conv]
     assert session["tokens"] == 32 and session["budget"]["max_kv_tokens"] == 32
-    bad = ops.client.put(f"/v1/admin/sessions/{conv}", headers=ops.headers(),
-                         json={"history_policy": "forget"})
+    bad = ops.client.put(
+        f"/v1/admin/sessions/{conv}", headers=ops.headers(), json={"history_policy": "forget"}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
-    assert ops.client.put("/v1/admin/sessions/conv_nope", headers=ops.headers(),
-                          json={}).status_code == 404
+    assert (
+        ops.client.put("/v1/admin/sessions/conv_nope", headers=ops.headers(), json={}).status_code
+        == 404
+    )
     # A restart on the same database: the setting is still the conversation's.
     app, client = start(dev_model, data_dir)
     with client:
         again = client.get(f"/v1/admin/sessions/{conv}", headers=ops.headers()).json()
         assert again["settings"]["max_kv_tokens"] == 32
-        client.post(f"/v1/conversations/{conv}/messages", headers=ops.headers(),
-                    json={"content": "After the restart.", "max_tokens": 4})
+        client.post(
+            f"/v1/conversations/{conv}/messages",
+            headers=ops.headers(),
+            json={"content": "After the restart.", "max_tokens": 4},
+        )
         info = settled(Service(client, app.state.kvchat, ops.key, ops.key, "sqlite"), conv)
         assert info["engine"]["tokens"] == 32
 
@@ -101,8 +116,9 @@ def test_evict_to_host_or_drop_shows_in_the_next_turn(ops: Service) -> None:
         conv = ops.post("/v1/conversations", {}).json()["id"]
         first = turn(ops, conv, f"History number {int(offload)} that will be evicted " * 4)
         settled(ops, conv)
-        evicted = ops.post(f"/v1/admin/sessions/{conv}/evict?offload={str(offload).lower()}",
-                           {}).json()
+        evicted = ops.post(
+            f"/v1/admin/sessions/{conv}/evict?offload={str(offload).lower()}", {}
+        ).json()
         assert evicted["before"] == "resident"
         assert evicted["state"] == ("offloaded" if offload else "empty")
         restores = ops.get("/v1/admin/memory").json()["evictions"]["restores"]
@@ -119,18 +135,27 @@ def test_evict_to_host_or_drop_shows_in_the_next_turn(ops: Service) -> None:
 
 
 def test_defaults_of_new_sessions(ops: Service) -> None:
-    r = ops.client.put("/v1/admin/defaults", headers=ops.headers(),
-                       json={"max_context_tokens": 300, "history_policy": "summarize"})
+    r = ops.client.put(
+        "/v1/admin/defaults",
+        headers=ops.headers(),
+        json={"max_context_tokens": 300, "history_policy": "summarize"},
+    )
     assert r.status_code == 200 and r.json()["max_context_tokens"] == 300
     conv = ops.post("/v1/conversations", {}).json()["id"]
     effective = ops.get(f"/v1/admin/sessions/{conv}").json()["effective"]
     assert effective["max_context_tokens"] == 300
     assert effective["history_policy"] == "summarize"
-    bad = ops.client.put("/v1/admin/defaults", headers=ops.headers(),
-                         json={"low_watermark": 0.9, "high_watermark": 0.5})
+    bad = ops.client.put(
+        "/v1/admin/defaults",
+        headers=ops.headers(),
+        json={"low_watermark": 0.9, "high_watermark": 0.5},
+    )
     assert bad.status_code == 400
-    ops.client.put("/v1/admin/defaults", headers=ops.headers(),
-                   json={"max_context_tokens": None, "history_policy": "drop"})
+    ops.client.put(
+        "/v1/admin/defaults",
+        headers=ops.headers(),
+        json={"max_context_tokens": None, "history_policy": "drop"},
+    )
 
 
 def metrics(ops: Service) -> dict[str, float]:
@@ -146,14 +171,23 @@ def metrics(ops: Service) -> dict[str, float]:
 def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
     before = metrics(ops)
     assert "kvchat:kv_cache_usage_perc{}" in before
-    prompt = [{"role": "system", "content": "A shared system prompt for every request. " * 8},
-              {"role": "user", "content": "Hello"}]
+    prompt = [
+        {"role": "system", "content": "A shared system prompt for every request. " * 8},
+        {"role": "user", "content": "Hello"},
+    ]
     n = 4
     completion = 0
     for _ in range(n):
-        r = ops.post("/v1/chat/completions", {"model": ops.model, "messages": prompt,
-                                              "max_tokens": 5, "temperature": 0,
-                                              "ignore_eos": True})
+        r = ops.post(
+            "/v1/chat/completions",
+            {
+                "model": ops.model,
+                "messages": prompt,
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         completion += r.json()["usage"]["completion_tokens"]
     after = metrics(ops)
 
@@ -172,6 +206,7 @@ def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
     assert delta("kvchat:prefix_cache_queries_total{}") == n * prompt_tokens
     assert delta("kvchat:prefix_cache_hits_total{}") == (n - 1) * (prompt_tokens // 16 * 16)
     assert delta("kvchat:cached_tokens_total{source=prefix_cache}") == delta(
-        "kvchat:prefix_cache_hits_total{}")
+        "kvchat:prefix_cache_hits_total{}"
+    )
     assert "kvchat:pinned_sessions{tier=gpu}" in after
     assert after["kvchat:num_requests_running{}"] == 0

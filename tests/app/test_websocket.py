@@ -42,7 +42,8 @@ def conversation(service: Service, key: str | None = None) -> str:
 
 def socket(service: Service, conv: str, key: str | None = None) -> Any:
     return service.client.websocket_connect(
-        f"/v1/conversations/{conv}/ws", headers=service.headers(key))
+        f"/v1/conversations/{conv}/ws", headers=service.headers(key)
+    )
 
 
 def until(ws: Any, kind: str) -> list[dict[str, Any]]:
@@ -61,19 +62,22 @@ def stored(service: Service, conv: str) -> list[dict[str, Any]]:
 def test_a_turn_streams_start_deltas_and_done(ws_service: Service) -> None:
     conv = conversation(ws_service)
     with socket(ws_service, conv) as ws:
-        ws.send_json({"type": "message", "content": "Hello socket", "max_tokens": 12,
-                      "temperature": 0})
+        ws.send_json(
+            {"type": "message", "content": "Hello socket", "max_tokens": 12, "temperature": 0}
+        )
         frames = until(ws, "done")
     assert frames[0]["type"] == "start"
     deltas = [f for f in frames if f["type"] == "delta"]
     assert [d["offset"] for d in deltas] == [
-        sum(len(d["text"]) for d in deltas[:i]) for i in range(len(deltas))]
+        sum(len(d["text"]) for d in deltas[:i]) for i in range(len(deltas))
+    ]
     done = frames[-1]
     assert done["message_id"] == frames[0]["message_id"]
     assert done["finish_reason"] in ("stop", "length")
     assert set(done["usage"]) >= {"prompt_tokens", "completion_tokens", "cached_tokens"}
-    assert done["timings"]["ttft_ms"] > 0 and done["timings"]["total_ms"] >= done["timings"][
-        "ttft_ms"]
+    assert (
+        done["timings"]["ttft_ms"] > 0 and done["timings"]["total_ms"] >= done["timings"]["ttft_ms"]
+    )
     reply = stored(ws_service, conv)[-1]
     assert reply["id"] == done["message_id"] and reply["status"] == "complete"
     assert reply["content"] == "".join(d["text"] for d in deltas)
@@ -103,8 +107,9 @@ def test_resume_after_a_drop_gets_exactly_the_missing_text(ws_service: Service) 
     conv = conversation(ws_service)
     seen = ""
     with socket(ws_service, conv) as ws:
-        ws.send_json({"type": "message", "content": "A long answer please",
-                      **{**LONG, "max_tokens": 60}})
+        ws.send_json(
+            {"type": "message", "content": "A long answer please", **{**LONG, "max_tokens": 60}}
+        )
         start = ws.receive_json()
         while len(seen) < 5:
             frame = ws.receive_json()
@@ -180,31 +185,45 @@ def test_a_second_message_while_generating_is_busy(ws_service: Service) -> None:
 
 def test_keys_and_owners(ws_service: Service) -> None:
     conv = conversation(ws_service)
-    with pytest.raises(WebSocketDisconnect) as closed, \
-            ws_service.client.websocket_connect(f"/v1/conversations/{conv}/ws",
-                                                headers={"Authorization": "Bearer nope"}) as ws:
+    with (
+        pytest.raises(WebSocketDisconnect) as closed,
+        ws_service.client.websocket_connect(
+            f"/v1/conversations/{conv}/ws", headers={"Authorization": "Bearer nope"}
+        ) as ws,
+    ):
         ws.receive_json()
     assert closed.value.code == 4401
-    with pytest.raises(WebSocketDisconnect) as closed, socket(ws_service, conv,
-                                                              ws_service.other_key) as ws:
+    with (
+        pytest.raises(WebSocketDisconnect) as closed,
+        socket(ws_service, conv, ws_service.other_key) as ws,
+    ):
         assert ws.receive_json()["code"] == "not_found"
         ws.receive_json()
     assert closed.value.code == 4404
     # Browsers pass the key as a query parameter.
     with ws_service.client.websocket_connect(
-            f"/v1/conversations/{conv}/ws?access_token={ws_service.key}") as ws:
+        f"/v1/conversations/{conv}/ws?access_token={ws_service.key}"
+    ) as ws:
         ws.send_json({"type": "ping"})
         assert ws.receive_json()["type"] == "pong"
-    with pytest.raises(WebSocketDisconnect) as closed, ws_service.client.websocket_connect(
+    with (
+        pytest.raises(WebSocketDisconnect) as closed,
+        ws_service.client.websocket_connect(
             f"/v1/conversations/{conv}/ws",
-            headers={**ws_service.headers(), "Origin": "http://evil.example"}) as ws:
+            headers={**ws_service.headers(), "Origin": "http://evil.example"},
+        ) as ws,
+    ):
         ws.receive_json()
     assert closed.value.code == 4403
 
 
 def test_connections_per_key_are_limited(ws_service: Service) -> None:
     conv = conversation(ws_service)
-    with socket(ws_service, conv) as a, socket(ws_service, conv) as b, socket(ws_service, conv) as c:
+    with (
+        socket(ws_service, conv) as a,
+        socket(ws_service, conv) as b,
+        socket(ws_service, conv) as c,
+    ):
         for ws in (a, b, c):
             ws.send_json({"type": "ping"})
             assert ws.receive_json()["type"] == "pong"
@@ -226,14 +245,17 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_two_sockets_stream_independently_against_a_started_server(server: Server) -> None:
     import httpx
 
-    convs = [httpx.post(f"{server.url}/v1/conversations", headers=server.headers(),
-                        json={}).json()["id"] for _ in range(2)]
+    convs = [
+        httpx.post(f"{server.url}/v1/conversations", headers=server.headers(), json={}).json()["id"]
+        for _ in range(2)
+    ]
 
     async def chat(conv: str, text: str) -> tuple[str, dict[str, Any]]:
         url = f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws"
         async with websockets.connect(url, additional_headers=server.headers()) as ws:
-            await ws.send(json.dumps({"type": "message", "content": text, "max_tokens": 24,
-                                      "temperature": 0}))
+            await ws.send(
+                json.dumps({"type": "message", "content": text, "max_tokens": 24, "temperature": 0})
+            )
             deltas = ""
             while True:
                 frame = json.loads(await ws.recv())
@@ -243,11 +265,13 @@ def test_two_sockets_stream_independently_against_a_started_server(server: Serve
                     return deltas, frame
 
     async def both() -> list[tuple[str, dict[str, Any]]]:
-        return list(await asyncio.gather(chat(convs[0], "First socket"),
-                                         chat(convs[1], "Second socket")))
+        return list(
+            await asyncio.gather(chat(convs[0], "First socket"), chat(convs[1], "Second socket"))
+        )
 
     results = asyncio.run(both())
     for conv, (text, done) in zip(convs, results):
-        reply = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
-                          headers=server.headers()).json()["data"][-1]
+        reply = httpx.get(
+            f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers()
+        ).json()["data"][-1]
         assert reply["id"] == done["message_id"] and reply["content"] == text

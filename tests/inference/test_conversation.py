@@ -3,6 +3,7 @@ pinned KV between trim events; summaries run as background work."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -20,8 +21,26 @@ from memory.history import HistoryPolicy
 
 REPLY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BUDGET = 512
-WORDS = ("alpha beta gamma delta kettle orbit lantern river copper maple quartz velvet "
-         "harbor pixel summit tundra willow zephyr").split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kettle",
+    "orbit",
+    "lantern",
+    "river",
+    "copper",
+    "maple",
+    "quartz",
+    "velvet",
+    "harbor",
+    "pixel",
+    "summit",
+    "tundra",
+    "willow",
+    "zephyr",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +53,29 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(path: Path, budget: int = 64) -> Engine:
-    return Engine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-        cache=CacheConfig(block_size=16, num_blocks_override=256),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
-    ))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=16, num_blocks_override=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+        )
+    )
 
 
 def conversation(engine: Engine, policy: HistoryPolicy, session: str = "conv") -> Conversation:
     assert engine.tokenizer is not None
     template = load_chat_template(engine.config.model, engine.tokenizer)
     engine.set_session_budget(session, SessionBudget(max_context_tokens=BUDGET))
-    return Conversation(engine, ContextBuilder(template, engine.tokenizer), session,
-                        system="You are a terse assistant.", policy=policy)
+    return Conversation(
+        engine,
+        ContextBuilder(template, engine.tokenizer),
+        session,
+        system="You are a terse assistant.",
+        policy=policy,
+    )
 
 
 def user_text(rng: random.Random) -> str:
@@ -69,8 +98,9 @@ def run_60_turns(path: Path, policy: str) -> tuple[Conversation, list, int]:
 def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
     runs = {policy: run_60_turns(dev_model, policy) for policy in ("drop", "drop_oldest")}
     prefill = {policy: computed for policy, (_, _, computed) in runs.items()}
-    trims = {policy: sum(r.plan.trimmed for r in results) for policy, (_, results, _) in
-             runs.items()}
+    trims = {
+        policy: sum(r.plan.trimmed for r in results) for policy, (_, results, _) in runs.items()
+    }
     print(f"\nprefill tokens computed: {prefill}; trim events: {trims}")
     assert prefill["drop_oldest"] >= 3 * prefill["drop"]
 
@@ -79,7 +109,7 @@ def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
     assert counters["trims"] == trims["drop"] > 0
     assert counters["dropped_tokens"] == sum(r.plan.num_dropped_tokens for r in results)
     assert conv.engine.memory_report()["history"]["trims"] == trims["drop"]
-    for before, after in zip(results, results[1:]):
+    for before, after in itertools.pairwise(results):
         assert after.plan.num_prompt_tokens + REPLY.max_tokens <= BUDGET  # type: ignore[operator]
         if after.plan.trimmed:
             continue
@@ -94,8 +124,7 @@ def test_summary_runs_in_the_background_and_reaches_a_later_prompt(dev_model: Pa
     engine = make_engine(dev_model, budget=48)
     conv = conversation(engine, HistoryPolicy(policy="summarize", max_summary_tokens=24))
     # Random weights, greedy, write blank lines or stop at once; sampled, they write text.
-    conv.summary_params = SamplingParams(max_tokens=24, temperature=1.0, seed=7,
-                                         ignore_eos=True)
+    conv.summary_params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
     other = conversation(engine, HistoryPolicy(policy="drop"), session="other")
     rng = random.Random(1)
     # (summary running, steps to our first token, prefill tokens of both turns)

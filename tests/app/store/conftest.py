@@ -7,8 +7,6 @@ the admin connection. Nothing is skipped: if it does not answer, these tests fai
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
@@ -17,7 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import bindparam, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
 from app.store import Store, upgrade
 from app.store.column_types import UTCDateTime
