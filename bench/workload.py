@@ -145,7 +145,9 @@ def run_workload(
                 continue
             conv, prompt, sent = live.pop(out.request_id)
             generated = out.output_token_ids or []
-            minimum.add_computed(prompt + generated[:-1])
+            # Every token of the turn can have KV once it ends (a session computes the last
+            # one after the reply), so none of it need be computed again.
+            minimum.add_computed(prompt + generated)
             ttft = first_token_at.pop(out.request_id) - sent
             records.append(TurnRecord(
                 conversation=conv.index, turn=conv.turn + 1, prompt_tokens=len(prompt),
