@@ -196,10 +196,10 @@ def serve(
     accelerator (or CPU). Settings come from KVCHAT_* variables and .env; options win."""
     import asyncio
 
-    import uvicorn
     from pydantic import ValidationError
 
-    from app.main import configure_logging, create_app
+    from app.main import configure_logging
+    from app.main import serve as serve_app
     from app.settings import Settings
     from app.store import Store, StoreError
 
@@ -232,8 +232,7 @@ def serve(
     typer.echo(f"kvchat: serving {settings.model_name} on http://{settings.host}:{settings.port} "
                f"(API docs at /docs; database {settings.database.split('://')[0]})")
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
+        serve_app(settings)
     except _user_errors() as e:
         fail(str(e))
 

@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -141,3 +142,24 @@ def configure_logging(level: str) -> None:
         level=level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def serve(settings: Settings) -> None:
+    """Run the app under uvicorn until SIGINT/SIGTERM. On the signal, open connections get
+    `drain_timeout` seconds; replies still being generated are then stopped by the engine's
+    drain and stored as interrupted (not as cancelled by a client)."""
+    import uvicorn
+
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[Any] | None = None) -> None:
+            state = getattr(app.state, "kvchat", None)
+            if state is not None:
+                state.shutting_down = True
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=max(1, round(settings.drain_timeout)))
+    Server(config).run()

@@ -53,6 +53,7 @@ class AppState:
     replica_id: str = ""
     websockets: dict[str, int] = field(default_factory=dict)  # key id -> open sockets
     leases: Any = None  # LeaseKeeper: this process's session ownership leases
+    shutting_down: bool = False  # set on SIGTERM: replies are left to the engine's drain
 
     def __post_init__(self) -> None:
         self.defaults = SessionDefaults.of(self.settings)

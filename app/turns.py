@@ -36,7 +36,7 @@ from memory.history import (
 from memory.config import SessionBudget
 from memory.stats import HistoryStats
 
-from .errors import APIError, busy, invalid_request, not_found
+from .errors import APIError, busy, invalid_request, not_found, unavailable
 from .generation import Done, Generation, TextDelta, ToolDelta
 from .prompting import offered_tools, sampling_params
 from .schemas.chat import SamplingFields
@@ -252,6 +252,8 @@ async def start_turn(
         by_id[NEW] = new_message
     prompt = builder.build(system, by_id, plan, tools=tools)
     runtime.engine.validate_prompt(prompt, params)
+    if runtime.num_waiting >= state.settings.max_queued_requests:
+        raise unavailable("The server is at capacity (too many queued requests).", 2)
 
     # Committed before anything is generated: what the user sent is never lost.
     user = None

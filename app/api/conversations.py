@@ -215,20 +215,22 @@ async def _respond(
         return sse.sse_response(_replay(result.message))
     turn = result
     if stream:
-        return sse.sse_response(_stream(turn))
+        return sse.sse_response(_stream(state, turn))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
     siblings = [m.id for m in await state.store.children(final.conversation_id, final.parent_id)]
     return message_out(final, siblings)
 
 
-async def _stream(turn: turns.Turn) -> AsyncIterator[str]:
+async def _stream(state: StateDep, turn: turns.Turn) -> AsyncIterator[str]:
     finished = False
     try:
         async for event in turn.events():
             yield sse.event(event.frame())
         finished = True
     finally:
-        if not finished:  # the client left mid-reply: stop it; the turn stores what it has
+        # The client left mid-reply: stop it (the turn stores what it has). At shutdown the
+        # engine's drain stops it instead, and it is stored as interrupted.
+        if not finished and not state.shutting_down:
             turn.stop()
 
 

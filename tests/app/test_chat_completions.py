@@ -246,3 +246,34 @@ def test_openapi_describes_every_route(service: Service) -> None:
                  "/healthz", "/readyz"):
         assert path in paths, path
     assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+
+def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
+    dev_model: Any, tmp_path: Any
+) -> None:
+    """An injected engine fault: the stream ends with an error chunk and [DONE]; the server
+    answers 503 afterwards and /readyz says not ready."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from tests.app.conftest import service_settings
+    from tests.inference.test_async_engine import StepFault
+
+    app = create_app(service_settings(dev_model, tmp_path, None))
+    with TestClient(app) as client:
+        state = app.state.kvchat
+        _, key = client.portal.call(state.store.create_key, "k")
+        StepFault(state.runtime.engine, after=3)
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"model": state.runtime.model_name, "messages": USER, "stream": True,
+                "max_tokens": 50, "ignore_eos": True}
+        with client.stream("POST", "/v1/chat/completions", headers=headers, json=body) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_error"
+        assert any(e["choices"] and e["choices"][0]["delta"].get("content") is not None
+                   for e in events[:-2])
+        after = client.post("/v1/chat/completions", headers=headers,
+                            json={**body, "stream": False})
+        assert after.status_code == 503 and "Retry-After" in after.headers
+        assert client.get("/readyz").status_code == 503

@@ -234,3 +234,31 @@ def test_the_admin_commands_against_the_running_server(server: Server) -> None:
     assert evicted.stdout.strip() == f"{conv}: resident -> offloaded"
     missing = admin("evict", "conv_missing")
     assert missing.returncode == 2 and missing.stderr.startswith("error: 404")
+
+
+def test_sigterm_mid_reply_stores_it_before_exiting(dev_model: Path, tmp_path: Path) -> None:
+    """A graceful stop: the engine drains for KVCHAT_DRAIN_TIMEOUT, then stops what is left;
+    every reply is stored (interrupted, with what it had) before the process exits."""
+    data = tmp_path / "data"
+    server = Server(dev_model, data, env={"KVCHAT_DRAIN_TIMEOUT": "0.5"}).start()
+    conv = new_conversation(server)
+    deltas = 0
+    with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
+                      headers=server.headers(), timeout=60,
+                      json={"content": "Go on", "max_tokens": 3000, "temperature": 1.0,
+                            "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "delta":
+                deltas += 1
+                if deltas == 3:
+                    # uvicorn exits by re-raising the signal once it has shut down.
+                    assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+                    break
+    restarted = Server(dev_model, data, key=server.key).start()
+    try:
+        reply = messages(restarted, conv)[-1]
+        assert reply["status"] == "interrupted" and reply["finish_reason"] == "cancelled"
+        assert 3 <= reply["usage"]["completion_tokens"] < 3000
+        assert reply["content"]
+    finally:
+        restarted.stop()
