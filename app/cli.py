@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -203,7 +203,7 @@ def serve(
     from app.settings import Settings
     from app.store import Store, StoreError
 
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v for k, v in
         dict(model=model, host=host, port=port, database_url=database_url).items()
         if v is not None
@@ -291,7 +291,7 @@ def memory_plan(
                 fail(f"{config} is not valid JSON: {e}")
             mc = ModelConfig.from_hf_dict(data, source=str(config))
         memory_bytes = parse_bytes(memory) if memory is not None else None
-    except (ValueError, *_user_errors()) as e:
+    except (ValueError, *_user_errors()) as e:  # type: ignore[misc]
         fail(str(e))
     model_dtype = DTYPES[dtype] if dtype else mc.torch_dtype
     spec = KVCacheSpec(

@@ -177,7 +177,9 @@ def _event(event: ContentDelta | ToolCallDelta) -> TextDelta | ToolDelta:
 def _logprobs(out: RequestOutput) -> list[TokenLogprob]:
     if out.new_logprobs is None:
         return []
-    tops = out.new_top_logprobs or [None] * len(out.new_logprobs)
+    tops: list[list[tuple[int, float]] | None] = (
+        list(out.new_top_logprobs) if out.new_top_logprobs else [None] * len(out.new_logprobs)
+    )
     return [
         TokenLogprob(token_id, logprob, top)
         for token_id, logprob, top in zip(out.new_token_ids, out.new_logprobs, tops)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -58,8 +59,8 @@ class AppState:
     def __post_init__(self) -> None:
         self.defaults = SessionDefaults.of(self.settings)
 
-    def spawn(self, coro: object) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -77,7 +78,8 @@ def init_model(model_dir: str | Path, preset_name: str = "dev", seed: int = 0) -
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
         else:
-            t = torch.randn(shape, generator=generator) * float(config_dict["initializer_range"])
+            std = float(cast(float, config_dict["initializer_range"]))
+            t = torch.randn(shape, generator=generator) * std
         tensors[name] = t.to(torch.bfloat16).contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")

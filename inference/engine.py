@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -309,7 +310,7 @@ class Engine:
             return list(self._live_ids)
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        outputs = []
+        outputs: list[RequestOutput] = []
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
@@ -321,7 +322,7 @@ class Engine:
                 self.output_processor.add(item)
                 self.scheduler.add(item)
             elif kind == "abort":
-                request_id, reason = item  # type: ignore[misc]
+                request_id, reason = cast(tuple[str, str], item)
                 seq = self._seqs.get(request_id)
                 if seq is not None:
                     self._release(seq)
@@ -329,7 +330,7 @@ class Engine:
                         self.output_processor.finish(seq, "abort", abort_reason=reason)
                     )
             elif kind == "evict":
-                session_id, offload = item  # type: ignore[misc]
+                session_id, offload = cast(tuple[str, bool], item)
                 self.sessions.evict(session_id, offload=offload)
             elif kind == "close":
                 self.sessions.close(str(item))

@@ -79,11 +79,12 @@ class MemoryPlan:
                 f"blocks = {self.usable_bytes:,} B / {s.bytes_per_block:,} B = "
                 f"{self.num_blocks:,} blocks = {self.num_tokens:,} tokens"
             )
-        if self.context_tokens is not None:
+        blocks = self.blocks_per_session
+        if self.context_tokens is not None and blocks is not None:
             out.append(
                 f"one session of {self.context_tokens:,} tokens = "
-                f"ceil({self.context_tokens:,} / {s.block_size}) = {self.blocks_per_session:,} "
-                f"blocks = {self.blocks_per_session * s.bytes_per_block / 2**20:,.1f} MiB"
+                f"ceil({self.context_tokens:,} / {s.block_size}) = {blocks:,} "
+                f"blocks = {blocks * s.bytes_per_block / 2**20:,.1f} MiB"
             )
             if self.num_sessions is not None:
                 out.append(

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -314,7 +314,8 @@ class RedisCoordinator(Coordinator):
             except UNAVAILABLE as e:
                 self._went_down(e)
                 return
-            for _, entries in batches or []:
+            for _, entries in cast(list[tuple[str, list[tuple[str, dict[str, str]]]]],
+                                   batches or []):
                 for entry_id, fields in entries:
                     last = entry_id
                     event = json.loads(fields["event"])
