@@ -93,6 +93,14 @@ class Run:
     def tokens_per_second(self) -> float:
         return self.completion_tokens / self.wall if self.wall else 0.0
 
+    def merge(self, other: Run) -> None:
+        self.ttft += other.ttft
+        self.completion_tokens += other.completion_tokens
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.errors += other.errors
+        self.wall += other.wall
+
 
 # -- the engine alone ----------------------------------------------------------------------------
 
@@ -264,31 +272,40 @@ def main() -> None:
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the four variants, interleaved (each with a fresh engine "
+                    "and a fresh server)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_rest.md")
     args = ap.parse_args()
     model = ensure_model(args.model, "bench")
+    names = ["engine alone, sessions on", "engine alone, sessions off",
+             "service, X-Session-Id on", "service, X-Session-Id off"]
+    merged = {name: Run(name) for name in names}
+    per_round: list[tuple[float, float]] = []
+    total = args.loops * args.turns
+    with tqdm(total=4 * total * args.rounds, desc="turns") as bar:
+        for r in range(args.rounds):
+            # Fresh messages each round and each sessions setting (so no run finds another's
+            # conversations in the prefix cache); the engine and the service get the same ones.
+            loads = {on: Load(args.loops, args.turns, args.reply_tokens, seed=2 * r + (not on))
+                     for on in (True, False)}
+            runs = [asyncio.run(run_engine(model, loads[on], on, bar)) for on in (True, False)]
+            port = free_port()
+            with tempfile.TemporaryDirectory() as data:
+                proc, key = start_server(model, Path(data), port)
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    runs += [asyncio.run(run_service(url, key, model.name, loads[on], on, bar))
+                             for on in (True, False)]
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+            for run in runs:
+                merged[run.name].merge(run)
+            per_round.append((runs[2].tokens_per_second / runs[0].tokens_per_second,
+                              runs[3].tokens_per_second / runs[1].tokens_per_second))
     load = Load(args.loops, args.turns, args.reply_tokens)
-    runs: list[Run] = []
-    total = load.loops * load.turns
-    for sessions in (True, False):
-        with tqdm(total=total, desc=f"engine, sessions {sessions}") as bar:
-            runs.append(asyncio.run(run_engine(model, load, sessions, bar)))
-    port = free_port()
-    with tempfile.TemporaryDirectory() as data:
-        proc, key = start_server(model, Path(data), port)
-        try:
-            for sessions in (True, False):
-                with tqdm(total=total, desc=f"service, sessions {sessions}") as bar:
-                    runs.append(
-                        asyncio.run(
-                            run_service(
-                                f"http://127.0.0.1:{port}", key, model.name, load, sessions, bar
-                            )
-                        )
-                    )
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    runs = [merged[name] for name in names]
     engine_on, engine_off, service_on, service_off = runs
     rows = [
         [
@@ -310,7 +327,9 @@ def main() -> None:
         {
             "model": f"{model.name} preset, bfloat16",
             "load": f"{load.loops} concurrent loops x {load.turns} turns, whole history resent "
-            f"each turn, {load.reply_tokens} greedy tokens per reply, streamed",
+            f"each turn, {load.reply_tokens} greedy tokens per reply, streamed; "
+            f"{args.rounds} rounds of the four variants interleaved, each run with a fresh "
+            "engine / server; figures pooled over the rounds",
             "command": "python bench/serve_rest.py",
         },
     )
@@ -329,7 +348,10 @@ def main() -> None:
     report += (
         f"\nService tokens/s as a share of the engine's on the same load: "
         f"{ratio_on:.2f} with X-Session-Id, {ratio_off:.2f} without (goal >= 0.90); "
-        f"errors: {errors} (goal 0).\n"
+        f"errors: {errors} (goal 0).\n\nPer round (service / engine tokens/s, with and "
+        f"without X-Session-Id): "
+        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_round)
+        + ".\n"
     )
     for r in runs:
         for e in r.errors[:3]:
