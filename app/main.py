@@ -161,5 +161,6 @@ def serve(settings: Settings) -> None:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=max(1, round(settings.drain_timeout)))
+                            timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
+                            ws_per_message_deflate=settings.ws_compression)
     Server(config).run()

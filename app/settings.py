@@ -83,6 +83,9 @@ class Settings(BaseSettings):
         30.0, description="A reply goes on this long after its socket drops (resume window)."
     )
     ws_max_frame_bytes: int = 256 * 1024
+    ws_compression: bool = Field(
+        False, description="Offer permessage-deflate on WebSockets (token deltas are small "
+        "frames: compressing them costs CPU beside the decoder and saves little).")
     ws_max_connections_per_key: int = 16
     ws_idle_timeout: float = Field(300.0, description="Close a socket silent this long.")
 

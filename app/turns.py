@@ -42,7 +42,7 @@ from .prompting import offered_tools, sampling_params
 from .schemas.chat import SamplingFields
 from .schemas.conversations import ROOT
 from .state import AppState
-from .store import ConversationRecord, MessageRecord
+from .store import NEW_USER, ConversationRecord, MessageRecord
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,10 @@ async def start_turn(
     tool_names = {t.function.name for t in fields.tools} if fields.tools else None
     parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
                                                              else parent_id)
-    if parent is not None and await store.get_message(conv.id, parent) is None:
+    stored, summary_record = await store.turn_context(conv.id, parent)
+    if parent is not None and not stored:
         raise not_found(f"message {parent!r}", "parent_id")
-    branch = usable(await store.branch(conv.id, parent))
+    branch = usable(stored)
     if new_message is None and (not branch or branch[-1].role not in ("user", "tool")):
         raise invalid_request(
             "regenerating needs parent_id to name a user or tool message", "parent_id"
@@ -231,7 +232,6 @@ async def start_turn(
     policy = history_policy(state, conv)
     budget = context_budget(state, conv)
     reply_budget = fields.reply_budget or min(state.settings.default_max_tokens, budget // 4)
-    summary_record = await store.latest_summary(conv.id)
     summary = (
         SummaryState(summary_record.text, summary_record.num_tokens, tuple(summary_record.covers))
         if summary_record is not None else None
@@ -256,22 +256,18 @@ async def start_turn(
         raise unavailable("The server is at capacity (too many queued requests).", 2)
 
     # Committed before anything is generated: what the user sent is never lost.
-    user = None
+    user_fields = None
     if new_message is not None and new_counts is not None:
-        user = await store.add_message(
-            conv.id, parent_id=parent, role=new_message.role, content=new_message.content,
-            name=new_message.name, tool_call_id=new_message.tool_call_id,
-            num_tokens=new_counts.num_tokens, content_tokens=new_counts.content_tokens,
+        user_fields = dict(
+            role=new_message.role, content=new_message.content, name=new_message.name,
+            tool_call_id=new_message.tool_call_id, num_tokens=new_counts.num_tokens,
+            content_tokens=new_counts.content_tokens,
         )
-        reply_parent = user.id
-    else:
-        reply_parent = branch[-1].id
-    assistant = await store.add_message(
-        conv.id, parent_id=reply_parent, role="assistant", status="generating",
+    user, assistant = await store.start_reply(
+        conv.id, parent_id=parent if user_fields is not None else branch[-1].id,
+        user=user_fields, trim_start_id=NEW_USER if plan.start_id == NEW else plan.start_id,
     )
-    start_id = plan.start_id if plan.start_id != NEW else (user.id if user else None)
-    await store.update_conversation(owner, conv.id, trim_start_id=start_id,
-                                    current_leaf_id=assistant.id)
+    reply_parent = assistant.parent_id
     runtime.engine.record_history(conv.id, HistoryStats(
         trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
         tool_results_capped=len(plan.capped),

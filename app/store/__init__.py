@@ -5,6 +5,7 @@ Alembic (`migrations/`). Never imports torch or the engine.
 """
 
 from app.store.database import default_database_url, display_url
+from app.store.message_store import NEW_USER
 from app.store.errors import DatabaseUnreachable, InvalidDatabaseUrl, SchemaNotCurrent, StoreError
 from app.store.records import (
     OVERRIDE_FIELDS,
@@ -19,6 +20,7 @@ from app.store.schema import upgrade
 from app.store.store import Store
 
 __all__ = [
+    "NEW_USER",
     "OVERRIDE_FIELDS",
     "ROLES",
     "STATUSES",

@@ -9,9 +9,12 @@ from sqlalchemy.orm import aliased
 
 from app.store.column_types import utcnow
 from app.store.queries import has_message
-from app.store.records import ROLES, STATUSES, MessageRecord
+from app.store.records import ROLES, STATUSES, MessageRecord, SummaryRecord
 from app.store.store_base import StoreBase, check_fields
-from app.store.tables import Conversation, Message, new_id
+from app.store.tables import Conversation, Message, Summary, new_id
+
+# start_reply(trim_start_id=NEW_USER): the history starts at the user message it adds.
+NEW_USER = "<new user message>"
 
 # Optional fields of add_message(); update_message() may also set status and content.
 MESSAGE_FIELDS = (
@@ -90,19 +93,80 @@ class MessageStore(StoreBase):
         not a message of this conversation."""
         if leaf_id is None:
             return []
-        path = (
-            select(Message.id, Message.parent_id, literal_column("0").label("depth"))
-            .where(Message.id == leaf_id, Message.conversation_id == conversation_id)
-            .cte("path", recursive=True)
-        )
-        parent = aliased(Message)
-        path = path.union_all(
-            select(parent.id, parent.parent_id, path.c.depth + literal_column("1"))
-            .where(parent.id == path.c.parent_id, parent.conversation_id == conversation_id)
-        )
-        query = select(Message).join(path, Message.id == path.c.id).order_by(path.c.depth.desc())
         async with self._read() as session:
-            return [MessageRecord.of(row) for row in await session.scalars(query)]
+            return [MessageRecord.of(row) for row in await session.scalars(
+                _branch_query(conversation_id, leaf_id))]
+
+    async def turn_context(
+        self, conversation_id: str, leaf_id: str | None
+    ) -> tuple[list[MessageRecord], SummaryRecord | None]:
+        """What a turn is planned from, in one read: the branch root..leaf (as branch()) and
+        the conversation's latest summary."""
+        summary_query = (
+            select(Summary)
+            .where(Summary.conversation_id == conversation_id)
+            .order_by(Summary.created_at.desc(), Summary.id.desc())
+            .limit(1)
+        )
+        async with self._read() as session:
+            branch = [] if leaf_id is None else [
+                MessageRecord.of(row)
+                for row in await session.scalars(_branch_query(conversation_id, leaf_id))
+            ]
+            summary = await session.scalar(summary_query)
+            return branch, None if summary is None else SummaryRecord.of(summary)
+
+    async def start_reply(
+        self,
+        conversation_id: str,
+        *,
+        parent_id: str | None,
+        user: dict[str, Any] | None,
+        trim_start_id: str | None,
+    ) -> tuple[MessageRecord | None, MessageRecord]:
+        """A turn's writes before generation, in one transaction: the user's message (fields as
+        add_message's, under parent_id) when there is one, the assistant's reply under it with
+        status `generating`, the conversation's leaf moved to the reply and its trim start set
+        (NEW_USER: the user message added here). Returns (user message, reply)."""
+        now = utcnow()
+        rows: list[Message] = []
+        if user is not None:
+            fields = dict(user)
+            role, content = fields.pop("role"), fields.pop("content", None)
+            check_fields(fields, MESSAGE_FIELDS)
+            if role not in ROLES:
+                raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+            rows.append(Message(
+                id=new_id("msg_"), conversation_id=conversation_id, parent_id=parent_id,
+                role=role, content=content, status="complete", created_at=now, updated_at=now,
+                **_json_ready(fields),
+            ))
+        rows.append(Message(
+            id=new_id("msg_"), conversation_id=conversation_id,
+            parent_id=rows[0].id if rows else parent_id, role="assistant", content=None,
+            status="generating", created_at=now, updated_at=now,
+        ))
+        async with self._write() as session:
+            conversation = await session.get(Conversation, conversation_id)
+            if conversation is None:
+                raise LookupError(f"no conversation {conversation_id!r}")
+            if parent_id is not None and not await has_message(
+                session, conversation_id, parent_id
+            ):
+                raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
+            session.add_all(rows)
+            if trim_start_id == NEW_USER:
+                trim_start_id = rows[0].id if user is not None else None
+            if trim_start_id is not None and trim_start_id not in {r.id for r in rows} and not (
+                await has_message(session, conversation_id, trim_start_id)
+            ):
+                raise ValueError(f"trim_start_id: no message {trim_start_id!r}")
+            conversation.current_leaf_id = rows[-1].id
+            conversation.trim_start_id = trim_start_id
+            conversation.updated_at = now
+            await session.flush()
+            records = [MessageRecord.of(r) for r in rows]
+            return (records[0] if user is not None else None), records[-1]
 
     async def messages(self, conversation_id: str) -> list[MessageRecord]:
         """The whole tree in creation order (parents before children)."""
@@ -150,3 +214,18 @@ def _json_ready(fields: dict[str, Any]) -> dict[str, Any]:
         if out.get(name) is not None:
             out[name] = list(out[name])
     return out
+
+
+def _branch_query(conversation_id: str, leaf_id: str) -> Any:
+    """Messages root..leaf_id, in order: one recursive query."""
+    path = (
+        select(Message.id, Message.parent_id, literal_column("0").label("depth"))
+        .where(Message.id == leaf_id, Message.conversation_id == conversation_id)
+        .cte("path", recursive=True)
+    )
+    parent = aliased(Message)
+    path = path.union_all(
+        select(parent.id, parent.parent_id, path.c.depth + literal_column("1"))
+        .where(parent.id == path.c.parent_id, parent.conversation_id == conversation_id)
+    )
+    return select(Message).join(path, Message.id == path.c.id).order_by(path.c.depth.desc())

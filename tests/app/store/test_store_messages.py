@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.store import MessageRecord, Store
+from app.store import NEW_USER, MessageRecord, Store
 
 pytestmark = pytest.mark.anyio
 TOOL_CALLS = [
@@ -218,3 +218,48 @@ async def test_concurrent_writers_all_land(store: Store, run_sql: Callable[..., 
     assert counts == [{"n": 15}]
     for c in conversations:
         assert len(await store.children(c, (await store.children(c, None))[0].id)) == 4
+
+
+async def test_turn_context_and_start_reply_write_a_turn_in_one_go(store: Store) -> None:
+    c = (await store.create_conversation("alice", system_prompt="be brief")).id
+    assert await store.turn_context(c, None) == ([], None)
+    u1 = await _say(store, c, None, "user", "hello")
+    a1 = await _say(store, c, u1, "assistant", "hi")
+
+    user, reply = await store.start_reply(
+        c, parent_id=a1.id, user={"role": "user", "content": "more?", "num_tokens": 9},
+        trim_start_id=NEW_USER,
+    )
+    assert user is not None and (user.parent_id, user.role, user.num_tokens) == (a1.id, "user", 9)
+    assert (reply.parent_id, reply.role, reply.status, reply.content) == (
+        user.id, "assistant", "generating", None)
+    conv = await store.get_conversation("alice", c)
+    assert conv is not None and (conv.current_leaf_id, conv.trim_start_id) == (reply.id, user.id)
+
+    # A regeneration adds only the reply, under the given parent; the trim start is kept as
+    # given (None clears it).
+    none, again = await store.start_reply(c, parent_id=user.id, user=None, trim_start_id=u1.id)
+    assert none is None and again.parent_id == user.id
+    conv = await store.get_conversation("alice", c)
+    assert conv is not None and (conv.current_leaf_id, conv.trim_start_id) == (again.id, u1.id)
+
+    await store.add_summary(c, text="they said hello", num_tokens=4, covers=[u1.id, a1.id])
+    branch, summary = await store.turn_context(c, again.id)
+    assert [m.id for m in branch] == [u1.id, a1.id, user.id, again.id]
+    assert summary is not None and summary.covers == (u1.id, a1.id)
+    assert await store.turn_context(c, "msg_nope") == ([], summary)
+
+    # Bad references change nothing.
+    before = await store.messages(c)
+    with pytest.raises(ValueError):
+        await store.start_reply(c, parent_id="msg_nope", user=None, trim_start_id=None)
+    with pytest.raises(ValueError):
+        await store.start_reply(c, parent_id=a1.id, user={"role": "wizard", "content": "x"},
+                                trim_start_id=None)
+    with pytest.raises(ValueError):
+        await store.start_reply(c, parent_id=a1.id, user=None, trim_start_id="msg_nope")
+    with pytest.raises(LookupError):
+        await store.start_reply("conv_nope", parent_id=None, user=None, trim_start_id=None)
+    assert await store.messages(c) == before
+    conv = await store.get_conversation("alice", c)
+    assert conv is not None and conv.current_leaf_id == again.id
