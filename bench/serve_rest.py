@@ -130,7 +130,7 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
             async for out in runner.generate(
                 f"e{i}-{turn}-{sessions}", prompt, params, session_id=f"s{i}" if sessions else None
             ):
-                if first is None and out.new_token_ids:
+                if first is None and out.new_text:  # visible text, as the service's chunks
                     first = time.perf_counter()
                 if out.finished:
                     run.ttft.append((first or time.perf_counter()) - sent)
