@@ -17,7 +17,17 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .api import admin, chat_completions, conversations, health, metrics, models, tokenize, ws
+from .api import (
+    admin,
+    chat_completions,
+    conversations,
+    health,
+    metrics,
+    models,
+    tokenize,
+    ui_chat,
+    ws,
+)
 from .coord import make_coordinator
 from .errors import install_error_handlers
 from .leases import LeaseKeeper, default_replica_id
@@ -131,7 +141,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
 
     for module in (health, models, chat_completions, conversations, tokenize, admin, metrics,
-                   ws):
+                   ws, ui_chat):
         app.include_router(module.router)
     app.state.started_at = int(time.time())
     return app
