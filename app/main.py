@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import log_redaction
 from .api import (
     admin,
     chat_completions,
@@ -172,4 +173,5 @@ def serve(settings: Settings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=max(1, round(settings.drain_timeout)))
+    log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
     Server(config).run()
