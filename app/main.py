@@ -25,6 +25,7 @@ from .api import (
     health,
     metrics,
     models,
+    pages,
     tokenize,
     ui_chat,
     ws,
@@ -142,8 +143,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
 
     for module in (health, models, chat_completions, conversations, tokenize, admin, metrics,
-                   ws, ui_chat):
+                   ws, ui_chat, pages):
         app.include_router(module.router)
+    app.mount("/static", pages.static_files(), name="static")
     app.state.started_at = int(time.time())
     return app
 
