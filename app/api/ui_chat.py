@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from .. import realtime, turns, ui_messages, ui_stream
+from ..errors import not_found
 from ..limits import RateLimitedKey
 from ..schemas.ui_chat import UIChatRequest
 from ..sse import SSE_HEADERS
@@ -52,7 +53,7 @@ async def stop_chat(chat_id: str, key: CurrentKey, state: StateDep) -> dict[str,
     """Stop the chat's reply; it is stored as cancelled with what it has."""
     conv = await ui_messages.find_chat(state, key.owner, chat_id)
     if conv is None:
-        return {"id": chat_id, "stopped": False}
+        raise not_found(f"chat {chat_id!r}")
     await state.coord.publish_stop(conv.id)
     turn = state.turns.get(conv.id)
     if turn is not None:

@@ -243,6 +243,11 @@ def test_resume_answers_204_when_nothing_is_generating(server: Server) -> None:
         r = httpx.get(f"{server.url}/v1/ui/chat/{chat_id}/stream", headers=server.headers())
         assert r.status_code == 204
         assert r.content == b""
+    stop = httpx.post(f"{server.url}/v1/ui/chat/chat-idle/stop", headers=server.headers())
+    assert stop.json() == {"id": "chat-idle", "stopped": False}  # nothing was running
+    unknown = httpx.post(f"{server.url}/v1/ui/chat/a-chat-never-seen/stop",
+                         headers=server.headers())
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
 
 
 def test_a_second_request_while_generating_is_busy(server: Server) -> None:
@@ -348,3 +353,35 @@ def test_an_engine_error_is_an_error_part() -> None:
         check_part(part)
     assert [p["type"] for p in parts][-2:] == ["text-end", "error"]
     assert parts[-1]["errorText"] == "boom"
+
+
+def test_an_engine_fault_mid_reply_ends_the_stream_with_an_error_part(
+    dev_model: Path, tmp_path: Path
+) -> None:
+    """An injected engine fault (as the chat completions test does): text parts, then an
+    `error` part and [DONE]; the reply is stored with status error."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from tests.app.conftest import service_settings
+    from tests.inference.test_async_engine import StepFault
+
+    app = create_app(service_settings(dev_model, tmp_path, None))
+    with TestClient(app) as client:
+        state = app.state.kvchat
+        _, key = client.portal.call(state.store.create_key, "k")
+        StepFault(state.runtime.engine, after=3)
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"id": "chat-fault", "messages": [user("Hello", "f1")], **LONG}
+        with client.stream("POST", "/v1/ui/chat", headers=headers, json=body) as r:
+            assert r.status_code == 200
+            parts = list(parse_sse(r.iter_lines()))
+        (conv,) = client.get("/v1/conversations", headers=headers).json()["data"]
+        stored = client.get(f"/v1/conversations/{conv['id']}/messages",
+                            headers=headers).json()["data"][-1]
+    assert parts[-1] == "[DONE]"
+    kinds = [p["type"] for p in parts[:-1]]
+    assert kinds[-2:] == ["text-end", "error"] and "text-delta" in kinds
+    assert "finish" not in kinds and "abort" not in kinds
+    assert stored["id"] == parts[0]["messageId"]
+    assert stored["status"] == "error"
