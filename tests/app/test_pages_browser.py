@@ -196,6 +196,15 @@ def test_chat_streams_stops_caches_edits_switches_branches_and_reloads(
     leaf = api(server, "GET", f"/v1/conversations/{conv}")["current_leaf_id"]
     assert leaf == stored_branch(server, conv)[-1]["id"]
 
+    # Regenerate the reply: a second version of it, switchable the same way.
+    before = tab.last_assistant().get_attribute("data-id")
+    tab.last_assistant().locator(".regenerate").click()
+    expect(tab.last_assistant().locator(".position")).to_have_text("2/2")
+    expect(tab.last_assistant()).to_have_attribute("data-status", "complete")
+    regenerated = stored_branch(server, conv)[-1]
+    assert tab.last_assistant().get_attribute("data-id") == regenerated["id"] != before
+    assert regenerated["siblings"] == [before, regenerated["id"]]
+
     # Rename it in the list.
     page.locator(f"#conversations li[data-id='{conv}'] .rename").click()
     page.fill(".rename-input", "Caches, renamed")
@@ -281,6 +290,11 @@ def test_conversation_list_pages_newest_first_and_deletes(tab: Tab, server: Serv
     made = [api(server, "POST", "/v1/conversations", {"title": f"paged {i}"})["id"]
             for i in range(21)]
     page = tab.page
+    page.goto(server.url)
+    page.fill("#key-input", "kvc-not-a-key")
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#key-error")).to_contain_text("Incorrect API key")
+    assert page.locator("#app").is_hidden()
     tab.enter_key()
     expect(page.locator("#conversations li")).to_have_count(20)
     ids = page.eval_on_selector_all("#conversations li", "items => items.map(i => i.dataset.id)")
