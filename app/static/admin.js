@@ -138,7 +138,7 @@ function sessionRow(s) {
     el("td", { class: "num" }, formatNumber(s.device_blocks)),
     el("td", { class: "num" }, formatNumber(s.host_blocks)),
     el("td", { class: "num" }, formatNumber(s.turns)),
-    el("td", { class: "num" }, `${formatNumber(s.idle_seconds, 0)} s`),
+    el("td", { class: "num" }, s.idle_seconds == null ? "—" : `${formatNumber(s.idle_seconds, 0)} s`),
     el("td", { class: "num max-kv" }, formatNumber(s.budget.max_kv_tokens)),
     el("td", { class: "num" }, formatNumber(s.budget.max_context_tokens)),
     el("td", {},
