@@ -1,16 +1,11 @@
 // The chat page: conversations over the REST API, replies over the conversation's WebSocket
 // (frames: message / regenerate / stop / resume / ping in; start / delta / tool_call / done /
-// error / pong out). A reply's markdown is rendered by marked and sanitized by DOMPurify;
-// everything else is text.
+// error / pong out). The list is drawn by chat_list.js, the messages by chat_view.js.
 "use strict";
 
-const PAGE_SIZE = 20;
 const SETTINGS_STORAGE = "kvchat.settings";
 const PING_MS = 20000;
 const MAX_BACKOFF_MS = 5000;
-const STATUS_MARKS = {
-  cancelled: "stopped", interrupted: "interrupted", error: "error", generating: "generating…",
-};
 
 const ui = {};
 const chat = {
@@ -84,75 +79,6 @@ function generationSettings() {
   if (maxTokens > 0) settings.max_tokens = maxTokens;
   if (temperature >= 0) settings.temperature = temperature;
   return settings;
-}
-
-// -- conversation list ---------------------------------------------------------------------
-
-async function loadConversations(first) {
-  const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
-  if (!first && chat.cursor) query.set("after", chat.cursor);
-  const page = await api("GET", `/v1/conversations?${query}`);
-  chat.conversations = first ? page.data : chat.conversations.concat(page.data);
-  chat.cursor = page.next_cursor;
-  renderConversations();
-}
-
-function renderConversations() {
-  ui.conversations.replaceChildren(...chat.conversations.map(conversationItem));
-  ui.moreConversations.hidden = !chat.cursor;
-}
-
-function conversationItem(conv) {
-  const current = chat.current && chat.current.id === conv.id;
-  const item = el("li", { class: current ? "current" : null, dataset: { id: conv.id } });
-  const open = el("button", { class: "open", type: "button", title: conv.title || "Untitled",
-    onclick: () => { location.hash = conv.id; } }, conv.title || "Untitled");
-  const rename = el("button", { class: "link rename", type: "button", title: "Rename",
-    "aria-label": "Rename", onclick: () => startRename(item, conv) }, "✎");
-  const remove = el("button", { class: "link delete", type: "button", title: "Delete",
-    "aria-label": "Delete", onclick: () => confirmDelete(remove, conv) }, "✕");
-  item.append(open, rename, remove);
-  return item;
-}
-
-function startRename(item, conv) {
-  const input = el("input", { class: "rename-input", value: conv.title || "",
-    "aria-label": "New title" });
-  let done = false;
-  async function finish(save) {
-    if (done) return;
-    done = true;
-    if (save && input.value.trim() !== (conv.title || "")) {
-      const updated = await api("PATCH", `/v1/conversations/${conv.id}`,
-        { title: input.value.trim() || null });
-      Object.assign(conv, updated);
-      if (chat.current && chat.current.id === conv.id) {
-        chat.current = updated;
-        ui.chatTitle.textContent = updated.title || "Untitled";
-      }
-    }
-    renderConversations();
-  }
-  input.addEventListener("keydown", (event) => {
-    if (event.key === "Enter") finish(true);
-    if (event.key === "Escape") finish(false);
-  });
-  input.addEventListener("blur", () => finish(true));
-  item.replaceChildren(input);
-  input.focus();
-  input.select();
-}
-
-async function confirmDelete(button, conv) {
-  if (!button.classList.contains("confirm")) {
-    button.classList.add("confirm", "danger");
-    button.textContent = "Delete?";
-    return;
-  }
-  await api("DELETE", `/v1/conversations/${conv.id}`);
-  chat.conversations = chat.conversations.filter((c) => c.id !== conv.id);
-  if (chat.current && chat.current.id === conv.id) { location.hash = ""; showNewChat(); }
-  renderConversations();
 }
 
 // -- a conversation ------------------------------------------------------------------------
@@ -365,137 +291,4 @@ async function endReply() {
   chat.streaming = null;
   setBusy(false);
   if (chat.current) await loadBranch(); // the stored reply: usage, timings, siblings
-}
-
-// -- rendering -----------------------------------------------------------------------------
-
-function renderMarkdown(text) {
-  return DOMPurify.sanitize(marked.parse(text || ""), {
-    FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select"],
-    FORBID_ATTR: ["style"],
-  });
-}
-
-function escapeHtml(text) {
-  return text.replace(/[&<>"']/g, (c) => ({
-    "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;",
-  })[c]);
-}
-
-function queueRender() {
-  if (chat.renderQueued) return;
-  chat.renderQueued = true;
-  requestAnimationFrame(() => {
-    chat.renderQueued = false;
-    const s = chat.streaming;
-    if (!s || !s.body) return;
-    s.body.innerHTML = renderMarkdown(s.text);
-    for (const call of s.tools.filter(Boolean)) {
-      s.body.append(el("pre", { class: "tool-call" }, `${call.name}(${call.arguments})`));
-    }
-    ui.messages.scrollTop = ui.messages.scrollHeight;
-  });
-}
-
-function showBanner(text) {
-  chat.banner = text;
-  renderMessages();
-}
-
-function renderMessages() {
-  const nodes = chat.branch.map(messageView);
-  if (!nodes.length) nodes.push(el("p", { class: "empty" }, "Send a message to start."));
-  if (chat.banner) nodes.push(el("p", { class: "banner", role: "alert" }, chat.banner));
-  ui.messages.replaceChildren(...nodes);
-  ui.messages.scrollTop = ui.messages.scrollHeight;
-}
-
-function messageView(message, index) {
-  const streaming = chat.streaming && chat.streaming.messageId === message.id && message.id;
-  const status = streaming ? "generating" : message.status;
-  const view = el("div", {
-    class: `message ${message.role}`,
-    dataset: { id: message.id || "", role: message.role, status: status || "" },
-  });
-  const meta = el("div", { class: "meta" }, el("span", { class: "role" }, message.role));
-  if (STATUS_MARKS[status]) {
-    meta.append(el("span", { class: `mark ${status === "cancelled" ? "stopped" : status}` },
-      STATUS_MARKS[status]));
-  }
-  const siblings = message.siblings || [];
-  if (siblings.length > 1 && message.id) {
-    const at = siblings.indexOf(message.id);
-    meta.append(el("span", { class: "branch" },
-      el("button", { class: "link prev", type: "button", title: "Previous version",
-        disabled: at <= 0 || Boolean(chat.streaming),
-        onclick: () => switchBranch(siblings[at - 1]) }, "‹"),
-      el("span", { class: "position" }, `${at + 1}/${siblings.length}`),
-      el("button", { class: "link next", type: "button", title: "Next version",
-        disabled: at >= siblings.length - 1 || Boolean(chat.streaming),
-        onclick: () => switchBranch(siblings[at + 1]) }, "›")));
-  }
-  const idle = !chat.streaming && message.id;
-  if (message.role === "user" && idle) {
-    meta.append(el("button", { class: "link edit-button", type: "button",
-      onclick: () => startEdit(view, message, index) }, "Edit"));
-  }
-  if (message.role === "assistant" && idle && message.parent_id) {
-    meta.append(el("button", { class: "link regenerate", type: "button",
-      onclick: () => regenerate(message, index) }, "Regenerate"));
-  }
-  view.append(meta);
-
-  let body;
-  if (message.role === "assistant") {
-    body = el("div", { class: "body markdown" });
-    if (streaming) {
-      chat.streaming.body = body;
-      body.innerHTML = renderMarkdown(chat.streaming.text);
-    } else {
-      body.innerHTML = renderMarkdown(message.content);
-      for (const call of message.tool_calls || []) {
-        body.append(el("pre", { class: "tool-call" },
-          `${call.function.name}(${call.function.arguments})`));
-      }
-    }
-  } else {
-    body = el("div", { class: "body plain" }, message.content || "");
-  }
-  view.append(body);
-  if (message.role === "assistant" && !streaming && message.usage) view.append(statsLine(message));
-  return view;
-}
-
-function statsLine(message) {
-  const usage = message.usage;
-  const timings = message.timings || {};
-  const completion = usage.completion_tokens;
-  let perSecond = null;
-  if (completion > 1 && timings.total_ms > timings.ttft_ms) {
-    perSecond = (completion - 1) / ((timings.total_ms - timings.ttft_ms) / 1000);
-  }
-  return el("div", {
-    class: "stats",
-    dataset: {
-      completionTokens: completion, cachedTokens: usage.cached_tokens,
-      promptTokens: usage.prompt_tokens, ttftMs: timings.ttft_ms ?? "",
-      tokensPerSecond: perSecond ?? "",
-    },
-  }, `${formatNumber(completion)} tokens · ${formatNumber(usage.cached_tokens)} cached of ` +
-     `${formatNumber(usage.prompt_tokens)} prompt · TTFT ${formatNumber(timings.ttft_ms)} ms · ` +
-     `${formatNumber(perSecond, 1)} tok/s`);
-}
-
-function startEdit(view, message, index) {
-  const input = el("textarea", { class: "edit-input", "aria-label": "Edited message" });
-  input.value = message.content || "";
-  const edit = el("div", { class: "edit" }, input, el("div", { class: "actions" },
-    el("button", { class: "primary save-edit", type: "button", onclick: () => {
-      if (!input.value.trim()) return;
-      chat.branch = chat.branch.slice(0, index);
-      send(input.value, message.parent_id || "root");
-    } }, "Send"),
-    el("button", { class: "cancel-edit", type: "button", onclick: renderMessages }, "Cancel")));
-  view.querySelector(".body").replaceWith(edit);
-  input.focus();
 }
