@@ -229,8 +229,11 @@ def serve(
     except _user_errors() as e:
         fail(str(e))
     configure_logging(settings.log_level)
-    typer.echo(f"kvchat: serving {settings.model_name} on http://{settings.host}:{settings.port} "
+    url = f"http://{settings.host}:{settings.port}"
+    typer.echo(f"kvchat: serving {settings.model_name} on {url} "
                f"(API docs at /docs; database {settings.database.split('://')[0]})")
+    typer.echo(f"kvchat: chat page at {url}/ and operator view at {url}/admin "
+               "(enter an API key there; an admin key for /admin)")
     try:
         serve_app(settings)
     except _user_errors() as e:

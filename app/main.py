@@ -17,7 +17,19 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .api import admin, chat_completions, conversations, health, metrics, models, tokenize, ws
+from . import log_redaction
+from .api import (
+    admin,
+    chat_completions,
+    conversations,
+    health,
+    metrics,
+    models,
+    pages,
+    tokenize,
+    ui_chat,
+    ws,
+)
 from .coord import make_coordinator
 from .errors import install_error_handlers
 from .leases import LeaseKeeper, default_replica_id
@@ -131,8 +143,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
 
     for module in (health, models, chat_completions, conversations, tokenize, admin, metrics,
-                   ws):
+                   ws, ui_chat, pages):
         app.include_router(module.router)
+    app.mount("/static", pages.static_files(), name="static")
     app.state.started_at = int(time.time())
     return app
 
@@ -163,4 +176,5 @@ def serve(settings: Settings) -> None:
                             log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
                             ws_per_message_deflate=settings.ws_compression)
+    log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
     Server(config).run()

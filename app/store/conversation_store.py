@@ -30,14 +30,17 @@ class ConversationStore(StoreBase):
         title: str | None = None,
         system_prompt: str | None = None,
         metadata: dict[str, Any] | None = None,
+        conversation_id: str | None = None,
         **overrides: Any,
     ) -> ConversationRecord:
-        """overrides: any of OVERRIDE_FIELDS (None: the server's default)."""
+        """overrides: any of OVERRIDE_FIELDS (None: the server's default). conversation_id:
+        the id to give it (a new random one by default)."""
         check_fields(overrides, OVERRIDE_FIELDS)
         now = utcnow()
         row = Conversation(
-            id=new_id("conv_"), owner=owner, title=title, system_prompt=system_prompt,
-            meta=_metadata(metadata), created_at=now, updated_at=now, **overrides,
+            id=conversation_id or new_id("conv_"), owner=owner, title=title,
+            system_prompt=system_prompt, meta=_metadata(metadata), created_at=now,
+            updated_at=now, **overrides,
         )
         async with self._write() as session:
             session.add(row)

@@ -1,0 +1,79 @@
+"""The Vercel AI SDK's chat endpoints (`useChat` with `DefaultChatTransport({api:
+"/v1/ui/chat"})`): post a chat, resume its stream, stop it. See app/ui_stream.py for the parts
+and app/ui_messages.py for how a chat maps onto a conversation.
+
+A reply is not stopped when its stream's client leaves (useChat resumes streams after a reload):
+it goes on for the WebSocket's grace period and stops then unless a client came back; a real
+stop is `POST /v1/ui/chat/{id}/stop`, which stores the partial reply as cancelled and ends
+the stream with an `abort` part."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+
+from .. import realtime, turns, ui_messages, ui_stream
+from ..errors import not_found
+from ..limits import RateLimitedKey
+from ..schemas.ui_chat import UIChatRequest
+from ..sse import SSE_HEADERS
+from ..state import AppState, CurrentKey, StateDep
+
+router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
+
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}},
+          "description": "The reply as a UI message stream (SSE)."},
+}
+
+
+@router.post("", responses=STREAM_RESPONSE)
+async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -> Response:
+    """useChat's request: `{id, messages, trigger, messageId}` (plus sampling fields)."""
+    turn = await ui_messages.start_chat_turn(state, key.owner, key.id, body)
+    return _stream(state, turn)
+
+
+@router.get("/{chat_id}/stream", responses={**STREAM_RESPONSE,
+                                            204: {"description": "Nothing is generating."}})
+async def resume_chat(chat_id: str, key: CurrentKey, state: StateDep) -> Response:
+    """The reply being generated, from its start; 204 when nothing is generating."""
+    conv = await ui_messages.find_chat(state, key.owner, chat_id)
+    turn = state.turns.get(conv.id) if conv is not None else None
+    if turn is None or turn.is_done:
+        return Response(status_code=204)
+    return _stream(state, turn)
+
+
+@router.post("/{chat_id}/stop")
+async def stop_chat(chat_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
+    """Stop the chat's reply; it is stored as cancelled with what it has."""
+    conv = await ui_messages.find_chat(state, key.owner, chat_id)
+    if conv is None:
+        raise not_found(f"chat {chat_id!r}")
+    await state.coord.publish_stop(conv.id)
+    turn = state.turns.get(conv.id)
+    if turn is not None:
+        turn.stop()
+    return {"id": chat_id, "stopped": turn is not None}
+
+
+def _stream(state: AppState, turn: turns.Turn) -> StreamingResponse:
+    return StreamingResponse(
+        _watch(state, turn), media_type="text/event-stream",
+        headers={**SSE_HEADERS, ui_stream.HEADER: ui_stream.VERSION},
+    )
+
+
+async def _watch(state: AppState, turn: turns.Turn) -> AsyncIterator[str]:
+    turn.watchers += 1
+    try:
+        async for text in ui_stream.ui_stream(turn.events()):
+            yield text
+    finally:
+        turn.watchers -= 1
+        if not turn.is_done and not state.shutting_down:
+            state.spawn(realtime.stop_after_grace(turn, state.settings.ws_grace_period))
