@@ -123,6 +123,10 @@ class Generation:
                 elif last_token_at is not None:
                     metrics.itl.observe(now - last_token_at)
                 last_token_at = now
+            # Kept as it streams, so a generation cut short (the engine failing) still has
+            # what was sent; _finish replaces them with the engine's final values.
+            result.token_ids.extend(out.new_token_ids)
+            result.text += out.new_text
             logprobs = _logprobs(out)
             result.logprobs.extend(logprobs)
             if parser is None:

@@ -384,7 +384,8 @@ async def _run(
     finally:
         result = result or turn.generation.result
         fields: dict[str, Any] = dict(
-            content=result.content if result.token_ids else None,
+            content=(result.content if result.content is not None else result.text)
+            if result.token_ids else None,
             token_ids=result.token_ids or None,
             tool_calls=[
                 {"id": c.id, "type": "function",

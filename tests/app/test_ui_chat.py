@@ -359,7 +359,7 @@ def test_an_engine_fault_mid_reply_ends_the_stream_with_an_error_part(
     dev_model: Path, tmp_path: Path
 ) -> None:
     """An injected engine fault (as the chat completions test does): text parts, then an
-    `error` part and [DONE]; the reply is stored with status error."""
+    `error` part and [DONE]; the reply is stored with status error and the text streamed."""
     from fastapi.testclient import TestClient
 
     from app.main import create_app
@@ -385,3 +385,6 @@ def test_an_engine_fault_mid_reply_ends_the_stream_with_an_error_part(
     assert "finish" not in kinds and "abort" not in kinds
     assert stored["id"] == parts[0]["messageId"]
     assert stored["status"] == "error"
+    # What was streamed before the fault is kept with the error.
+    streamed = "".join(p["delta"] for p in parts[:-1] if p["type"] == "text-delta")
+    assert streamed and stored["content"] == streamed
