@@ -5,8 +5,8 @@ Why llguidance: it takes any tokenizer as a list of token bytes (so the cl100k d
 a tokenizer.json model go through one path), computes a mask in tens of microseconds per row
 without precomputing per-state tables (a new schema is usable after a fast compile, which
 matters when every agent request may bring its own tools), writes the masks of a whole batch
-into one bitmask (from a thread pool where cores allow), and reports unsupported JSON-schema features as errors
-rather than ignoring them.
+into one bitmask (from a thread pool where cores allow), and reports unsupported JSON-schema
+features as errors rather than ignoring them.
 
 A compiled grammar is kept as a pristine matcher; each request gets a deep copy (its own
 parser state over the shared lexer). Matchers are used by the engine thread only; compiling
@@ -93,8 +93,6 @@ class GrammarCompiler:
         if num_threads is None:
             num_threads = (os.cpu_count() or 1) // 2
         self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
-        # [1, 32] bit positions, to unpack the int32 bitmask words on the accelerator.
-        self._bit_shifts = torch.arange(32, dtype=torch.int32)
 
     @property
     def mask_words(self) -> int:
@@ -163,13 +161,19 @@ class GrammarCompiler:
         bitmask = self.fill_bitmask(matchers, num_rows)
         if device.type == "cpu":
             # The words are little-endian: byte-wise, token t is bit t % 8 of byte t // 8.
-            bits = np.unpackbits(
+            unpacked = np.unpackbits(
                 bitmask.numpy().view(np.uint8), axis=1, count=self.vocab_size, bitorder="little"
             )
-            return torch.from_numpy(bits.view(np.bool_))
-        words = bitmask.to(device, non_blocking=True)
-        bits = (words.unsqueeze(-1) >> self._bit_shifts.to(device)) & 1  # [N, W, 32]
-        return bits.flatten(1)[:, : self.vocab_size].bool()
+            return torch.from_numpy(unpacked.view(np.bool_))
+        return unpack_bitmask(bitmask.to(device, non_blocking=True), self.vocab_size)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 bitmask words -> [N, vocab_size] bool, with torch ops (on any device).
+    Bit k of a word survives an arithmetic shift by k unchanged, sign bit included."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def _clean_error(message: str) -> str:

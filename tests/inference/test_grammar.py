@@ -16,7 +16,7 @@ from inference.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from inference.grammar_compiler import GrammarCompiler, GrammarError
+from inference.grammar_compiler import GrammarCompiler, GrammarError, unpack_bitmask
 from inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from inference.tokenizer_files import dev_special_tokens, load_bundled_tokenizer, load_tokenizer
 from inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
@@ -192,9 +192,11 @@ def test_masks_of_a_batch_are_per_row_and_padding_is_never_allowed(
     third = {dev_tokenizer.decode([int(i)]) for i in allowed[2].nonzero().flatten()}
     assert third and all("<tool_call>\n".startswith(t) or t.startswith("<tool_call>")
                          for t in third)
-    # The bit-unpacking agrees with llguidance's own bitmask, bit for bit.
+    # The bit-unpacking agrees with llguidance's own bitmask, bit for bit; the accelerator's
+    # (torch) unpacking agrees with the CPU's (numpy).
     rng = random.Random(0)
     bitmask = compiler.fill_bitmask(rows, 3)
+    assert torch.equal(unpack_bitmask(bitmask, compiler.vocab_size), allowed)
     for row in range(3):
         for token in rng.sample(range(compiler.vocab_size), 500) + [90, 123, 1131]:
             bit = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
@@ -238,3 +240,10 @@ def test_after_one_parallel_call_end_of_sequence_or_another_call(
     assert set(dev_tokenizer.eos_token_ids) <= allowed
     others = {dev_tokenizer.decode([t]) for t in allowed - set(dev_tokenizer.eos_token_ids)}
     assert "\n" in others and all("\n<tool_call>\n".startswith(t) for t in others)
+
+
+def test_unpacking_covers_every_bit_including_the_sign_bit() -> None:
+    words = torch.tensor([[-1, 0, -2**31, 1 | (1 << 30)]], dtype=torch.int32)
+    bits = unpack_bitmask(words, 4 * 32 - 3)
+    expected = [True] * 32 + [False] * 32 + [False] * 31 + [True] + [True] + [False] * 29
+    assert bits[0].tolist() == expected[: 4 * 32 - 3]
