@@ -385,7 +385,7 @@ class Engine:
             sampling_seqs = [batch.seqs[i] for i in sampled]
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                self._token_mask(sampling_seqs, logits.device),
+                allowed=self._token_mask(sampling_seqs, logits.device),
             )
             for j, seq in enumerate(sampling_seqs):
                 token_id = result.token_ids[j]
