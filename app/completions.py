@@ -22,6 +22,7 @@ from .generation import Done, Generated, Generation, TextDelta, TokenLogprob, To
 from .prompting import chat_messages, offered_tools, sampling_params, session_key
 from .schemas import chat as schema
 from .state import AppState
+from .structured import output_grammar
 from .store import KeyRecord
 
 
@@ -53,11 +54,12 @@ async def create(
     skey = session_key(key.owner, session_header)
     messages = chat_messages(body.messages, tool_names, state.generated, skey)
     prompt = runtime.template.render_ids(messages, tools=tools)
-    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i)
+    fmt = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(body, fmt, runtime.grammars)
+    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
               for i in range(body.n)]
     runtime.engine.validate_prompt(prompt, params[0])
     check_capacity(state)
-    fmt = runtime.template.tool_call_format if tools else None
     started = time.monotonic()
     generations = [
         Generation(runtime, prompt, p, session_id=skey if i == 0 else None,

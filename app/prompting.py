@@ -10,14 +10,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from jsonschema import SchemaError
-from jsonschema.validators import validator_for
-
 from inference.chat_template import ChatMessage
+from inference.grammar import Grammar
 from inference.sampling_params import SamplingParams
 
 from .errors import APIError, invalid_request
 from .schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
+from .structured import check_json_schema
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -44,17 +43,11 @@ def offered_tools(fields: SamplingFields) -> list[dict[str, Any]] | None:
     if choice is not None and not tools and choice != "none":
         raise invalid_request("tool_choice is only allowed when tools are specified",
                               "tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise invalid_request(
-                f"tool_choice names the function {choice.function.name!r}, which is not in "
-                "tools", "tool_choice",
-            )
-        raise unsupported("tool_choice naming a function (constrained decoding)", "tool_choice")
-    if choice == "required":
-        raise unsupported("tool_choice 'required' (constrained decoding)", "tool_choice")
-    if fields.response_format is not None and fields.response_format.type != "text":
-        raise unsupported(f"response_format {fields.response_format.type!r}", "response_format")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise invalid_request(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            "tool_choice",
+        )
     if not tools or choice == "none":
         return None
     return [tool.model_dump(exclude_none=True) for tool in tools]
@@ -67,11 +60,7 @@ def check_parameters_schema(tool: Tool, param: str) -> None:
     if schema.get("type", "object") != "object":
         raise invalid_request("a function's parameters must be a JSON schema of type 'object'",
                               param)
-    try:
-        validator_for(schema).check_schema(schema)
-    except SchemaError as e:
-        raise invalid_request(f"invalid JSON schema for the function's parameters: {e.message}",
-                              param) from e
+    check_json_schema(schema, param)
 
 
 # -- messages --------------------------------------------------------------------------------------
@@ -154,7 +143,11 @@ def chat_messages(
 
 
 def sampling_params(
-    fields: SamplingFields, *, max_tokens: int | None, seed_offset: int = 0
+    fields: SamplingFields,
+    *,
+    max_tokens: int | None,
+    seed_offset: int = 0,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     if fields.presence_penalty:
         raise unsupported("presence_penalty", "presence_penalty")
@@ -171,6 +164,7 @@ def sampling_params(
         logprobs=fields.logprobs,
         top_logprobs=fields.top_logprobs or 0,
         ignore_eos=fields.ignore_eos,
+        grammar=grammar,
     )
 
 

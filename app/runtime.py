@@ -33,6 +33,7 @@ class Runtime:
         self.tokenizer: Tokenizer = self.engine.tokenizer
         self.template: ChatTemplate = load_chat_template(settings.model, self.tokenizer)
         self.builder = ContextBuilder(self.template, self.tokenizer)
+        self.grammars = self.engine.grammars  # built now, not on a first structured request
         self.async_engine = AsyncEngine(self.engine)
         self.model_name = settings.model_name
         self.metrics = Metrics(self.engine)

@@ -39,6 +39,7 @@ from memory.stats import HistoryStats
 from .errors import APIError, busy, invalid_request, not_found, unavailable
 from .generation import Done, Generation, TextDelta, ToolDelta
 from .prompting import offered_tools, sampling_params
+from .structured import output_grammar
 from .schemas.chat import SamplingFields
 from .schemas.conversations import ROOT
 from .state import AppState
@@ -162,12 +163,15 @@ def _pick(value: Any, default: Any) -> Any:
 
 
 def as_chat(message: MessageRecord) -> ChatMessage:
-    """A stored message as the template renders it: a generated reply by its exact ids."""
+    """A stored message as the template renders it: a generated reply by its exact ids (its
+    calls go along, so the history planner pairs them with their results; the template does
+    not render them again)."""
+    tool_calls = tuple(message.tool_calls) if message.tool_calls else None
     if message.role == "assistant" and message.token_ids:
-        return ChatMessage("assistant", None, token_ids=tuple(message.token_ids))
+        return ChatMessage("assistant", None, token_ids=tuple(message.token_ids),
+                           tool_calls=tool_calls)
     return ChatMessage(
-        message.role, message.content, name=message.name,
-        tool_calls=tuple(message.tool_calls) if message.tool_calls else None,
+        message.role, message.content, name=message.name, tool_calls=tool_calls,
         tool_call_id=message.tool_call_id,
     )
 
@@ -198,6 +202,8 @@ async def start_turn(
     runtime.engine.set_session_budget(conv.id, session_budget(state, conv))
     tools = offered_tools(fields)
     tool_names = {t.function.name for t in fields.tools} if fields.tools else None
+    tool_format = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(fields, tool_format, runtime.grammars)
     parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
                                                              else parent_id)
     stored, summary_record = await store.turn_context(conv.id, parent)
@@ -246,7 +252,7 @@ async def start_turn(
         start_id=conv.trim_start_id,
         generation_prompt_tokens=runtime.generation_prompt_tokens,
     )
-    params = sampling_params(fields, max_tokens=reply_budget)
+    params = sampling_params(fields, max_tokens=reply_budget, grammar=grammar)
     by_id: dict[str, ChatMessage] = {m.id: c for m, c in zip(branch, chat)}
     if new_message is not None:
         by_id[NEW] = new_message
@@ -274,8 +280,7 @@ async def start_turn(
     ))
     generation = Generation(
         runtime, prompt, params, session_id=conv.id, cache_salt=owner,
-        tool_format=runtime.template.tool_call_format if tools else None,
-        tool_names=tool_names, request_id=f"turn-{assistant.id}",
+        tool_format=tool_format, tool_names=tool_names, request_id=f"turn-{assistant.id}",
         on_finish=_spend(state, key_id),
     )
     turn = Turn(conv.id, owner, user, assistant, generation)

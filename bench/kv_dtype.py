@@ -44,9 +44,10 @@ class ForcingSampler:
         self.forced = forced
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any) -> Any:
+    def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
+                 allowed: Any = None) -> Any:
         self.logits.append(logits[0].detach().float().clone())
-        out = self.sampler(logits, params, generators)
+        out = self.sampler(logits, params, generators, allowed)
         if self.forced is not None:
             out.token_ids[0] = self.forced[len(self.logits) - 1]
         return out

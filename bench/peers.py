@@ -174,9 +174,10 @@ class KVChatRunner:
         sampler = engine.sampler
         rows: list[torch.Tensor] = []
 
-        def recording(logits: torch.Tensor, params: Any, generators: Any) -> Any:
+        def recording(logits: torch.Tensor, params: Any, generators: Any,
+                      allowed: Any = None) -> Any:
             rows.append(logits[0].detach().clone())
-            return sampler(logits, params, generators)
+            return sampler(logits, params, generators, allowed)
 
         engine.sampler = recording  # type: ignore[assignment]
         try:

@@ -26,6 +26,7 @@ from memory.stats import CacheStats, HistoryStats
 
 from .engine_config import EngineConfig
 from .errors import InvalidRequestError, ModelLoadError
+from .grammar_compiler import GrammarCompiler, GrammarError
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -96,6 +97,8 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # built on first use
+        self._grammars_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
@@ -167,6 +170,21 @@ class Engine:
         budget = self.config.cache.gpu_memory_utilization * total - peak - non_torch
         return int(budget // per_block)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (built on first use, any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured output needs a tokenizer; this model directory has none",
+                        field="grammar",
+                    )
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self._grammars
+
     # -- requests ---------------------------------------------------------------------------------
 
     def validate_prompt(
@@ -223,6 +241,11 @@ class Engine:
                 raise InvalidRequestError(
                     f"stop token id {t} is outside the vocabulary", field="stop_token_ids"
                 )
+        if params.grammar is not None:
+            try:
+                self.grammars.compile(params.grammar)  # cached: the request's own use is a hit
+            except GrammarError as e:
+                raise InvalidRequestError(str(e), field="grammar") from e
         if params.max_tokens is not None:
             limit = min(limit, n + params.max_tokens)
         return limit
@@ -268,6 +291,7 @@ class Engine:
             session_id=session_id,
             kv=KVState(salt=cache_salt),
             window=window,
+            matcher=None if params.grammar is None else self.grammars.new_matcher(params.grammar),
         )
 
     def _window_for(self, session_id: str | None, max_total_tokens: int) -> KVWindow | None:
@@ -360,16 +384,47 @@ class Engine:
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
             result = self.sampler(
-                logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs]
+                logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
+                allowed=self._token_mask(sampling_seqs, logits.device),
             )
             for j, seq in enumerate(sampling_seqs):
+                token_id = result.token_ids[j]
                 logprob = result.logprobs[j] if result.logprobs is not None else None
                 top = result.top_logprobs[j] if result.top_logprobs is not None else None
-                out = self.output_processor.append_token(seq, result.token_ids[j], logprob, top)
+                grammar_done = seq.matcher is not None and self._advance_grammar(seq, token_id)
+                out = self.output_processor.append_token(
+                    seq, token_id, logprob, top, grammar_done=grammar_done
+                )
                 if out.finished:
                     self._release(seq)
                 outputs.append(out)
         return outputs
+
+    def _token_mask(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:
+        """[len(seqs), V] bool: what each row may sample this step (None when no row is
+        constrained; unconstrained rows allow everything)."""
+        matchers = [(j, seq.matcher) for j, seq in enumerate(seqs) if seq.matcher is not None]
+        if not matchers:
+            return None
+        allowed = self.grammars.allowed_tokens(matchers, len(seqs), device)
+        # A matcher in an error state allows EOS only; should a row still allow nothing, it
+        # may end (rather than sample from an all -inf row).
+        empty = ~allowed.any(dim=1)
+        if bool(empty.any()):
+            eos = torch.tensor(sorted(self.eos_token_ids), device=device)
+            allowed[empty.nonzero().flatten().unsqueeze(1), eos.unsqueeze(0)] = True
+        return allowed
+
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
+        """Feed a sampled token to the request's grammar; True when the grammar is complete
+        (it accepts nothing more), which ends the request."""
+        matcher = seq.matcher
+        assert matcher is not None
+        if not matcher.consume_token(token_id):
+            log.warning("request %s: grammar rejected token %d (%s); ending it",
+                        seq.request_id, token_id, matcher.get_error())
+            return True
+        return matcher.is_stopped()
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""

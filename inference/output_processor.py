@@ -44,9 +44,13 @@ class OutputProcessor:
         token_id: int,
         logprob: float | None,
         top_logprobs: list[tuple[int, float]] | None = None,
+        *,
+        grammar_done: bool = False,
     ) -> RequestOutput:
         """Record a sampled token. When it ends the request, `seq.finish_reason` is set and the
-        output returned is the final one (the caller then releases the sequence)."""
+        output returned is the final one (the caller then releases the sequence).
+        `grammar_done`: the request's grammar is complete with this token (nothing may
+        follow), which ends it with "stop" unless something else ended it first."""
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -68,6 +72,8 @@ class OutputProcessor:
                     text.text = text.text[:cut]
                     text.stopped_by_string = True
                     reason = "stop"
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and seq.num_tokens >= seq.max_total_tokens:
             reason = "length"
         if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InvalidRequestError
+from .grammar import Grammar
 
 MAX_STOP_STRINGS = 4
 
@@ -25,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report log p of each chosen token
     top_logprobs: int = 0  # and of the most likely alternatives at each step (0-20)
+    # Structured output: the output must match this grammar (tokens it does not allow are never
+    # sampled; the request ends when the grammar is complete).
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # One string is one stop string (not its characters); lists become tuples.

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from memory.kv_cache_manager import KVState, KVWindow
@@ -63,6 +64,9 @@ class Sequence:
     prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks
     # Sink + window attention when the turn would outgrow its session's max_kv_tokens.
     window: KVWindow | None = None
+    # Structured output: the grammar's state after the tokens generated so far (it advances
+    # only when a token is sampled, so recomputing KV after a preemption leaves it as is).
+    matcher: llguidance.LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

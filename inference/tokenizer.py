@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import abc
 import codecs
+import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -79,6 +81,18 @@ class Tokenizer(abc.ABC):
         """The bytes one token stands for (as reported in logprobs); a byte-level token that
         is part of a character is its raw bytes where the tokenizer knows them."""
         return self.decode([token_id]).encode("utf-8")
+
+    @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token, as the model sees them: ordinary tokens concatenate to
+        the UTF-8 of the text they encode (a token may hold part of a character); a special
+        token is its text. What a grammar engine matches output against."""
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens."""
+        ids = (self.token_to_id(text) for text in self.special_token_texts)
+        return frozenset(i for i in ids if i is not None)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         ids = list(token_ids)
@@ -231,6 +245,10 @@ class TiktokenTokenizer(Tokenizer):
     def special_token_texts(self) -> frozenset[str]:
         return frozenset(self._encoding.special_tokens_set)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self._special_ids
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (special tokens: their UTF-8 text)."""
         self._require_known(token_id)
@@ -269,6 +287,7 @@ class HFTokenizer(Tokenizer):
             if token.special
         )
         self.name = f"hf:{path}"
+        self._piece_bytes: dict[int, bytes] | None = None  # built on first use
         self._set_special_tokens(bos_token=bos_token, eos_token=eos_token, source=source)
 
     @property
@@ -296,5 +315,57 @@ class HFTokenizer(Tokenizer):
     def new_detokenizer(self) -> IncrementalDetokenizer:
         return _PrefixDetokenizer(self)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        self._require_known(token_id)
+        if self._piece_bytes is None:
+            self._piece_bytes = self._read_piece_bytes()
+        piece = self._piece_bytes.get(token_id)
+        if piece is not None:
+            return piece
+        return self._decode_known([token_id]).encode("utf-8")
+
+    def _read_piece_bytes(self) -> dict[int, bytes]:
+        """Bytes of every vocabulary piece, read the way the decoder reads them: byte-level
+        pieces (GPT-2's byte-to-character table, Llama 3 and Qwen) map back to their bytes;
+        SentencePiece-style pieces have U+2581 for a space and `<0xNN>` byte-fallback pieces.
+        Added tokens (special or not) are their text."""
+        spec = json.loads(self._tokenizer.to_str())
+        decoders = spec.get("decoder") or {}
+        kinds = {d.get("type") for d in decoders.get("decoders", [decoders])}
+        model = spec.get("model") or {}
+        byte_fallback = bool(model.get("byte_fallback")) or "ByteFallback" in kinds
+        vocab = self._tokenizer.get_vocab(with_added_tokens=False)
+        if "ByteLevel" in kinds:
+            table = {char: byte for byte, char in _gpt2_byte_chars().items()}
+            pieces = {
+                i: bytes(table[c] for c in piece)
+                for piece, i in vocab.items() if all(c in table for c in piece)
+            }
+        else:
+            pieces = {}
+            for piece, i in vocab.items():
+                match = _BYTE_PIECE.fullmatch(piece) if byte_fallback else None
+                pieces[i] = (bytes([int(match.group(1), 16)]) if match
+                             else piece.replace("\u2581", " ").encode("utf-8"))
+        for i, token in self._tokenizer.get_added_tokens_decoder().items():
+            pieces[i] = token.content.encode("utf-8")
+        return pieces
+
     def _decode_known(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies spell bytes
+    this way): printable Latin-1 bytes stand for themselves, the rest map to U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

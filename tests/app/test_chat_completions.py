@@ -159,8 +159,11 @@ BAD = [
     ({"model": "gpt-9"}, "model", "model_not_found"),
     ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages",
      "context_length_exceeded"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tool_choice", "unsupported"),
+    ({"tool_choice": "required"}, "tool_choice", None),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "array", "uniqueItems": True}}}}}]},
+     "tools.0.function.parameters", "unsupported_schema"),
     ({"tool_choice": {"type": "function", "function": {"name": "g"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -173,7 +176,17 @@ BAD = [
         {"role": "tool", "tool_call_id": "c", "content": "r"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]},
      "messages.1.tool_calls.0.function.name", None),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "banana"}}}}, "response_format.json_schema.schema", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
+     "response_format.json_schema.schema", "unsupported_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+     "response_format.json_schema.schema", None),
+    ({"response_format": {"type": "json_schema"}}, "response_format", None),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", None),
+    ({"response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
+     "stream_options", None),
 ]
 
 

@@ -71,9 +71,10 @@ class LogitsRecorder:
         self.sampler = sampler
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any) -> Any:
+    def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
+                 allowed: Any = None) -> Any:
         self.logits.append(logits.detach().clone())
-        return self.sampler(logits, params, generators)
+        return self.sampler(logits, params, generators, allowed)
 
 
 def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch") -> Engine:

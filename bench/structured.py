@@ -1,0 +1,252 @@
+"""Structured output: what constrained decoding costs per decode step, and what compiling a
+grammar costs cold and cached, on the bench model, in one run.
+
+    python bench/structured.py [--batch 1 16] [--steps 32] [--repeats 4]
+
+Decode: the same batch of prompts decoded unconstrained (seeded sampling) and with every row
+constrained by a JSON schema that cannot close within the run (an array of at least 1000
+short strings, so each step computes a real mask: string bodies allow most of the vocab),
+and at the larger batch also with half the rows constrained. Variants alternate, each
+repeated; a step is timed only when every row decodes (no prefill in it). Per step: the
+median wall time, the overhead against unconstrained, and how much of it the mask
+computation (llguidance, all rows in one parallel call) and the sampler (mask applied) took.
+
+Compile: a fresh compiler per grammar (cold: compile; cached: the same grammar again; a
+request's own matcher: a deep copy), for a JSON schema and tool-call grammars of 1 and 8
+tools; and building the llguidance tokenizer from the model's vocabulary (once per engine).
+Writes bench/results/structured.md."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from inference.grammar import Grammar, ToolSpec, json_schema_grammar, tool_call_grammar
+from inference.grammar_compiler import GrammarCompiler
+from inference.sampling_params import SamplingParams
+from inference.tool_calls import HERMES
+from memory.config import CacheConfig
+
+# Never closes within the run: the mask is computed in a string body or between items.
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {"log": {"type": "array", "minItems": 1000,
+                           "items": {"type": "string", "maxLength": 12}}},
+    "required": ["log"],
+}
+ARGUMENTS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "units": {"enum": ["metric", "imperial"]},
+        "place": {"type": "object", "properties": {"lat": {"type": "number"},
+                                                   "lon": {"type": "number"}},
+                  "required": ["lat", "lon"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+class Timed:
+    """Wraps a callable and adds up the seconds spent in it."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, steps: int,
+                 seed: int, tag: str) -> list[tuple[float, float, float]]:
+    """(step, mask computation, sampler) seconds of each all-decode step, the first
+    `constrained` rows with the open grammar."""
+    grammar = json_schema_grammar(OPEN_SCHEMA)
+    budget = steps + 4
+    mask = Timed(engine._token_mask)
+    sampler = Timed(engine.sampler)
+    engine._token_mask = mask  # type: ignore[method-assign]
+    engine.sampler = sampler  # type: ignore[assignment]
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", ids, SamplingParams(
+                max_tokens=budget, temperature=1.0, seed=seed + i, ignore_eos=True,
+                grammar=grammar if i < constrained else None))
+        timings = []
+        while engine.has_unfinished_requests():
+            decoding = all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running) \
+                and len(engine.scheduler.running) == len(prompts) \
+                and not engine.scheduler.waiting
+            mask.seconds = sampler.seconds = 0.0
+            start = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - start
+            if decoding and not any(o.finished for o in outputs):
+                timings.append((elapsed, mask.seconds, sampler.seconds))
+        return timings[:steps]
+    finally:
+        engine._token_mask = mask.fn  # type: ignore[method-assign]
+        engine.sampler = sampler.fn
+
+
+def compile_times(compiler: GrammarCompiler, grammar: Grammar,
+                  repeats: int) -> tuple[float, float, float]:
+    """Median seconds: cold compile (emptied cache), cached compile, a request's matcher."""
+    cold, cached, copy = [], [], []
+    for _ in range(repeats):
+        compiler.clear_cache()
+        compiled = compiler.num_compiled
+        start = time.perf_counter()
+        compiler.compile(grammar)
+        cold.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        compiler.compile(grammar)
+        cached.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        compiler.new_matcher(grammar)
+        copy.append(time.perf_counter() - start)
+        assert compiler.num_compiled == compiled + 1
+    return statistics.median(cold), statistics.median(cached), statistics.median(copy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    ap.add_argument("--repeats", type=int, default=4, help="runs of each variant")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 keeps a busy machine's other "
+                         "work from stalling the model's thread barrier")
+    ap.add_argument("--out", type=Path, default=RESULTS / "structured.md")
+    args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    model_dir = ensure_model(args.model, "bench")
+    engine = Engine(EngineConfig(
+        model=str(model_dir), dtype=args.dtype, device="cpu", attention_backend="torch",
+        cache=CacheConfig(kv_cache_bytes=512 * 2**20, enable_prefix_caching=False),
+    ))
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    start = time.perf_counter()
+    engine.grammars  # noqa: B018 - builds the llguidance tokenizer
+    tokenizer_seconds = time.perf_counter() - start
+
+    variants: list[tuple[int, int]] = []  # (batch, constrained rows)
+    for batch in args.batch:
+        variants += [(batch, 0), (batch, batch)]
+        if batch >= 4:
+            variants.append((batch, batch // 2))
+    runs: dict[tuple[int, int], list[tuple[float, float, float]]] = {v: [] for v in variants}
+    text = "Write the log of the day as JSON. " * 8
+    with tqdm(total=len(variants) * args.repeats, desc="decode runs", unit="run") as bar:
+        for repeat in range(args.repeats):
+            for batch, constrained in variants:
+                prompts = [tokenizer.encode(f"{i}: {text}")[: args.prompt_tokens]
+                           for i in range(batch)]
+                runs[(batch, constrained)] += decode_steps(
+                    engine, prompts, constrained, args.steps, seed=1000 * repeat,
+                    tag=f"{repeat}-{batch}-{constrained}")
+                bar.update(1)
+
+    rows: list[list[object]] = []
+    goal_met: dict[int, bool] = {}
+    for batch, constrained in variants:
+        timings = runs[(batch, constrained)]
+        base = statistics.median(t[0] for t in runs[(batch, 0)])
+        step = statistics.median(t[0] for t in timings)
+        masks = statistics.median(t[1] for t in timings)
+        sampler = statistics.median(t[2] for t in timings)
+        base_sampler = statistics.median(t[2] for t in runs[(batch, 0)])
+        overhead = step / base - 1
+        share = (masks + sampler - base_sampler) / base
+        if constrained == batch and batch > 1:
+            goal_met[batch] = overhead < 0.10 and share < 0.10
+        rows.append([
+            batch, f"{constrained}/{batch}", len(timings), f"{step * 1e3:.1f}",
+            f"{overhead * 100:+.1f}%" if constrained else "-",
+            f"{masks * 1e3:.2f}", f"{(sampler - base_sampler) * 1e3:+.2f}" if constrained else "-",
+            f"{share * 100:.1f}%" if constrained else "-",
+        ])
+
+    compile_rows: list[list[object]] = []
+    vocab = engine.model_config.vocab_size
+    grammars = {
+        "json_schema (5 properties, nested)": json_schema_grammar(ARGUMENTS),
+        "tool calls, 1 tool": tool_call_grammar([ToolSpec("get_weather", ARGUMENTS)], HERMES,
+                                                parallel=True),
+        "tool calls, 8 tools": tool_call_grammar(
+            [ToolSpec(f"tool_{i}", {**ARGUMENTS, "title": f"t{i}"}) for i in range(8)], HERMES,
+            parallel=True),
+    }
+    for name, grammar in tqdm(grammars.items(), desc="compiles", unit="grammar"):
+        cold, cached, copy = compile_times(engine.grammars, grammar, repeats=5)
+        compile_rows.append([name, f"{cold * 1e3:.2f}", f"{cached * 1e6:.1f}",
+                             f"{copy * 1e6:.1f}", f"{cold / cached:,.0f}x"])
+
+    mc = engine.model_config
+    report = machine_header("Structured output: constrained decoding overhead and compile time", {
+        "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
+                 f"{args.dtype}, vocab {mc.vocab_size}",
+        "workload": f"{args.prompt_tokens}-token prompts, seeded sampling (temperature 1); "
+                    f"{args.steps} timed all-decode steps per run, {args.repeats} runs per "
+                    "variant, variants interleaved",
+        "constraint": "JSON schema: an object with an array of >= 1000 strings of <= 12 "
+                      "characters (never closes within the run)",
+        "command": "python bench/structured.py" + "".join(
+            f" --{k} {v}" for k, v in (("threads", args.threads), ("steps", args.steps),
+                                      ("repeats", args.repeats)) if v is not None),
+    })
+    report += "\n## Decode step\n\n" + markdown_table(
+        ["batch", "constrained rows", "steps", "step ms (median)", "overhead vs unconstrained",
+         "mask computation ms", "sampler ms vs unconstrained", "mask + apply share of step"],
+        rows)
+    verdicts = ", ".join(
+        f"batch {b}: {'met' if ok else 'NOT met'}" for b, ok in sorted(goal_met.items()))
+    report += (
+        f"\nGoal: under 10% decode-step overhead with every row constrained at batch 16 "
+        f"(end to end and by its parts) — {verdicts}. The end-to-end overhead compares medians "
+        "of whole steps (the same batch, the same seeds, constrained or not), so other work on "
+        "this shared machine shows in it; the mask and sampler columns are timed inside the "
+        "step, and their share of the unconstrained step is the steadier estimate. Masks are "
+        "computed in the engine thread, one row after another (see GrammarCompiler); inside "
+        "a JSON string body most of the vocabulary is allowed, the costliest case.\n"
+    )
+    report += "\n## Grammar compile\n\n" + markdown_table(
+        ["grammar", "cold compile ms", "cached µs", "per-request matcher µs", "cold / cached"],
+        compile_rows)
+    report += (
+        f"\nBuilding the llguidance tokenizer from the model's {vocab:,} token byte strings: "
+        f"{tokenizer_seconds * 1e3:.0f} ms, once per engine (the service does it at start-up). "
+        "Cached compiles are a dictionary lookup keyed by the grammar text; each request gets "
+        "a deep copy of the compiled matcher.\n"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
