@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, literal_column, select, update
@@ -141,10 +142,13 @@ class MessageStore(StoreBase):
                 role=role, content=content, status="complete", created_at=now, updated_at=now,
                 **_json_ready(fields),
             ))
+        # One microsecond later than the user's message: messages() lists a tree in creation
+        # order, parents first.
+        reply_at = now + timedelta(microseconds=1) if rows else now
         rows.append(Message(
             id=new_id("msg_"), conversation_id=conversation_id,
             parent_id=rows[0].id if rows else parent_id, role="assistant", content=None,
-            status="generating", created_at=now, updated_at=now,
+            status="generating", created_at=reply_at, updated_at=reply_at,
         ))
         async with self._write() as session:
             conversation = await session.get(Conversation, conversation_id)

@@ -235,6 +235,7 @@ async def test_turn_context_and_start_reply_write_a_turn_in_one_go(store: Store)
         user.id, "assistant", "generating", None)
     conv = await store.get_conversation("alice", c)
     assert conv is not None and (conv.current_leaf_id, conv.trim_start_id) == (reply.id, user.id)
+    assert [m.id for m in await store.messages(c)] == [u1.id, a1.id, user.id, reply.id]
 
     # A regeneration adds only the reply, under the given parent; the trim start is kept as
     # given (None clears it).
