@@ -9,7 +9,8 @@ short strings, so each step computes a real mask: string bodies allow most of th
 and at the larger batch also with half the rows constrained. Variants alternate, each
 repeated; a step is timed only when every row decodes (no prefill in it). Per step: the
 median wall time, the overhead against unconstrained, and how much of it the mask
-computation (llguidance, all rows in one parallel call) and the sampler (mask applied) took.
+computation (llguidance, on the engine's mask worker while the forward runs) and the
+sampler (mask applied) took.
 
 Compile: a fresh compiler per grammar (cold: compile; cached: the same grammar again; a
 request's own matcher: a deep copy), for a JSON schema and tool-call grammars of 1 and 8
@@ -81,9 +82,9 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
     `constrained` rows with the open grammar."""
     grammar = json_schema_grammar(OPEN_SCHEMA)
     budget = steps + 4
-    mask = Timed(engine._token_mask)
+    mask = Timed(engine.grammars.fill_bitmask)  # runs on the mask worker, beside the forward
     sampler = Timed(engine.sampler)
-    engine._token_mask = mask  # type: ignore[method-assign]
+    engine.grammars.fill_bitmask = mask  # type: ignore[method-assign]
     engine.sampler = sampler  # type: ignore[assignment]
     try:
         for i, ids in enumerate(prompts):
@@ -103,8 +104,8 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
                 timings.append((elapsed, mask.seconds, sampler.seconds))
         return timings[:steps]
     finally:
-        engine._token_mask = mask.fn  # type: ignore[method-assign]
-        engine.sampler = sampler.fn
+        engine.grammars.fill_bitmask = mask.fn  # type: ignore[method-assign]
+        engine.sampler = sampler.fn  # type: ignore[assignment]
 
 
 def compile_times(compiler: GrammarCompiler, grammar: Grammar,
@@ -183,7 +184,7 @@ def main() -> None:
         overhead = step / base - 1
         share = (masks + sampler - base_sampler) / base
         if constrained == batch and batch > 1:
-            goal_met[batch] = overhead < 0.10 and share < 0.10
+            goal_met[batch] = overhead < 0.10
         rows.append([
             batch, f"{constrained}/{batch}", len(timings), f"{step * 1e3:.1f}",
             f"{overhead * 100:+.1f}%" if constrained else "-",
@@ -221,18 +222,19 @@ def main() -> None:
     })
     report += "\n## Decode step\n\n" + markdown_table(
         ["batch", "constrained rows", "steps", "step ms (median)", "overhead vs unconstrained",
-         "mask computation ms", "sampler ms vs unconstrained", "mask + apply share of step"],
+         "mask computation ms (worker)", "sampler ms vs unconstrained",
+         "mask + apply, share of step"],
         rows)
     verdicts = ", ".join(
         f"batch {b}: {'met' if ok else 'NOT met'}" for b, ok in sorted(goal_met.items()))
     report += (
         f"\nGoal: under 10% decode-step overhead with every row constrained at batch 16 "
-        f"(end to end and by its parts) — {verdicts}. The end-to-end overhead compares medians "
-        "of whole steps (the same batch, the same seeds, constrained or not), so other work on "
-        "this shared machine shows in it; the mask and sampler columns are timed inside the "
-        "step, and their share of the unconstrained step is the steadier estimate. Masks are "
-        "computed in the engine thread, one row after another (see GrammarCompiler); inside "
-        "a JSON string body most of the vocabulary is allowed, the costliest case.\n"
+        f"— {verdicts}. The overhead compares medians of whole steps (the same batch, the same "
+        "seeds, constrained or not, variants interleaved). Masks are computed on the engine's "
+        "mask worker thread while the forward runs (llguidance drops the GIL), so the mask "
+        "column is work beside the step, not all of it added to it; without that overlap the "
+        "step would grow by about the mask + apply share. Inside a JSON string body most of "
+        "the vocabulary is allowed, the costliest case for the mask.\n"
     )
     report += "\n## Grammar compile\n\n" + markdown_table(
         ["grammar", "cold compile ms", "cached µs", "per-request matcher µs", "cold / cached"],

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
@@ -99,6 +100,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # built on first use
         self._grammars_lock = threading.Lock()
+        self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
@@ -369,7 +371,13 @@ class Engine:
             outputs.append(self.output_processor.finish(seq, "length"))
         if batch.is_empty:
             return outputs
-        logits, sampled = self.runner.execute(batch)
+        # Constrained rows' token masks are computed by a worker thread while the forward
+        # runs (llguidance drops the GIL): the matchers are not touched again until sampling.
+        masks = self._start_masks(batch)
+        try:
+            logits, sampled = self.runner.execute(batch)
+        finally:
+            bitmask = masks.result() if masks is not None else None
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -383,9 +391,14 @@ class Engine:
             logits, sampled = logits[rows], [sampled[j] for j in rows]
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
+            allowed = None
+            if bitmask is not None and any(s.matcher is not None for s in sampling_seqs):
+                allowed = self._allowed(
+                    self.grammars.unpack(bitmask[sampled], logits.device), logits.device
+                )
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                allowed=self._token_mask(sampling_seqs, logits.device),
+                allowed=allowed,
             )
             for j, seq in enumerate(sampling_seqs):
                 token_id = result.token_ids[j]
@@ -400,13 +413,21 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _token_mask(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:
-        """[len(seqs), V] bool: what each row may sample this step (None when no row is
-        constrained; unconstrained rows allow everything)."""
-        matchers = [(j, seq.matcher) for j, seq in enumerate(seqs) if seq.matcher is not None]
-        if not matchers:
+    def _start_masks(self, batch: ScheduledBatch) -> Future[torch.Tensor] | None:
+        """The bitmask words of every constrained row of the batch (unconstrained rows allow
+        everything), computed on the mask worker; None when no row is constrained."""
+        rows = [
+            (i, seq.matcher) for i, seq in enumerate(batch.seqs)
+            if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
+        ]
+        if not rows:
             return None
-        allowed = self.grammars.allowed_tokens(matchers, len(seqs), device)
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
+        return self._mask_worker.submit(self.grammars.fill_bitmask, rows, len(batch.seqs))
+
+    def _allowed(self, allowed: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """[rows, V] bool: what each sampling row may pick (unconstrained rows: everything)."""
         # A matcher in an error state allows EOS only; should a row still allow nothing, it
         # may end (rather than sample from an all -inf row).
         empty = ~allowed.any(dim=1)

@@ -158,7 +158,10 @@ class GrammarCompiler:
     ) -> torch.Tensor:
         """[num_rows, vocab_size] bool on `device`: the tokens each row may sample next (all
         of them for rows without a matcher)."""
-        bitmask = self.fill_bitmask(matchers, num_rows)
+        return self.unpack(self.fill_bitmask(matchers, num_rows), device)
+
+    def unpack(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """fill_bitmask's [N, mask_words] int32 words -> [N, vocab_size] bool on `device`."""
         if device.type == "cpu":
             # The words are little-endian: byte-wise, token t is bit t % 8 of byte t // 8.
             unpacked = np.unpackbits(
