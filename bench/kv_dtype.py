@@ -45,9 +45,9 @@ class ForcingSampler:
         self.logits: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 allowed: Any = None) -> Any:
+                 logit_mask: Any = None) -> Any:
         self.logits.append(logits[0].detach().float().clone())
-        out = self.sampler(logits, params, generators, allowed)
+        out = self.sampler(logits, params, generators, logit_mask)
         if self.forced is not None:
             out.token_ids[0] = self.forced[len(self.logits) - 1]
         return out

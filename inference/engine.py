@@ -7,11 +7,14 @@ the next step, so an abort takes effect within one step."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
@@ -44,6 +47,9 @@ from .weights import load_weights
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+# Constrained rows' masks expected to take at least this long are computed beside the forward
+# even when it has every core (see Engine._start_masks).
+MASK_WORKER_MIN_SECONDS = 0.002
 
 
 @dataclass(frozen=True)
@@ -371,13 +377,12 @@ class Engine:
             outputs.append(self.output_processor.finish(seq, "length"))
         if batch.is_empty:
             return outputs
-        # Constrained rows' token masks are computed by a worker thread while the forward
-        # runs (llguidance drops the GIL): the matchers are not touched again until sampling.
         masks = self._start_masks(batch)
         try:
             logits, sampled = self.runner.execute(batch)
         finally:
-            bitmask = masks.result() if masks is not None else None
+            # Waited for even when the forward fails: a worker may be using the matchers.
+            logit_mask = masks() if masks is not None else None
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -391,14 +396,11 @@ class Engine:
             logits, sampled = logits[rows], [sampled[j] for j in rows]
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
-            allowed = None
-            if bitmask is not None and any(s.matcher is not None for s in sampling_seqs):
-                allowed = self._allowed(
-                    self.grammars.unpack(bitmask[sampled], logits.device), logits.device
-                )
+            if logit_mask is not None and sampled != list(range(len(batch.seqs))):
+                logit_mask = logit_mask[sampled]  # rows in the logits' order
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                allowed=allowed,
+                logit_mask=logit_mask,
             )
             for j, seq in enumerate(sampling_seqs):
                 token_id = result.token_ids[j]
@@ -413,28 +415,28 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _start_masks(self, batch: ScheduledBatch) -> Future[torch.Tensor] | None:
-        """The bitmask words of every constrained row of the batch (unconstrained rows allow
-        everything), computed on the mask worker; None when no row is constrained."""
+    def _start_masks(self, batch: ScheduledBatch) -> Callable[[], torch.Tensor] | None:
+        """What gives the batch's logit mask once the forward is done ([rows, vocab]: -inf
+        for what a constrained row's grammar forbids next, 0 elsewhere); None when no row is
+        constrained. The matchers are not touched again until sampling, so costly masks are
+        computed by the mask worker while the forward runs (llguidance drops the GIL); cheap
+        ones, when the forward already has every core, right after it: beside a forward that
+        fills the cores, work still costs about half its time, and a thread's memory traffic
+        slows the forward's threads."""
         rows = [
             (i, seq.matcher) for i, seq in enumerate(batch.seqs)
             if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
         ]
         if not rows:
             return None
+        compute = functools.partial(self.grammars.logit_mask, rows, len(batch.seqs), self.device)
+        spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
+        expected = self.grammars.last_seconds_per_mask * len(rows)
+        if self.device.type == "cpu" and not spare_core and expected < MASK_WORKER_MIN_SECONDS:
+            return compute
         if self._mask_worker is None:
             self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
-        return self._mask_worker.submit(self.grammars.fill_bitmask, rows, len(batch.seqs))
-
-    def _allowed(self, allowed: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """[rows, V] bool: what each sampling row may pick (unconstrained rows: everything)."""
-        # A matcher in an error state allows EOS only; should a row still allow nothing, it
-        # may end (rather than sample from an all -inf row).
-        empty = ~allowed.any(dim=1)
-        if bool(empty.any()):
-            eos = torch.tensor(sorted(self.eos_token_ids), device=device)
-            allowed[empty.nonzero().flatten().unsqueeze(1), eos.unsqueeze(0)] = True
-        return allowed
+        return self._mask_worker.submit(compute).result
 
     def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
         """Feed a sampled token to the request's grammar; True when the grammar is complete

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -77,6 +78,7 @@ class GrammarCompiler:
         if not eos:
             raise ValueError("constrained decoding needs an end-of-sequence token")
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos
         self.ll_tokenizer = llguidance.LLTokenizer(
             _TokenTable(tokenizer, vocab_size, eos[0]),  # type: ignore[arg-type]
             n_vocab=vocab_size,
@@ -93,6 +95,9 @@ class GrammarCompiler:
         if num_threads is None:
             num_threads = (os.cpu_count() or 1) // 2
         self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
+        # What one row's mask took in the last fill_bitmask (llguidance's part): the engine's
+        # guess at what the next batch's masks will take.
+        self.last_seconds_per_mask = 0.0
 
     @property
     def mask_words(self) -> int:
@@ -138,17 +143,40 @@ class GrammarCompiler:
     ) -> torch.Tensor:
         """[num_rows, mask_words] int32: for each (row, matcher), bit t of the row (word
         t // 32, bit t % 32) is set when the matcher allows token t next; rows without a
-        matcher allow everything. The matchers' rows are computed in parallel."""
+        matcher allow everything. A matcher that allows nothing (llguidance's error state
+        allows EOS, so this is a guard) is given EOS, so the row can end rather than sample
+        from nothing. The matchers' rows are computed in parallel where cores allow."""
         bitmask = torch.full((num_rows, self.mask_words), -1, dtype=torch.int32)
         row_bytes = self.mask_words * 4
+        base = bitmask.data_ptr()
+        start = time.perf_counter()
         if self._executor is not None and len(matchers) >= MIN_PARALLEL_ROWS:
             self._executor.unsafe_compute_mask_ptr(
-                [(m, row) for row, m in matchers], bitmask.data_ptr(), row_bytes, num_rows
+                [(m, row) for row, m in matchers], base, row_bytes, num_rows
             )
         else:
             for row, matcher in matchers:
-                matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+        if matchers:
+            self.last_seconds_per_mask = (time.perf_counter() - start) / len(matchers)
+        words = bitmask.numpy()
+        for row, _ in matchers:
+            if not words[row].any():
+                for eos in self.eos_token_ids:
+                    words[row, eos // 32] |= _bit(eos % 32)
         return bitmask
+
+    def logit_mask(
+        self,
+        matchers: Sequence[tuple[int, llguidance.LLMatcher]],
+        num_rows: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """[num_rows, vocab_size] float32 on `device`, to add to the logits: 0 where the row
+        may sample the token next, -inf where it may not (rows without a matcher: 0
+        everywhere)."""
+        return logit_mask_from_bitmask(self.fill_bitmask(matchers, num_rows), self.vocab_size,
+                                       device)
 
     def allowed_tokens(
         self,
@@ -158,25 +186,49 @@ class GrammarCompiler:
     ) -> torch.Tensor:
         """[num_rows, vocab_size] bool on `device`: the tokens each row may sample next (all
         of them for rows without a matcher)."""
-        return self.unpack(self.fill_bitmask(matchers, num_rows), device)
+        return unpack_bitmask(self.fill_bitmask(matchers, num_rows).to(device), self.vocab_size)
 
-    def unpack(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """fill_bitmask's [N, mask_words] int32 words -> [N, vocab_size] bool on `device`."""
-        if device.type == "cpu":
-            # The words are little-endian: byte-wise, token t is bit t % 8 of byte t // 8.
-            unpacked = np.unpackbits(
-                bitmask.numpy().view(np.uint8), axis=1, count=self.vocab_size, bitorder="little"
-            )
-            return torch.from_numpy(unpacked.view(np.bool_))
-        return unpack_bitmask(bitmask.to(device, non_blocking=True), self.vocab_size)
+
+_NEG_INF_BITS = -(1 << 23)  # 0xFF800000: float32 -inf, as an int32
+# Byte value b -> the logit offsets of its 8 tokens (token k of the byte is bit k): 0.0 where
+# the bit is set, -inf where it is clear.
+_BYTE_OFFSETS = np.array(
+    [[0.0 if (b >> k) & 1 else -np.inf for k in range(8)] for b in range(256)], dtype=np.float32
+)
+
+
+def _bit(k: int) -> int:
+    """The int32 word with only bit k set (bit 31 is the sign bit)."""
+    return -(1 << 31) if k == 31 else 1 << k
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, W] int32 bitmask words -> [N, vocab_size] bool, with torch ops (on any device).
-    Bit k of a word survives an arithmetic shift by k unchanged, sign bit included."""
+    """[N, W] int32 bitmask words -> [N, vocab_size] bool, with torch ops (on any device)."""
+    return _bits(words, vocab_size).bool()
+
+
+def logit_mask_from_bitmask(
+    words: torch.Tensor, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[N, W] int32 bitmask words (on the CPU) -> [N, vocab_size] float32 on `device`: 0 for a
+    set bit, -inf for a clear one. On the CPU each byte of the words looks its 8 offsets up in
+    a 256-row table (one numpy pass, single-threaded, so the mask worker does not compete
+    with the forward's threads; boolean masking and float selects cost several times more);
+    elsewhere the words are copied over and unpacked there, a bit b becoming
+    (b - 1) & 0xFF800000, the bit pattern of 0.0 or of -inf."""
+    if device.type == "cpu":
+        # The words are little-endian: byte-wise, token t is bit t % 8 of byte t // 8.
+        offsets = np.take(_BYTE_OFFSETS, words.numpy().view(np.uint8), axis=0)  # [N, 4W, 8]
+        return torch.from_numpy(offsets.reshape(len(offsets), -1))[:, :vocab_size]
+    bits = _bits(words.to(device, non_blocking=True), vocab_size).contiguous()
+    return bits.sub_(1).bitwise_and_(_NEG_INF_BITS).view(torch.float32)
+
+
+def _bits(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 words -> [N, vocab_size] int32 0/1, with torch ops (on any device). Bit k
+    of a word survives an arithmetic shift by k unchanged, sign bit included."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
-    return bits.flatten(1)[:, :vocab_size].bool()
+    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size]
 
 
 def _clean_error(message: str) -> str:

@@ -3,6 +3,7 @@ the compile cache, errors that name the unsupported feature."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import random
 
@@ -16,7 +17,13 @@ from inference.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from inference.grammar_compiler import GrammarCompiler, GrammarError, unpack_bitmask
+from inference.grammar_compiler import (
+    GrammarCompiler,
+    GrammarError,
+    _bits,
+    logit_mask_from_bitmask,
+    unpack_bitmask,
+)
 from inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from inference.tokenizer_files import dev_special_tokens, load_bundled_tokenizer, load_tokenizer
 from inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
@@ -203,6 +210,47 @@ def test_masks_of_a_batch_are_per_row_and_padding_is_never_allowed(
             assert bool(bit) == bool(allowed[row, token])
         for token in allowed[row].nonzero().flatten()[:50].tolist():
             assert (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+
+
+def test_the_logit_mask_is_0_where_allowed_and_minus_inf_elsewhere(
+    compiler: GrammarCompiler,
+) -> None:
+    matcher = compiler.new_matcher(json_schema_grammar(WEATHER))
+    rows = [(1, matcher)]  # rows 0 and 2 are unconstrained
+    allowed = compiler.allowed_tokens(rows, 3, CPU)
+    mask = compiler.logit_mask(rows, 3, CPU)
+    assert mask.shape == (3, compiler.vocab_size) and mask.dtype == torch.float32
+    assert bool((mask[0] == 0).all()) and bool((mask[2] == 0).all())
+    assert torch.equal(mask == 0, allowed) and torch.equal(mask == float("-inf"), ~allowed)
+    # The accelerator's unpacking (torch ops) gives the CPU's (numpy) bit pattern, sign bit
+    # and a partial last word included.
+    words = torch.tensor([[-1, 0, -2**31, 1 | (1 << 30)]], dtype=torch.int32)
+    cpu = logit_mask_from_bitmask(words, 4 * 32 - 3, CPU)
+    torch_ops = _bits(words, 4 * 32 - 3).sub(1).bitwise_and(-(1 << 23)).view(torch.float32)
+    assert torch.equal(cpu, torch_ops)
+    assert torch.equal(cpu == 0, unpack_bitmask(words, 4 * 32 - 3))
+
+
+class _AllowsNothing:
+    """A fault injected on purpose: a matcher whose mask comes back empty (llguidance gives an
+    errored matcher EOS, so this cannot be had from a real one)."""
+
+    def unsafe_compute_mask_ptr(self, pointer: int, num_bytes: int) -> None:
+        ctypes.memset(pointer, 0, num_bytes)
+
+
+def test_a_row_that_allows_nothing_may_end(
+    compiler: GrammarCompiler, dev_tokenizer: TiktokenTokenizer
+) -> None:
+    real = compiler.new_matcher(json_schema_grammar(WEATHER))
+    rows = [(0, _AllowsNothing()), (1, real)]
+    mask = compiler.logit_mask(rows, 2, CPU)  # type: ignore[arg-type]
+    assert set((mask[0] == 0).nonzero().flatten().tolist()) == set(dev_tokenizer.eos_token_ids)
+    assert torch.equal(mask[1], compiler.logit_mask([(0, real)], 1, CPU)[0])
+    # An end token on a word's sign bit (id % 32 == 31) is set as well.
+    sign_bit = GrammarCompiler(dev_tokenizer, compiler.vocab_size, [95, 100])
+    mask = sign_bit.logit_mask([(0, _AllowsNothing())], 1, CPU)  # type: ignore[list-item]
+    assert (mask[0] == 0).nonzero().flatten().tolist() == [95, 100]
 
 
 def test_an_accepting_grammar_allows_end_of_sequence(
