@@ -31,6 +31,7 @@ from memory.stats import CacheStats, HistoryStats
 from .engine_config import EngineConfig
 from .errors import InvalidRequestError, ModelLoadError
 from .grammar_compiler import GrammarCompiler, GrammarError
+from .host_memory import keep_freed_memory
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -66,6 +67,8 @@ class Engine:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step's large tensors reuse freed heap, not fresh pages
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model)
         mc = self.model_config
