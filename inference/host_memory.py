@@ -3,12 +3,12 @@
 A decode step allocates the same large tensors every time (activations, the [batch, vocab]
 logits, the sampler's and the grammar masks' rows: megabytes each). glibc serves blocks above
 its mmap threshold (128 KiB at start, raised only as far as the largest block freed so far)
-with a fresh mmap and returns them with munmap, so each step's big tensors first-touch fresh
-pages: page faults that cost a batch-16 step on the bench model about 3 ms of ~44 (measured,
-bench/structured.py). Raising the threshold to glibc's ceiling (32 MiB) and keeping up to
-1 GiB of freed heap lets those blocks be reused, as a caching allocator (torch's CUDA one,
-jemalloc, tcmalloc) would. Tensors above 32 MiB still come from mmap. Other C libraries are
-left alone."""
+with a fresh mmap and returns them with munmap, and trims freed heap above its trim
+threshold, so each step's big tensors first-touch fresh pages: page faults that cost a
+batch-16 step on the bench model about 3 ms of ~44. Setting the threshold to 32 MiB (the
+ceiling of glibc's own adjustment on 64-bit systems) and keeping up to 1 GiB of freed heap
+lets those blocks be reused, as a caching allocator (torch's CUDA one, jemalloc, tcmalloc)
+would. Tensors above 32 MiB still come from mmap. Other C libraries are left alone."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 2**20  # the most glibc accepts on 64-bit systems
+MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 2**30
 
 _lock = threading.Lock()
