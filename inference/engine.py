@@ -110,6 +110,8 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on first use
         self._grammars_lock = threading.Lock()
         self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
+        # Whether the forward leaves a core to the mask worker (see _start_masks).
+        self._spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
@@ -433,9 +435,9 @@ class Engine:
         if not rows:
             return None
         compute = functools.partial(self.grammars.logit_mask, rows, len(batch.seqs), self.device)
-        spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
-        expected = self.grammars.last_seconds_per_mask * len(rows)
-        if self.device.type == "cpu" and not spare_core and expected < MASK_WORKER_MIN_SECONDS:
+        expected = self.grammars.seconds_per_mask * len(rows)
+        if (self.device.type == "cpu" and not self._spare_core
+                and expected < MASK_WORKER_MIN_SECONDS):
             return compute
         if self._mask_worker is None:
             self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")

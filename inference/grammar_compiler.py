@@ -30,6 +30,7 @@ from .tokenizer import Tokenizer
 
 DEFAULT_CACHE_SIZE = 256
 MIN_PARALLEL_ROWS = 4  # fewer constrained rows than this are computed in the calling thread
+MASK_TIME_DECAY = 0.9  # per fill_bitmask, of the remembered time per mask
 
 
 class GrammarError(ValueError):
@@ -95,9 +96,10 @@ class GrammarCompiler:
         if num_threads is None:
             num_threads = (os.cpu_count() or 1) // 2
         self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
-        # What one row's mask took in the last fill_bitmask (llguidance's part): the engine's
-        # guess at what the next batch's masks will take.
-        self.last_seconds_per_mask = 0.0
+        # What a row's mask takes (llguidance's part): the most of the last fill_bitmask's
+        # rows' average and, decaying, of earlier ones. The engine's guess at what the next
+        # batch's masks will take.
+        self.seconds_per_mask = 0.0
 
     @property
     def mask_words(self) -> int:
@@ -158,7 +160,9 @@ class GrammarCompiler:
             for row, matcher in matchers:
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
         if matchers:
-            self.last_seconds_per_mask = (time.perf_counter() - start) / len(matchers)
+            # Up at once, down slowly: one cheap step among costly ones is no forecast.
+            per_mask = (time.perf_counter() - start) / len(matchers)
+            self.seconds_per_mask = max(per_mask, self.seconds_per_mask * MASK_TIME_DECAY)
         words = bitmask.numpy()
         for row, _ in matchers:
             if not words[row].any():

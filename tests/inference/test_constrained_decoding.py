@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 
+import inference.engine as engine_module
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.errors import InvalidRequestError
@@ -131,6 +132,26 @@ def test_unconstrained_row_gets_its_solo_tokens_next_to_constrained_ones(engine:
     # Unconstrained, the same seed writes no JSON at all: the constraint did the work.
     with pytest.raises(json.JSONDecodeError):
         json.loads(engine.generate([ids], SamplingParams(max_tokens=40, seed=5))[0].text or "")
+
+
+def test_masks_beside_the_forward_or_after_it_give_the_same_tokens(
+    dev_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = prompt(make_engine(dev_model), "Points and flags.")
+    params = [constrained(json_schema_grammar(POINT), seed=7),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=8, ignore_eos=True),
+              constrained(json_schema_grammar(FLAGS), seed=9)]
+    tokens = {}
+    for placement, threshold in (("after", float("inf")), ("beside", 0.0)):
+        monkeypatch.setattr(engine_module, "MASK_WORKER_MIN_SECONDS", threshold)
+        engine = make_engine(dev_model)
+        engine._spare_core = False  # decide by the expected mask time, as on a full machine
+        outs = engine.generate([ids] * 3, params)
+        assert (engine._mask_worker is not None) == (placement == "beside")
+        check_json(engine, outs[0], POINT)
+        check_json(engine, outs[2], FLAGS)
+        tokens[placement] = [o.output_token_ids for o in outs]
+    assert tokens["after"] == tokens["beside"]
 
 
 def test_seeds_reproduce_and_differ(engine: Engine) -> None:
