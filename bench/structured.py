@@ -12,8 +12,9 @@ characters (the costliest case found: every character changes what may follow, a
 the vocabulary is still allowed). At the larger batch also half the rows with the costliest
 constraint. Variants alternate, each repeated; a step is timed only when every row decodes
 (no prefill in it). Per step: the median wall time, the overhead against unconstrained, and
-how much of it the mask computation (llguidance, on the engine's mask worker while the forward
-runs) and the sampler (mask applied) took.
+how much of it the mask computation (llguidance and the logit offsets: on the engine's mask
+worker while the forward runs when costly, right after the forward when cheap) and the sampler
+(mask applied) took.
 
 Compile: a fresh compiler per grammar (cold: compile; cached: the same grammar again; a
 request's own matcher: a deep copy), for a JSON schema and tool-call grammars of 1 and 8
@@ -253,13 +254,15 @@ def main() -> None:
     report += (
         "\nGoal: under 10% decode-step overhead with every row constrained at batch 16 — "
         + "; ".join(verdicts) + ". The overhead compares medians of whole steps (the same "
-        "batch, the same seeds, constrained or not, variants interleaved). Masks are computed "
-        "on the engine's mask worker thread while the forward runs (llguidance drops the GIL), "
-        "so the mask column is work beside the step, not all of it added to it; on a machine "
-        "whose cores the forward already fills, about half of it still shows in the step. "
-        "Inside a free string body llguidance reuses the last mask; a length-bounded string "
-        "changes what may follow with every character while most of the vocabulary stays "
-        "allowed, the costliest case for the mask.\n"
+        "batch, the same seeds, constrained or not, variants interleaved); the run-by-run "
+        "column shows how much a shared machine moves them. Costly masks are computed on the "
+        "engine's mask worker thread while the forward runs (llguidance drops the GIL), so "
+        "their column is work beside the step, not all of it added to it, though on a "
+        "machine whose cores the forward already fills about half of it still shows; cheap "
+        "ones are computed right after the forward. Inside a free string body llguidance "
+        "reuses the last mask; a length-bounded string changes what may follow with every "
+        "character while most of the vocabulary stays allowed, the costliest case for the "
+        "mask (0.4-1 ms a row here).\n"
     )
     report += "\n## Grammar compile\n\n" + markdown_table(
         ["grammar", "cold compile ms", "cached µs", "per-request matcher µs", "cold / cached"],

@@ -153,7 +153,7 @@ class Sampler:
         inside = probs.gather(1, ids.clamp(max=vocab - 1)).double()
         inside.masked_fill_(ids >= vocab, 0.0)
         offset, _ = _locate(inside.cumsum(dim=-1), frac)
-        return (ids.gather(1, offset)).squeeze(1)
+        return ids.gather(1, offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 _BLOCK = 1024  # vocabulary block of the two-level inversion
@@ -167,7 +167,9 @@ def _locate(cdf: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     # Strictly below the total, so the search always lands on a step (u * total may round
     # up to the total).
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, target, right=True)
+    # The clamp changes nothing for finite inputs (target < total); NaN logits (a broken
+    # checkpoint) then still give an index in range rather than an indexing error.
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
     low = torch.where(index > 0, cdf.gather(1, (index - 1).clamp(min=0)), 0.0)
     high = cdf.gather(1, index)
     frac = ((target - low) / (high - low)).clamp(0.0, 1.0)

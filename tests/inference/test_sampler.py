@@ -124,3 +124,10 @@ def test_a_seeded_row_draws_the_same_alone_and_batched() -> None:
         batched.append(out.token_ids[1])
     assert alone == batched
     assert len(set(alone)) > 10  # really random draws, not one token
+
+
+def test_nan_logits_give_ids_in_range_not_an_indexing_error() -> None:
+    # A broken checkpoint's NaNs must not take the engine thread down with an index error.
+    out = Sampler(seed=7)(torch.full((3, VOCAB), float("nan")),
+                          [SamplingParams(temperature=1.0)] * 3, [None] * 3)
+    assert all(0 <= t < VOCAB for t in out.token_ids)
