@@ -7,7 +7,6 @@ the next step, so an abort takes effect within one step."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
+import llguidance
 import torch
 
 from kernels import get_attention_ops
@@ -51,6 +51,7 @@ CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # Constrained rows' masks expected to take at least this long are computed beside the forward
 # even when it has every core (see Engine._start_masks).
 MASK_WORKER_MIN_SECONDS = 0.002
+MASK_TIME_DECAY = 0.9  # per step, of a row's remembered mask time
 
 
 @dataclass(frozen=True)
@@ -427,15 +428,25 @@ class Engine:
         computed by the mask worker while the forward runs (llguidance drops the GIL); cheap
         ones, when the forward already has every core, right after it: beside a forward that
         fills the cores, work still costs about half its time, and a thread's memory traffic
-        slows the forward's threads."""
-        rows = [
-            (i, seq.matcher) for i, seq in enumerate(batch.seqs)
+        slows the forward's threads. A row's cost is forecast from its own last masks."""
+        seqs = [
+            (i, seq) for i, seq in enumerate(batch.seqs)
             if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
         ]
-        if not rows:
+        if not seqs:
             return None
-        compute = functools.partial(self.grammars.logit_mask, rows, len(batch.seqs), self.device)
-        expected = self.grammars.seconds_per_mask * len(rows)
+        rows = [(i, cast(llguidance.LLMatcher, seq.matcher)) for i, seq in seqs]
+        grammars, num_rows, device = self.grammars, len(batch.seqs), self.device
+
+        def compute() -> torch.Tensor:
+            seconds: list[float] = []
+            mask = grammars.logit_mask(rows, num_rows, device, seconds)
+            for (_, seq), took in zip(seqs, seconds):
+                # Up at once, down slowly: one cheap mask among costly ones is no forecast.
+                seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
+            return mask
+
+        expected = sum(seq.mask_seconds for _, seq in seqs)
         if (self.device.type == "cpu" and not self._spare_core
                 and expected < MASK_WORKER_MIN_SECONDS):
             return compute

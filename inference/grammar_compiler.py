@@ -30,7 +30,6 @@ from .tokenizer import Tokenizer
 
 DEFAULT_CACHE_SIZE = 256
 MIN_PARALLEL_ROWS = 4  # fewer constrained rows than this are computed in the calling thread
-MASK_TIME_DECAY = 0.9  # per fill_bitmask, of the remembered time per mask
 
 
 class GrammarError(ValueError):
@@ -96,10 +95,6 @@ class GrammarCompiler:
         if num_threads is None:
             num_threads = (os.cpu_count() or 1) // 2
         self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
-        # What a row's mask takes (llguidance's part): the most of the last fill_bitmask's
-        # rows' average and, decaying, of earlier ones. The engine's guess at what the next
-        # batch's masks will take.
-        self.seconds_per_mask = 0.0
 
     @property
     def mask_words(self) -> int:
@@ -141,28 +136,34 @@ class GrammarCompiler:
     # -- decoding ----------------------------------------------------------------------------
 
     def fill_bitmask(
-        self, matchers: Sequence[tuple[int, llguidance.LLMatcher]], num_rows: int
+        self,
+        matchers: Sequence[tuple[int, llguidance.LLMatcher]],
+        num_rows: int,
+        seconds: list[float] | None = None,
     ) -> torch.Tensor:
         """[num_rows, mask_words] int32: for each (row, matcher), bit t of the row (word
         t // 32, bit t % 32) is set when the matcher allows token t next; rows without a
         matcher allow everything. A matcher that allows nothing (llguidance's error state
         allows EOS, so this is a guard) is given EOS, so the row can end rather than sample
-        from nothing. The matchers' rows are computed in parallel where cores allow."""
+        from nothing. The matchers' rows are computed in parallel where cores allow. With
+        `seconds`, what each matcher's mask took is appended to it, in `matchers`' order (an
+        even share of the whole when computed in parallel)."""
         bitmask = torch.full((num_rows, self.mask_words), -1, dtype=torch.int32)
         row_bytes = self.mask_words * 4
         base = bitmask.data_ptr()
-        start = time.perf_counter()
         if self._executor is not None and len(matchers) >= MIN_PARALLEL_ROWS:
+            start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, row) for row, m in matchers], base, row_bytes, num_rows
             )
+            if seconds is not None:
+                seconds += [(time.perf_counter() - start) / len(matchers)] * len(matchers)
         else:
             for row, matcher in matchers:
+                start = time.perf_counter()
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
-        if matchers:
-            # Up at once, down slowly: one cheap step among costly ones is no forecast.
-            per_mask = (time.perf_counter() - start) / len(matchers)
-            self.seconds_per_mask = max(per_mask, self.seconds_per_mask * MASK_TIME_DECAY)
+                if seconds is not None:
+                    seconds.append(time.perf_counter() - start)
         words = bitmask.numpy()
         for row, _ in matchers:
             if not words[row].any():
@@ -175,12 +176,13 @@ class GrammarCompiler:
         matchers: Sequence[tuple[int, llguidance.LLMatcher]],
         num_rows: int,
         device: torch.device,
+        seconds: list[float] | None = None,
     ) -> torch.Tensor:
         """[num_rows, vocab_size] float32 on `device`, to add to the logits: 0 where the row
         may sample the token next, -inf where it may not (rows without a matcher: 0
-        everywhere)."""
-        return logit_mask_from_bitmask(self.fill_bitmask(matchers, num_rows), self.vocab_size,
-                                       device)
+        everywhere). `seconds` as in fill_bitmask."""
+        return logit_mask_from_bitmask(self.fill_bitmask(matchers, num_rows, seconds),
+                                       self.vocab_size, device)
 
     def allowed_tokens(
         self,

@@ -67,6 +67,9 @@ class Sequence:
     # Structured output: the grammar's state after the tokens generated so far (it advances
     # only when a token is sampled, so recomputing KV after a preemption leaves it as is).
     matcher: llguidance.LLMatcher | None = None
+    # What its mask takes (llguidance's part): the last one's time or, decaying, more of
+    # earlier ones; where the engine computes the next one (Engine._start_masks).
+    mask_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
