@@ -57,6 +57,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "strings <= 12 chars": open_schema({"type": "string", "maxLength": 12}),
 }
 COSTLIEST = "strings <= 12 chars"
+GOAL = 0.10  # decode-step overhead with every row constrained at batch 16
 ARGUMENTS = {
     "type": "object",
     "properties": {
@@ -208,8 +209,12 @@ def main() -> None:
         ] if constrained else []
         share = (masks + sampler - base_sampler) / base
         if constrained == batch and batch >= 16:
-            verdicts.append(f"batch {batch}, {kind}: {overhead * 100:+.1f}% "
-                            f"({'met' if overhead < 0.10 else 'NOT met'})")
+            # Met when the pooled median is under the goal and so are 3 runs in 4: on a
+            # shared machine one lucky (or unlucky) median decides nothing.
+            under = sum(r < GOAL for r in per_run)
+            met = overhead < GOAL and under >= 0.75 * len(per_run)
+            verdicts.append(f"batch {batch}, {kind}: {overhead * 100:+.1f}%, {under} of "
+                            f"{len(per_run)} runs under ({'met' if met else 'NOT met'})")
         rows.append([
             batch, f"{constrained}/{batch}", kind or "-", len(timings), f"{step * 1e3:.1f}",
             f"{overhead * 100:+.1f}%" if constrained else "-",
@@ -252,8 +257,9 @@ def main() -> None:
          "sampler ms vs unconstrained", "mask + apply, share of step"],
         rows)
     report += (
-        "\nGoal: under 10% decode-step overhead with every row constrained at batch 16 — "
-        + "; ".join(verdicts) + ". The overhead compares medians of whole steps (the same "
+        "\nGoal: under 10% decode-step overhead with every row constrained at batch 16 (the "
+        "pooled median, and 3 runs in 4) — " + "; ".join(verdicts) + ". The overhead compares "
+        "medians of whole steps (the same "
         "batch, the same seeds, constrained or not, variants interleaved); the run-by-run "
         "column shows how much a shared machine moves them. Costly masks are computed on the "
         "engine's mask worker thread while the forward runs (llguidance drops the GIL), so "
