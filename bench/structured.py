@@ -10,11 +10,11 @@ where the grammar is: free strings (`{"type": "string"}`, the common case in too
 inside a string body llguidance reuses the last mask), numbers, and strings of at most 12
 characters (the costliest case found: every character changes what may follow, and most of
 the vocabulary is still allowed). At the larger batch also half the rows with the costliest
-constraint. Variants alternate, each repeated; a step is timed only when every row decodes
-(no prefill in it). Per step: the median wall time, the overhead against unconstrained, and
-how much of it the mask computation (llguidance and the logit offsets: on the engine's mask
-worker while the forward runs when costly, right after the forward when cheap) and the sampler
-(mask applied) took.
+constraint. Each variant runs once untimed (warm-up), then variants alternate, each repeated;
+a step is timed only when every row decodes (no prefill in it). Per step: the median wall
+time, the overhead against unconstrained, and how much of it the mask computation
+(llguidance and the logit offsets: on the engine's mask worker while the forward runs when
+costly, right after the forward when cheap) and the sampler (mask applied) took.
 
 Compile: a fresh compiler per grammar (cold: compile; cached: the same grammar again; a
 request's own matcher: a deep copy), for a JSON schema and tool-call grammars of 1 and 8
@@ -96,9 +96,13 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
     `constrained` rows with `schema`'s grammar (default: the costliest constraint)."""
     grammar = json_schema_grammar(CONSTRAINTS[COSTLIEST] if schema is None else schema)
     budget = steps + 4
-    mask = Timed(engine.grammars.logit_mask)  # runs on the mask worker, beside the forward
+    # The mask bits (on the mask worker beside the forward when costly) and their logit
+    # offsets (after the forward) together.
+    mask = Timed(engine.grammars.fill_bitmask)
+    offsets = Timed(engine.grammars.logit_offsets)
     sampler = Timed(engine.sampler)
-    engine.grammars.logit_mask = mask  # type: ignore[method-assign]
+    engine.grammars.fill_bitmask = mask  # type: ignore[method-assign]
+    engine.grammars.logit_offsets = offsets  # type: ignore[method-assign]
     engine.sampler = sampler  # type: ignore[assignment]
     try:
         for i, ids in enumerate(prompts):
@@ -110,15 +114,16 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
             decoding = all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running) \
                 and len(engine.scheduler.running) == len(prompts) \
                 and not engine.scheduler.waiting
-            mask.seconds = sampler.seconds = 0.0
+            mask.seconds = offsets.seconds = sampler.seconds = 0.0
             start = time.perf_counter()
             outputs = engine.step()
             elapsed = time.perf_counter() - start
             if decoding and not any(o.finished for o in outputs):
-                timings.append((elapsed, mask.seconds, sampler.seconds))
+                timings.append((elapsed, mask.seconds + offsets.seconds, sampler.seconds))
         return timings[:steps]
     finally:
-        engine.grammars.logit_mask = mask.fn  # type: ignore[method-assign]
+        engine.grammars.fill_bitmask = mask.fn  # type: ignore[method-assign]
+        engine.grammars.logit_offsets = offsets.fn  # type: ignore[method-assign]
         engine.sampler = sampler.fn  # type: ignore[assignment]
 
 
@@ -180,7 +185,17 @@ def main() -> None:
     runs: dict[tuple[int, int, str], list[list[tuple[float, float, float]]]] = {
         v: [] for v in variants}
     text = "Write the log of the day as JSON. " * 8
-    with tqdm(total=len(variants) * args.repeats, desc="decode runs", unit="run") as bar:
+    with tqdm(total=len(variants) * (args.repeats + 1), desc="decode runs", unit="run") as bar:
+        # One untimed run of each variant first: llguidance builds its lexer's automaton
+        # states as they are first reached (kept with the cached grammar afterwards), and a
+        # server's grammars are warm after their first requests.
+        for batch, constrained, kind in variants:
+            prompts = [tokenizer.encode(f"{i}: {text}")[: args.prompt_tokens]
+                       for i in range(batch)]
+            decode_steps(engine, prompts, constrained, args.steps, seed=10**6,
+                         tag=f"warm-{batch}-{constrained}-{kind}",
+                         schema=CONSTRAINTS[kind] if kind else None)
+            bar.update(1)
         for repeat in range(args.repeats):
             for batch, constrained, kind in variants:
                 prompts = [tokenizer.encode(f"{i}: {text}")[: args.prompt_tokens]

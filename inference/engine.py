@@ -388,7 +388,10 @@ class Engine:
             logits, sampled = self.runner.execute(batch)
         finally:
             # Waited for even when the forward fails: a worker may be using the matchers.
-            logit_mask = masks() if masks is not None else None
+            bitmask = masks() if masks is not None else None
+        # Turned into logit offsets here, with the forward's threads free again.
+        logit_mask = None if bitmask is None else self.grammars.logit_offsets(bitmask,
+                                                                               self.device)
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -422,9 +425,9 @@ class Engine:
         return outputs
 
     def _start_masks(self, batch: ScheduledBatch) -> Callable[[], torch.Tensor] | None:
-        """What gives the batch's logit mask once the forward is done ([rows, vocab]: -inf
-        for what a constrained row's grammar forbids next, 0 elsewhere); None when no row is
-        constrained. The matchers are not touched again until sampling, so costly masks are
+        """What gives the batch's mask bits once the forward is done (GrammarCompiler.
+        fill_bitmask's words: what each constrained row's grammar allows next); None when no
+        row is constrained. The matchers are not touched again until sampling, so costly masks are
         computed by the mask worker while the forward runs (llguidance drops the GIL); cheap
         ones, when the forward already has every core, right after it: beside a forward that
         fills the cores, work still costs about half its time, and a thread's memory traffic
@@ -436,15 +439,15 @@ class Engine:
         if not seqs:
             return None
         rows = [(i, cast(llguidance.LLMatcher, seq.matcher)) for i, seq in seqs]
-        grammars, num_rows, device = self.grammars, len(batch.seqs), self.device
+        grammars, num_rows = self.grammars, len(batch.seqs)
 
         def compute() -> torch.Tensor:
             seconds: list[float] = []
-            mask = grammars.logit_mask(rows, num_rows, device, seconds)
+            bitmask = grammars.fill_bitmask(rows, num_rows, seconds)
             for (_, seq), took in zip(seqs, seconds):
                 # Up at once, down slowly: one cheap mask among costly ones is no forecast.
                 seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
-            return mask
+            return bitmask
 
         expected = sum(seq.mask_seconds for _, seq in seqs)
         if (self.device.type == "cpu" and not self._spare_core

@@ -20,7 +20,6 @@ from inference.grammar import (
 from inference.grammar_compiler import (
     GrammarCompiler,
     GrammarError,
-    _bits,
     logit_mask_from_bitmask,
     unpack_bitmask,
 )
@@ -222,13 +221,13 @@ def test_the_logit_mask_is_0_where_allowed_and_minus_inf_elsewhere(
     assert mask.shape == (3, compiler.vocab_size) and mask.dtype == torch.float32
     assert bool((mask[0] == 0).all()) and bool((mask[2] == 0).all())
     assert torch.equal(mask == 0, allowed) and torch.equal(mask == float("-inf"), ~allowed)
-    # The accelerator's unpacking (torch ops) gives the CPU's (numpy) bit pattern, sign bit
-    # and a partial last word included.
+    # Every bit of a word, the sign bit and a partial last word included.
     words = torch.tensor([[-1, 0, -2**31, 1 | (1 << 30)]], dtype=torch.int32)
-    cpu = logit_mask_from_bitmask(words, 4 * 32 - 3, CPU)
-    torch_ops = _bits(words, 4 * 32 - 3).sub(1).bitwise_and(-(1 << 23)).view(torch.float32)
-    assert torch.equal(cpu, torch_ops)
-    assert torch.equal(cpu == 0, unpack_bitmask(words, 4 * 32 - 3))
+    offsets = logit_mask_from_bitmask(words, 4 * 32 - 3, CPU)
+    expected = [True] * 32 + [False] * 32 + [False] * 31 + [True] + [True] + [False] * 29
+    assert (offsets[0] == 0).tolist() == expected[: 4 * 32 - 3]
+    assert bool((offsets[0][~torch.tensor(expected[: 4 * 32 - 3])] == float("-inf")).all())
+    assert torch.equal(offsets == 0, unpack_bitmask(words, 4 * 32 - 3))
 
 
 class _AllowsNothing:
