@@ -59,7 +59,6 @@ class Sampler:
         self._generator = torch.Generator()
         if seed is not None:
             self._generator.manual_seed(seed)
-        self.invalid_token_mask = invalid_token_mask
         # The few invalid ids, filled column-wise (a boolean mask over the whole vocab is
         # a full pass per step).
         self._invalid_ids = (
