@@ -273,7 +273,8 @@ def main() -> None:
         rows)
     report += (
         "\nGoal: under 10% decode-step overhead with every row constrained at batch 16 (the "
-        "pooled median, and 3 runs in 4) — " + "; ".join(verdicts) + ". The overhead compares "
+        "pooled median, and 3 runs in 4) — " + ("; ".join(verdicts) or "not judged: no batch of "
+        "16 or more in this run") + ". The overhead compares "
         "medians of whole steps (the same "
         "batch, the same seeds, constrained or not, variants interleaved); the run-by-run "
         "column shows how much a shared machine moves them. Costly masks are computed on the "
