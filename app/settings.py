@@ -44,6 +44,11 @@ class Settings(BaseSettings):
         256, description="Waiting requests above this answer 503 with Retry-After."
     )
     seed: int | None = 0
+    grammar_checks_first: bool = Field(
+        True, description="Structured output: check a constrained row's draws against its "
+        "grammar before computing its mask (the mask only when all are rejected); false masks "
+        "every step.",
+    )
 
     # -- sessions and history (defaults of new conversations; operators override per session) --
     max_context_tokens: int | None = Field(
@@ -137,6 +142,7 @@ class Settings(BaseSettings):
             attention_backend=self.attention_backend,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            grammar_checks_first=self.grammar_checks_first,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

@@ -45,9 +45,9 @@ class ForcingSampler:
         self.logits: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 logit_mask: Any = None) -> Any:
+                 **kwargs: Any) -> Any:
         self.logits.append(logits[0].detach().float().clone())
-        out = self.sampler(logits, params, generators, logit_mask)
+        out = self.sampler(logits, params, generators, **kwargs)
         if self.forced is not None:
             out.token_ids[0] = self.forced[len(self.logits) - 1]
         return out

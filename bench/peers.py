@@ -175,9 +175,9 @@ class KVChatRunner:
         rows: list[torch.Tensor] = []
 
         def recording(logits: torch.Tensor, params: Any, generators: Any,
-                      logit_mask: Any = None) -> Any:
+                      **kwargs: Any) -> Any:
             rows.append(logits[0].detach().clone())
-            return sampler(logits, params, generators, logit_mask)
+            return sampler(logits, params, generators, **kwargs)
 
         engine.sampler = recording  # type: ignore[assignment]
         try:

@@ -7,6 +7,7 @@ the next step, so an abort takes effect within one step."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -37,7 +38,7 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .request_output import RequestOutput
-from .sampler import Sampler
+from .sampler import Sampler, masks_first
 from .sampling_params import SamplingParams
 from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -48,10 +49,62 @@ from .weights import load_weights
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
-# Constrained rows' masks expected to take at least this long are computed beside the forward
-# even when it has every core (see Engine._start_masks).
+# Masks computed before sampling and expected to take at least this long are computed beside
+# the forward even when it has every core (see Engine._start_masks).
 MASK_WORKER_MIN_SECONDS = 0.002
 MASK_TIME_DECAY = 0.9  # per step, of a row's remembered mask time
+# A constrained row whose checked draws were all rejected takes its mask first for the next
+# 1, 2, 4, ... steps (doubling with each rejection, halving with each pass, up to this), then
+# is checked again (see Engine._note_checks).
+MAX_MASK_FIRST_STEPS = 16
+
+
+def _compute_masks(
+    grammars: GrammarCompiler, seqs: list[tuple[int, Sequence]]
+) -> dict[int, torch.Tensor]:
+    """key -> the fill_bitmask words [mask_words] of the sequence's next token, for (key,
+    sequence) pairs of constrained sequences; each one's mask time goes into its forecast."""
+    seconds: list[float] = []
+    bitmask = grammars.fill_bitmask(
+        [(k, cast(llguidance.LLMatcher, seq.matcher)) for k, (_, seq) in enumerate(seqs)],
+        len(seqs), seconds,
+    )
+    for (_, seq), took in zip(seqs, seconds):
+        # Up at once, down slowly: one cheap mask among costly ones is no forecast.
+        seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
+    return {key: bitmask[k] for k, (key, _) in enumerate(seqs)}
+
+
+class _StepGrammars:
+    """One step's constrained rows as the sampler asks about them (sampler.RowGrammars):
+    the rows whose masks were computed before sampling take them first; the others' draws
+    are checked by their matchers, and a mask asked for then is computed on the engine
+    thread."""
+
+    def __init__(self, grammars: GrammarCompiler, seqs: list[Sequence],
+                 ready: dict[int, torch.Tensor], device: torch.device) -> None:
+        self._grammars = grammars
+        self._seqs = seqs
+        self._words = dict(ready)  # logits row -> mask words
+        self._device = device
+        self.rows = [j for j, seq in enumerate(seqs) if seq.matcher is not None]
+        self.mask_first = frozenset(ready)
+
+    def allows(self, row: int, token: int) -> bool:
+        return self._grammars.allows(cast(llguidance.LLMatcher, self._seqs[row].matcher), token)
+
+    def offsets(self, rows: list[int], num_rows: int | None = None) -> torch.Tensor:
+        missing = [row for row in rows if row not in self._words]
+        if missing:
+            self._words.update(_compute_masks(
+                self._grammars, [(row, self._seqs[row]) for row in missing]))
+        if num_rows is None:
+            words = torch.stack([self._words[row] for row in rows])
+        else:  # other rows allow every token
+            words = torch.full((num_rows, self._grammars.mask_words), -1, dtype=torch.int32)
+            for row in rows:
+                words[row] = self._words[row]
+        return self._grammars.logit_offsets(words, self._device)
 
 
 @dataclass(frozen=True)
@@ -388,10 +441,7 @@ class Engine:
             logits, sampled = self.runner.execute(batch)
         finally:
             # Waited for even when the forward fails: a worker may be using the matchers.
-            bitmask = masks() if masks is not None else None
-        # Turned into logit offsets here, with the forward's threads free again.
-        logit_mask = None if bitmask is None else self.grammars.logit_offsets(bitmask,
-                                                                               self.device)
+            ready = masks() if masks is not None else {}
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -405,12 +455,19 @@ class Engine:
             logits, sampled = logits[rows], [sampled[j] for j in rows]
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
-            if logit_mask is not None and sampled != list(range(len(batch.seqs))):
-                logit_mask = logit_mask[sampled]  # rows in the logits' order
+            grammar = None
+            if any(s.matcher is not None for s in sampling_seqs):
+                row_of = {i: j for j, i in enumerate(sampled)}  # batch row -> logits row
+                grammar = _StepGrammars(
+                    self.grammars, sampling_seqs,
+                    {row_of[i]: words for i, words in ready.items() if i in row_of}, self.device,
+                )
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                logit_mask=logit_mask,
+                grammar=grammar,
             )
+            if grammar is not None:
+                self._note_checks(sampling_seqs, grammar, result.fell_back)
             for j, seq in enumerate(sampling_seqs):
                 token_id = result.token_ids[j]
                 logprob = result.logprobs[j] if result.logprobs is not None else None
@@ -424,38 +481,58 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _start_masks(self, batch: ScheduledBatch) -> Callable[[], torch.Tensor] | None:
-        """What gives the batch's mask bits once the forward is done (GrammarCompiler.
-        fill_bitmask's words: what each constrained row's grammar allows next); None when no
-        row is constrained. The matchers are not touched again until sampling, so costly masks are
-        computed by the mask worker while the forward runs (llguidance drops the GIL); cheap
-        ones, when the forward already has every core, right after it: beside a forward that
-        fills the cores, work still costs about half its time, and a thread's memory traffic
-        slows the forward's threads. A row's cost is forecast from its own last masks."""
-        seqs = [
-            (i, seq) for i, seq in enumerate(batch.seqs)
+    def _start_masks(
+        self, batch: ScheduledBatch
+    ) -> Callable[[], dict[int, torch.Tensor]] | None:
+        """Starts computing the masks of the constrained rows that take theirs first (top-k/p,
+        logprobs, or checks rejected lately: Sequence.mask_first_steps); the other
+        constrained rows are checked after sampling and get a mask only if all their draws
+        are rejected. Returns what gives the masks (batch row -> its fill_bitmask words) once
+        the forward is done; None when no row takes its mask first. The matchers are not
+        touched again until sampling, so costly masks are computed by the mask worker while
+        the forward runs (llguidance drops the GIL); cheap ones, when the forward already has
+        every core, right after it: beside a forward that fills the cores, work still costs
+        about half its time, and a thread's memory traffic slows the forward's threads. A
+        row's cost is forecast from its own last masks."""
+        first = [
+            (i, seq) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
             if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
+            and seq.num_computed_tokens + n == seq.num_tokens  # it samples (its prompt is in)
+            and (masks_first(seq.params) or seq.mask_first_steps > 0
+                 or not self.config.grammar_checks_first)
         ]
-        if not seqs:
+        if not first:
             return None
-        rows = [(i, cast(llguidance.LLMatcher, seq.matcher)) for i, seq in seqs]
-        grammars, num_rows = self.grammars, len(batch.seqs)
-
-        def compute() -> torch.Tensor:
-            seconds: list[float] = []
-            bitmask = grammars.fill_bitmask(rows, num_rows, seconds)
-            for (_, seq), took in zip(seqs, seconds):
-                # Up at once, down slowly: one cheap mask among costly ones is no forecast.
-                seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
-            return bitmask
-
-        expected = sum(seq.mask_seconds for _, seq in seqs)
+        compute = functools.partial(_compute_masks, self.grammars, first)
+        expected = sum(seq.mask_seconds for _, seq in first)
         if (self.device.type == "cpu" and not self._spare_core
                 and expected < MASK_WORKER_MIN_SECONDS):
             return compute
         if self._mask_worker is None:
             self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
         return self._mask_worker.submit(compute).result
+
+    @staticmethod
+    def _note_checks(seqs: list[Sequence], grammar: _StepGrammars,
+                     fell_back: tuple[int, ...]) -> None:
+        """After sampling: a checked row whose draws were all rejected takes its mask first
+        for the next 1, 2, 4, ... steps (MAX_MASK_FIRST_STEPS at most); one whose check
+        passed is checked again next step, and its next rejection backs off half as far. So
+        a row whose checks fail more often than they pass is mostly masked first, and one
+        whose checks mostly pass is mostly checked. Decided by the row's own past only, so a
+        seeded request samples the same way alone or batched."""
+        for j in grammar.rows:
+            seq = seqs[j]
+            if masks_first(seq.params):
+                continue
+            if j in grammar.mask_first:
+                seq.mask_first_steps -= 1
+            elif j in fell_back:
+                seq.mask_first_backoff = min(max(1, 2 * seq.mask_first_backoff),
+                                             MAX_MASK_FIRST_STEPS)
+                seq.mask_first_steps = seq.mask_first_backoff
+            else:
+                seq.mask_first_backoff //= 2
 
     def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
         """Feed a sampled token to the request's grammar; True when the grammar is complete

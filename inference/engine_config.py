@@ -24,6 +24,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = 0  # for requests without their own seed
+    # Structured output: check a constrained row's draws against its grammar before computing
+    # its mask (the mask only when all are rejected; see sampler.py). False: mask every step.
+    grammar_checks_first: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -70,6 +70,10 @@ class Sequence:
     # What its mask takes (llguidance's part): the last one's time or, decaying, more of
     # earlier ones; where the engine computes the next one (Engine._start_masks).
     mask_seconds: float = 0.0
+    # After its checked draws were all rejected, it takes its mask first for a few steps
+    # (Engine._note_checks): the steps left, and how many the next rejection gives.
+    mask_first_steps: int = 0
+    mask_first_backoff: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -17,11 +17,18 @@ import inference.engine as engine_module
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.errors import InvalidRequestError
-from inference.grammar import Grammar, json_object_grammar, json_schema_grammar
+from inference.grammar import (
+    Grammar,
+    ToolSpec,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from inference.model_config import ModelConfig
 from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
+from inference.tool_calls import HERMES
 from memory.config import CacheConfig
 from memory.kv_cache import KVCacheSpec
 
@@ -134,24 +141,57 @@ def test_unconstrained_row_gets_its_solo_tokens_next_to_constrained_ones(engine:
         json.loads(engine.generate([ids], SamplingParams(max_tokens=40, seed=5))[0].text or "")
 
 
-def test_masks_beside_the_forward_or_after_it_give_the_same_tokens(
+NOTE = {"type": "object", "properties": {"note": {"type": "string", "minLength": 30,
+                                                 "maxLength": 80}},
+        "required": ["note"], "additionalProperties": False}
+
+
+def test_checked_draws_and_mask_placement_never_change_the_tokens(
     dev_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids = prompt(make_engine(dev_model), "Points and flags.")
+    """Constrained rows are checked first (their masks computed only when all draws are
+    rejected, and taken first for a few steps after), or masked first (top-k); masks taken
+    first are computed beside the forward or after it. None of it changes a seeded
+    request's tokens, alone or batched."""
+    ids = prompt(make_engine(dev_model), "Points, flags, a note and a call.")
+    call = tool_call_grammar([ToolSpec("set_flags", FLAGS)], HERMES, parallel=False)
     params = [constrained(json_schema_grammar(POINT), seed=7),
               SamplingParams(max_tokens=30, temperature=1.0, seed=8, ignore_eos=True),
-              constrained(json_schema_grammar(FLAGS), seed=9)]
-    tokens = {}
-    for placement, threshold in (("after", float("inf")), ("beside", 0.0)):
-        monkeypatch.setattr(engine_module, "MASK_WORKER_MIN_SECONDS", threshold)
+              constrained(json_schema_grammar(FLAGS), seed=9),
+              constrained(call, seed=10),  # forced text: the tag, the name, the keys
+              SamplingParams(max_tokens=80, temperature=0.0, grammar=json_schema_grammar(POINT)),
+              constrained(json_schema_grammar(FLAGS), seed=11, top_k=5),  # always masked first
+              constrained(json_schema_grammar(NOTE), seed=12, max_tokens=100)]  # checks pass
+    tokens, masked = {}, {}
+    for placement, worker_min in (("beside", 0.0), ("after", float("inf"))):
+        monkeypatch.setattr(engine_module, "MASK_WORKER_MIN_SECONDS", worker_min)
         engine = make_engine(dev_model)
         engine._spare_core = False  # decide by the expected mask time, as on a full machine
-        outs = engine.generate([ids] * 3, params)
+        rows = [0]
+        fill = engine.grammars.fill_bitmask
+
+        def counting(matchers: Any, *args: Any, fill: Any = fill, rows: list[int] = rows) -> Any:
+            rows[0] += len(matchers)
+            return fill(matchers, *args)
+
+        monkeypatch.setattr(engine.grammars, "fill_bitmask", counting)
+        outs = engine.generate([ids] * len(params), params)
         assert (engine._mask_worker is not None) == (placement == "beside")
-        check_json(engine, outs[0], POINT)
-        check_json(engine, outs[2], FLAGS)
+        for i, schema in ((0, POINT), (2, FLAGS), (4, POINT), (5, FLAGS), (6, NOTE)):
+            check_json(engine, outs[i], schema)
+        assert outs[3].text and outs[3].text.startswith('<tool_call>\n{"name": "set_flags"')
         tokens[placement] = [o.output_token_ids for o in outs]
-    assert tokens["after"] == tokens["beside"]
+        masked[placement] = rows[0]
+        # Each seeded constrained request alone: the same tokens.
+        for i in (0, 3, 6):
+            alone = make_engine(dev_model).generate([ids], params[i])[0]
+            assert alone.output_token_ids == tokens[placement][i]
+    assert tokens["beside"] == tokens["after"]
+    assert masked["beside"] == masked["after"]
+    # Fewer masks than constrained row-steps: checks passed (inside the note's string most
+    # tokens are allowed), though the random model's draws mostly miss elsewhere.
+    steps = sum(len(t or ()) for t in tokens["after"]) - len(tokens["after"][1] or ())
+    assert len(tokens["after"][5] or ()) < masked["after"] < steps
 
 
 def test_seeds_reproduce_and_differ(engine: Engine) -> None:

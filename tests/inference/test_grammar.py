@@ -211,6 +211,38 @@ def test_masks_of_a_batch_are_per_row_and_padding_is_never_allowed(
             assert (int(bitmask[row, token // 32]) >> (token % 32)) & 1
 
 
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+def test_a_token_check_gives_exactly_the_masks_answer(
+    compiler: GrammarCompiler, fmt: str
+) -> None:
+    """allows() (what the sampler checks draws with) against the mask, along random walks
+    through a tool call and a JSON schema: forced text (the tag, the name, the keys: the mask
+    then allows only the forced text's own first token, not other tokenizations of it),
+    bounded strings, numbers, the end-of-sequence token, special tokens and padding ids."""
+    rng = random.Random(4)
+    grammars = [tool_call_grammar([ToolSpec("get_weather", WEATHER)], fmt, parallel=True),
+                json_schema_grammar({"type": "object", "properties": {
+                    "note": {"type": "string", "maxLength": 6},
+                    "n": {"type": "number", "minimum": 0}}, "required": ["note", "n"]})]
+    vocab, eos = compiler.vocab_size, compiler.eos_token_ids
+    checked = forced = 0
+    for grammar in grammars:
+        matcher = compiler.new_matcher(grammar)
+        for _ in range(24):
+            if matcher.is_stopped():
+                break
+            allowed = compiler.allowed_tokens([(0, matcher)], 1, CPU)[0]
+            some_allowed = allowed.nonzero().flatten()[:300].tolist()
+            ids = sorted(set(range(rng.randrange(5), vocab, 5)) | set(eos)
+                         | set(range(vocab - 12, vocab)) | set(some_allowed))
+            for token in ids:
+                assert compiler.allows(matcher, token) == bool(allowed[token]), token
+            checked += len(ids)
+            forced += bool(matcher.compute_ff_tokens())
+            assert matcher.consume_token(rng.choice(allowed.nonzero().flatten().tolist()))
+    assert checked > 500_000 and forced >= 5
+
+
 def test_the_logit_mask_is_0_where_allowed_and_minus_inf_elsewhere(
     compiler: GrammarCompiler,
 ) -> None:

@@ -72,9 +72,9 @@ class LogitsRecorder:
         self.logits: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 logit_mask: Any = None) -> Any:
+                 **kwargs: Any) -> Any:
         self.logits.append(logits.detach().clone())
-        return self.sampler(logits, params, generators, logit_mask)
+        return self.sampler(logits, params, generators, **kwargs)
 
 
 def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch") -> Engine:

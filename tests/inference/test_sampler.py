@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from inference.sampler import _BLOCK, Sampler, _locate
+from inference.sampler import _BLOCK, CHECKED_DRAWS, Sampler, _locate
 from inference.sampling_params import SamplingParams
 
 # Vocabulary of two full blocks and a tail, so blocks, block edges and the tail all count.
@@ -131,3 +131,110 @@ def test_nan_logits_give_ids_in_range_not_an_indexing_error() -> None:
     out = Sampler(seed=7)(torch.full((3, VOCAB), float("nan")),
                           [SamplingParams(temperature=1.0)] * 3, [None] * 3)
     assert all(0 <= t < VOCAB for t in out.token_ids)
+
+
+class AllowedSets:
+    """Each constrained row's grammar as a fixed set of allowed tokens (the sampler's
+    RowGrammars), recording the rows whose masks the sampler asked for."""
+
+    def __init__(self, allowed: list[set[int] | None], mask_first: frozenset[int] = frozenset()
+                 ) -> None:
+        self.allowed = allowed
+        self.rows = [i for i, a in enumerate(allowed) if a is not None]
+        self.mask_first = mask_first
+        self.masked: list[int] = []
+
+    def allows(self, row: int, token: int) -> bool:
+        allowed = self.allowed[row]
+        assert allowed is not None
+        return token in allowed
+
+    def offsets(self, rows: list[int], num_rows: int | None = None) -> torch.Tensor:
+        self.masked += rows
+        out = torch.full((len(rows), VOCAB), float("-inf"))
+        for j, row in enumerate(rows):
+            out[j, sorted(self.allowed[row] or ())] = 0.0
+        if num_rows is None:
+            return out
+        full = torch.zeros(num_rows, VOCAB)
+        full[rows] = out
+        return full
+
+
+def mask_of(allowed: set[int]) -> torch.Tensor:
+    mask = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+    mask[sorted(allowed)] = 0.0
+    return mask
+
+
+# Allowed sets holding most of the mass, about a fifth of it (some rows' 16 checked draws
+# all miss) and about a thousandth (nearly every row falls back to its mask).
+CHECKED_CASES = {
+    "most": set(range(VOCAB)) - {0, _BLOCK},
+    "a fifth": set(range(1, 600)),
+    "a thousandth": {5, 1501, VOCAB - 2},
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKED_CASES))
+def test_checked_draws_follow_the_masked_softmax(case: str) -> None:
+    allowed = CHECKED_CASES[case]
+    logits = logits_with_mass_on(HEAVY)
+    grammar = AllowedSets([allowed] * ROWS)
+    out = Sampler(seed=8)(logits.expand(ROWS, -1).contiguous(),
+                          [SamplingParams(temperature=0.7)] * ROWS, [None] * ROWS,
+                          grammar=grammar)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB)
+    assert_matches(counts.double(), (logits.double() / 0.7 + mask_of(allowed)).softmax(-1))
+    # Masks were computed for exactly the rows reported as fallen back, and how many did
+    # follows how much of the mass the grammar allows.
+    assert sorted(grammar.masked) == sorted(out.fell_back)
+    allowed_mass = float((logits.double() / 0.7).softmax(-1)[sorted(allowed)].sum())
+    expected = ROWS * (1 - allowed_mass) ** CHECKED_DRAWS
+    assert abs(len(out.fell_back) - expected) < 5 * math.sqrt(expected) + 1
+
+
+def test_checked_greedy_rows_take_the_argmax_or_the_masked_argmax() -> None:
+    logits = logits_with_mass_on(HEAVY)  # argmax 0 (VOCAB - 1 ties it, later)
+    grammar = AllowedSets([None, {0, 1500}, {1500, 7}])
+    out = Sampler()(logits.expand(3, -1).contiguous(), [SamplingParams(temperature=0.0)] * 3,
+                    [None] * 3, grammar=grammar)
+    assert out.token_ids == [0, 0, 1500]
+    assert out.fell_back == (2,) and grammar.masked == [2]
+
+
+def test_top_k_logprobs_and_chosen_rows_get_their_mask_first() -> None:
+    logits = logits_with_mass_on(HEAVY)
+    allowed = {0, _BLOCK - 1, 1500, 9}
+    grammar = AllowedSets([allowed, allowed, None, {7}], mask_first=frozenset({3}))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(logprobs=True, seed=3),
+              SamplingParams(temperature=1.0, logprobs=True), SamplingParams(seed=4)]
+    generators = [None, torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
+    batch = logits.expand(4, -1).contiguous()
+    sampler = Sampler(seed=9)
+    seen: set[int] = set()
+    for _ in range(40):
+        grammar.masked = []
+        out = sampler(batch, params, generators, grammar=grammar)
+        assert grammar.masked == [0, 1, 3] and out.fell_back == ()
+        assert out.token_ids[3] == 7
+        seen.add(out.token_ids[0])
+        assert out.logprobs is not None
+        masked = (logits.double() + mask_of(allowed)).log_softmax(-1)
+        assert out.logprobs[1] == pytest.approx(float(masked[out.token_ids[1]]), abs=1e-5)
+    assert seen == {0, _BLOCK - 1}  # the allowed tokens' top 2, both drawn
+    # A row masked first draws one uniform a step (a checked row: CHECKED_DRAWS + 1).
+    g = torch.Generator().manual_seed(4)
+    torch.rand(40, dtype=torch.float64, generator=g)
+    assert torch.equal(generators[3].get_state(), g.get_state())
+
+
+def test_a_checked_row_draws_its_uniforms_whether_or_not_it_falls_back() -> None:
+    logits = logits_with_mass_on(HEAVY).unsqueeze(0)
+    for allowed in (set(range(VOCAB)) - {3}, {5}):  # the checks pass / all fail
+        g = torch.Generator().manual_seed(5)
+        out = Sampler()(logits, [SamplingParams(seed=5)], [g], grammar=AllowedSets([allowed]))
+        assert out.token_ids[0] in allowed and len(out.fell_back) == (allowed == {5})
+        expected = torch.Generator().manual_seed(5)
+        torch.rand(CHECKED_DRAWS + 1, dtype=torch.float64, generator=expected)
+        assert torch.equal(g.get_state(), expected.get_state())
