@@ -54,8 +54,8 @@ CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 MASK_WORKER_MIN_SECONDS = 0.002
 MASK_TIME_DECAY = 0.9  # per step, of a row's remembered mask time
 # A constrained row whose checked draws were all rejected takes its mask first for the next
-# 1, 2, 4, ... steps (doubling with each rejection, halving with each pass, up to this), then
-# is checked again (see Engine._note_checks).
+# 1, 2, 4, ... steps (doubling with each rejection, one less after each pass, up to this),
+# then is checked again (see Engine._note_checks).
 MAX_MASK_FIRST_STEPS = 16
 
 
@@ -517,10 +517,11 @@ class Engine:
                      fell_back: tuple[int, ...]) -> None:
         """After sampling: a checked row whose draws were all rejected takes its mask first
         for the next 1, 2, 4, ... steps (MAX_MASK_FIRST_STEPS at most); one whose check
-        passed is checked again next step, and its next rejection backs off half as far. So
-        a row whose checks fail more often than they pass is mostly masked first, and one
-        whose checks mostly pass is mostly checked. Decided by the row's own past only, so a
-        seeded request samples the same way alone or batched."""
+        passed is checked again next step, and its next rejection backs off one step less
+        far. So a row is mostly checked only while its checks pass about 4 times in 5: a
+        rejected check costs a mask on the engine thread after the forward, where a mask
+        taken first is computed beside it. Decided by the row's own past only, so a seeded
+        request samples the same way alone or batched."""
         for j in grammar.rows:
             seq = seqs[j]
             if masks_first(seq.params):
@@ -532,7 +533,7 @@ class Engine:
                                              MAX_MASK_FIRST_STEPS)
                 seq.mask_first_steps = seq.mask_first_backoff
             else:
-                seq.mask_first_backoff //= 2
+                seq.mask_first_backoff = max(0, seq.mask_first_backoff - 1)
 
     def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
         """Feed a sampled token to the request's grammar; True when the grammar is complete

@@ -194,6 +194,32 @@ def test_checked_draws_and_mask_placement_never_change_the_tokens(
     assert len(tokens["after"][5] or ()) < masked["after"] < steps
 
 
+def test_without_checks_first_every_constrained_step_computes_a_mask(
+    dev_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCHAT_GRAMMAR_CHECKS_FIRST", "false")
+    from app.settings import Settings
+
+    config = Settings(model=dev_model).engine_config()
+    assert config.grammar_checks_first is False
+    engine = Engine(config)
+    rows = [0]
+    fill = engine.grammars.fill_bitmask
+
+    def counting(matchers: Any, *args: Any) -> Any:
+        rows[0] += len(matchers)
+        return fill(matchers, *args)
+
+    monkeypatch.setattr(engine.grammars, "fill_bitmask", counting)
+    ids = prompt(engine, "A note.")
+    outs = engine.generate([ids] * 2, [constrained(json_schema_grammar(NOTE), seed=s,
+                                                   max_tokens=100) for s in (1, 2)])
+    for out in outs:
+        check_json(engine, out, NOTE)
+    # A mask for every token (the request ends with the object's last token).
+    assert rows[0] == sum(len(o.output_token_ids or ()) for o in outs)
+
+
 def test_seeds_reproduce_and_differ(engine: Engine) -> None:
     ids = prompt(engine, "Flags?")
     grammar = json_schema_grammar(POINT)
