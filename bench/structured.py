@@ -284,7 +284,9 @@ def main() -> None:
     mc = engine.model_config
     report = machine_header("Structured output: constrained decoding overhead and compile time", {
         "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
-                 f"{args.dtype}, vocab {mc.vocab_size}",
+                 f"{str(config.torch_dtype).removeprefix('torch.')}"
+                 f"{' (the engine default)' if args.dtype == 'auto' else ''}, "
+                 f"vocab {mc.vocab_size}",
         "workload": f"{args.prompt_tokens}-token prompts, seeded sampling (temperature 1); "
                     f"{args.steps} timed all-decode steps per run, {args.repeats} runs per "
                     "variant, variants interleaved",
