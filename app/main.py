@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import log_redaction
-from .api import (
+from app.ops import log_redaction
+from app.api import (
     admin,
     chat_completions,
     conversations,
@@ -30,13 +30,13 @@ from .api import (
     ui_chat,
     ws,
 )
-from .coord import make_coordinator
-from .errors import install_error_handlers
-from .leases import LeaseKeeper, default_replica_id
-from .runtime import Runtime
-from .settings import Settings
-from .state import AppState
-from .store import Store
+from app.coord import make_coordinator
+from app.errors import install_error_handlers
+from app.coord.leases import LeaseKeeper, default_replica_id
+from app.runtime import Runtime
+from app.settings import Settings
+from app.state import AppState
+from app.store import Store
 
 log = logging.getLogger("kvchat")
 

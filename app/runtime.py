@@ -15,8 +15,8 @@ from inference.engine import Engine
 from inference.errors import ModelLoadError
 from inference.tokenizer import Tokenizer
 
-from .metrics import Metrics
-from .settings import Settings
+from app.ops.metrics import Metrics
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 

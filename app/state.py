@@ -11,12 +11,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from .coord import Coordinator
-from .errors import APIError
-from .prompting import GeneratedIds
-from .runtime import Runtime
-from .settings import Settings
-from .store import KeyRecord, Store
+from app.coord import Coordinator
+from app.errors import APIError
+from app.turns.prompting import GeneratedIds
+from app.runtime import Runtime
+from app.settings import Settings
+from app.store import KeyRecord, Store
 
 
 @dataclass

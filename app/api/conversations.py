@@ -9,10 +9,11 @@ from fastapi import APIRouter, Header, Query, Request
 
 from inference.chat_template import ChatMessage
 
-from .. import sse, turns
-from ..errors import invalid_request, not_found
-from ..present import conversation_out, message_out, newest_leaf, tree_children
-from ..schemas.conversations import (
+from app.transports import sse
+from app.turns import pipeline as turns
+from app.errors import invalid_request, not_found
+from app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
+from app.schemas.conversations import (
     ConversationCreate,
     ConversationList,
     ConversationOut,
@@ -22,8 +23,8 @@ from ..schemas.conversations import (
     PostMessage,
     Regenerate,
 )
-from ..limits import RateLimitedKey
-from ..state import CurrentKey, StateDep
+from app.ops.limits import RateLimitedKey
+from app.state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from ..state import StateDep
+from app.state import StateDep
 
 router = APIRouter(tags=["health"])
 

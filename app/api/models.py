@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..errors import APIError
-from ..state import CurrentKey, StateDep
+from app.errors import APIError
+from app.state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1", tags=["models"])
 

@@ -1,6 +1,6 @@
 """The Vercel AI SDK's chat endpoints (`useChat` with `DefaultChatTransport({api:
-"/v1/ui/chat"})`): post a chat, resume its stream, stop it. See app/ui_stream.py for the parts
-and app/ui_messages.py for how a chat maps onto a conversation.
+"/v1/ui/chat"})`): post a chat, resume its stream, stop it. See app/transports/ui_stream.py
+for the parts and app/transports/ui_chat.py for how a chat maps onto a conversation.
 
 A reply is not stopped when its stream's client leaves (useChat resumes streams after a reload):
 it goes on for the WebSocket's grace period and stops then unless a client came back; a real
@@ -15,12 +15,15 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from .. import realtime, turns, ui_messages, ui_stream
-from ..errors import not_found
-from ..limits import RateLimitedKey
-from ..schemas.ui_chat import UIChatRequest
-from ..sse import SSE_HEADERS
-from ..state import AppState, CurrentKey, StateDep
+from app.transports import websocket as realtime
+from app.turns import pipeline as turns
+from app.transports import ui_chat as ui_messages
+from app.transports import ui_stream
+from app.errors import not_found
+from app.ops.limits import RateLimitedKey
+from app.schemas.ui_chat import UIChatRequest
+from app.transports.sse import SSE_HEADERS
+from app.state import AppState, CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
 

@@ -1,12 +1,12 @@
-"""`GET /v1/conversations/{id}/ws`: a conversation over a WebSocket (see app/realtime.py for
-the frames). The key comes in the Authorization header or, from browsers, which cannot set
-headers, as the `access_token` query parameter."""
+"""`GET /v1/conversations/{id}/ws`: a conversation over a WebSocket (see
+app/transports/websocket.py for the frames). The key comes in the Authorization header or,
+from browsers, which cannot set headers, as the `access_token` query parameter."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from .. import realtime
+from app.transports import websocket as realtime
 
 router = APIRouter(tags=["realtime"])
 

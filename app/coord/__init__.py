@@ -3,14 +3,14 @@ idempotency records, stop signals, rate limits, session ownership leases and the
 events of replies. One interface, two back ends: in-process (the embedded default) and Redis
 (`KVCHAT_REDIS_URL`)."""
 
-from .base import Coordinator, IdempotencyRecord, RateDecision
-from .local import LocalCoordinator
+from app.coord.base import Coordinator, IdempotencyRecord, RateDecision
+from app.coord.local import LocalCoordinator
 
 
 def make_coordinator(redis_url: str | None, prefix: str = "kvchat:") -> Coordinator:
     if redis_url is None:
         return LocalCoordinator()
-    from .redis import RedisCoordinator
+    from app.coord.redis import RedisCoordinator
 
     return RedisCoordinator(redis_url, prefix=prefix)
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .base import (
+from app.coord.base import (
     Coordinator,
     IdempotencyRecord,
     RateDecision,

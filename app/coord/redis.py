@@ -24,8 +24,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .base import Coordinator, IdempotencyRecord, RateDecision, StopHandler, sliding_window_count
-from .local import END_EVENTS, LocalCoordinator
+from app.coord.base import (
+    Coordinator,
+    IdempotencyRecord,
+    RateDecision,
+    StopHandler,
+    sliding_window_count,
+)
+from app.coord.local import END_EVENTS, LocalCoordinator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES
 
-from .chat import SamplingFields, TextPart, ToolCall
+from app.schemas.chat import SamplingFields, TextPart, ToolCall
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 

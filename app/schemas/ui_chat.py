@@ -7,14 +7,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chat import SamplingFields
+from app.schemas.chat import SamplingFields
 
 MAX_CHAT_ID = 200
 
 
 class UIMessage(BaseModel):
     """A UI message: an id, a role and parts (`{"type": "text", "text"}`, `step-start`,
-    `reasoning`, `tool-<name>`, `file`, ...). Only text is read; see app/ui_messages.py."""
+    `reasoning`, `tool-<name>`, `file`, ...). Only text is read; see app/transports/ui_chat.py."""
 
     model_config = ConfigDict(extra="ignore")
 

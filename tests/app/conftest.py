@@ -32,6 +32,16 @@ def migrated_postgres() -> Iterator[URL]:
         drop_postgres_database(name)
 
 
+@pytest.fixture
+def empty_postgres() -> Iterator[URL]:
+    """A new, empty Postgres database, dropped after the test."""
+    name = create_postgres_database()
+    try:
+        yield postgres_url(name)
+    finally:
+        drop_postgres_database(name)
+
+
 @pytest.fixture(scope="session")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dev preset (cl100k tokenizer, ChatML), as `make serve` creates it."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from app.cli import app
+from app.cli.main import app
 from inference.model_config import ModelConfig
 from memory.kv_cache import KVCacheSpec
 from memory.planner import MemoryPlan, parse_bytes

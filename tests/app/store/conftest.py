@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,19 +20,8 @@ from sqlalchemy.engine import URL
 from app.store import Store, upgrade
 from app.store.column_types import UTCDateTime
 from app.store.database import create_engine, database_url
-from tests.service import create_postgres_database, drop_postgres_database, postgres_url
 
 TABLES = ("summaries", "messages", "conversations", "api_keys")
-
-
-@pytest.fixture
-def empty_postgres() -> Iterator[URL]:
-    """A new, empty Postgres database, dropped after the test."""
-    name = create_postgres_database()
-    try:
-        yield postgres_url(name)
-    finally:
-        drop_postgres_database(name)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import sys
 
 def test_importing_the_store_pulls_in_no_torch_and_no_engine() -> None:
     code = (
-        "import sys, app.store, app.cli_db, app.store.schema; "
+        "import sys, app.store, app.cli.db, app.store.schema; "
         "heavy = sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('torch', 'triton', 'inference', 'kernels', 'memory')); "
         "print(heavy)"

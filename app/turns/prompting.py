@@ -14,9 +14,9 @@ from inference.chat_template import ChatMessage
 from inference.grammar import Grammar
 from inference.sampling_params import SamplingParams
 
-from .errors import APIError, invalid_request
-from .schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
-from .structured import check_json_schema
+from app.errors import APIError, invalid_request
+from app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
+from app.turns.structured import check_json_schema
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from app.cli import app
+from app.cli.main import app
 
 runner = CliRunner()
 

@@ -11,8 +11,8 @@ import logging
 import os
 import socket
 
-from .coord import Coordinator
-from .runtime import Runtime
+from app.coord import Coordinator
+from app.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

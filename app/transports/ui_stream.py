@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from .turns import TurnEvent
+from app.turns.pipeline import TurnEvent
 
 HEADER = "x-vercel-ai-ui-message-stream"
 VERSION = "v1"

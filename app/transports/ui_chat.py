@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 from inference.chat_template import ChatMessage
 
-from . import turns
-from .errors import busy, invalid_request, not_found
-from .present import tree_children
-from .schemas.conversations import ROOT
-from .schemas.ui_chat import UIChatRequest, UIMessage
-from .state import AppState
-from .store import ConversationRecord, MessageRecord
-from .turns import Turn
+from app.turns import pipeline as turns
+from app.errors import busy, invalid_request, not_found
+from app.schemas.present import tree_children
+from app.schemas.conversations import ROOT
+from app.schemas.ui_chat import UIChatRequest, UIMessage
+from app.state import AppState
+from app.store import ConversationRecord, MessageRecord
+from app.turns.pipeline import Turn
 
 DERIVED_PREFIX = "conv_ui_"
 TITLE_CHARS = 80
@@ -202,7 +202,7 @@ async def store_imported(state: AppState, conv: ConversationRecord, placement: P
 async def start_chat_turn(
     state: AppState, owner: str, key_id: str, request: UIChatRequest
 ) -> Turn:
-    """Place useChat's request on its conversation and start the turn (app/turns.py)."""
+    """Place useChat's request on its conversation and start the turn (app/turns/pipeline.py)."""
     conv = await find_chat(state, owner, request.id)
     if conv is None and request.id.startswith("conv_") and not request.id.startswith(
             DERIVED_PREFIX):

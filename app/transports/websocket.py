@@ -31,11 +31,12 @@ from inference.chat_template import ChatMessage
 from inference.errors import InvalidRequestError
 from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 
-from . import limits, turns
-from .errors import APIError, _param
-from .schemas.chat import SamplingFields, TextPart
-from .state import AppState, bearer_token
-from .store import KeyRecord
+from app.ops import limits
+from app.turns import pipeline as turns
+from app.errors import APIError, _param
+from app.schemas.chat import SamplingFields, TextPart
+from app.state import AppState, bearer_token
+from app.store import KeyRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from inference.tool_calls import (
     ToolCallStreamParser,
 )
 
-from .runtime import Runtime
+from app.runtime import Runtime
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from .coord import RateDecision
-from .errors import APIError
-from .state import AppState, CurrentKey, StateDep
-from .store import KeyRecord
+from app.coord import RateDecision
+from app.errors import APIError
+from app.state import AppState, CurrentKey, StateDep
+from app.store import KeyRecord
 
 WINDOW_S = 60.0
 

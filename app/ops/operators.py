@@ -11,12 +11,12 @@ from typing import Any
 
 from memory.history import HistoryPolicy
 
-from .errors import invalid_request, not_found
-from .leases import lease_name
-from .schemas.conversations import SessionSettings
-from .state import AppState
-from .store import OVERRIDE_FIELDS, ConversationRecord
-from .turns import context_budget, history_policy, session_budget
+from app.errors import invalid_request, not_found
+from app.coord.leases import lease_name
+from app.schemas.conversations import SessionSettings
+from app.state import AppState
+from app.store import OVERRIDE_FIELDS, ConversationRecord
+from app.turns.pipeline import context_budget, history_policy, session_budget
 
 TIERS = {"resident": "gpu", "offloaded": "host", "active": "gpu", "empty": None}
 

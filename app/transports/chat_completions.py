@@ -15,15 +15,15 @@ from fastapi.responses import StreamingResponse
 
 from inference.tokenizer import Tokenizer
 
-from . import sse
-from .errors import APIError, unavailable
-from .limits import spend_tokens
-from .generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
-from .prompting import chat_messages, offered_tools, sampling_params, session_key
-from .schemas import chat as schema
-from .state import AppState
-from .structured import output_grammar
-from .store import KeyRecord
+from app.transports import sse
+from app.errors import APIError, unavailable
+from app.ops.limits import spend_tokens
+from app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
+from app.turns.prompting import chat_messages, offered_tools, sampling_params, session_key
+from app.schemas import chat as schema
+from app.state import AppState
+from app.turns.structured import output_grammar
+from app.store import KeyRecord
 
 
 def check_model(state: AppState, model: str) -> None:

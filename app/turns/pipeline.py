@@ -36,14 +36,14 @@ from memory.history import (
 from memory.config import SessionBudget
 from memory.stats import HistoryStats
 
-from .errors import APIError, busy, invalid_request, not_found, unavailable
-from .generation import Done, Generation, TextDelta, ToolDelta
-from .prompting import offered_tools, sampling_params
-from .structured import output_grammar
-from .schemas.chat import SamplingFields
-from .schemas.conversations import ROOT
-from .state import AppState
-from .store import NEW_USER, ConversationRecord, MessageRecord
+from app.errors import APIError, busy, invalid_request, not_found, unavailable
+from app.turns.generation import Done, Generation, TextDelta, ToolDelta
+from app.turns.prompting import offered_tools, sampling_params
+from app.turns.structured import output_grammar
+from app.schemas.chat import SamplingFields
+from app.schemas.conversations import ROOT
+from app.state import AppState
+from app.store import NEW_USER, ConversationRecord, MessageRecord
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def _spend(state: AppState, key_id: str | None) -> Any:
         return None
 
     def finished(result: Any) -> None:
-        from .limits import spend_tokens
+        from app.ops.limits import spend_tokens
 
         state.spawn(spend_tokens(state, key_id, result.prompt_tokens + result.completion_tokens))
 
@@ -612,7 +612,7 @@ async def post_turn(
 
 
 async def _finish_idempotent(state: AppState, turn: Turn, key: str) -> None:
-    from .present import message_out
+    from app.schemas.present import message_out
 
     final = await turn.wait()
     await state.coord.idempotency_finish(

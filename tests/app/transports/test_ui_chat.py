@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.turns import TurnEvent
-from app.ui_stream import PartWriter
+from app.turns.pipeline import TurnEvent
+from app.transports.ui_stream import PartWriter
 from tests.service import Server
 
 LONG = {"max_tokens": 2000, "temperature": 1.0, "seed": 3, "ignore_eos": True}

@@ -191,7 +191,7 @@ def keys_revoke(
 
 
 def main() -> None:
-    """`python -m app.cli_db db ...|keys ...`; `kvchat db|keys ...` is the same commands."""
+    """`python -m app.cli.db db ...|keys ...`; `kvchat db|keys ...` is the same commands."""
     cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     cli.add_typer(db_app, name="db")
     cli.add_typer(keys_app, name="keys")

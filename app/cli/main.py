@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from app.cli_admin import admin_app
-from app.cli_db import db_app, keys_app
+from app.cli.admin import admin_app
+from app.cli.db import db_app, keys_app
 
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "

@@ -1,4 +1,4 @@
-"""`kvchat db` and `kvchat keys` (app.cli_db), in real processes and through typer's runner."""
+"""`kvchat db` and `kvchat keys` (app.cli.db), in real processes and through typer's runner."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import pytest
 from sqlalchemy.engine import URL
 from typer.testing import CliRunner
 
-from app.cli_db import db_app, keys_app
+from app.cli.db import db_app, keys_app
 from app.store import Store, default_database_url
 
 runner = CliRunner()
 
 
 def cli(*args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m app.cli_db ARGS` in a fresh process, on the default database of data_dir."""
+    """`python -m app.cli.db ARGS` in a fresh process, on the default database of data_dir."""
     env = {k: v for k, v in os.environ.items() if k != "KVCHAT_DATABASE_URL"}
     if data_dir is not None:
         env["KVCHAT_DATA_DIR"] = str(data_dir)
     return subprocess.run(
-        [sys.executable, "-m", "app.cli_db", *args], capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "app.cli.db", *args], capture_output=True, text=True, env=env,
         timeout=120,
     )
 

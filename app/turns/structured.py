@@ -29,8 +29,8 @@ from inference.grammar import (
 )
 from inference.grammar_compiler import GrammarCompiler, GrammarError
 
-from .errors import APIError, invalid_request
-from .schemas.chat import NamedToolChoice, SamplingFields
+from app.errors import APIError, invalid_request
+from app.schemas.chat import NamedToolChoice, SamplingFields
 
 
 def output_grammar(

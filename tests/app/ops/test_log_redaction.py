@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from app.log_redaction import RedactSecrets, install, redact
+from app.ops.log_redaction import RedactSecrets, install, redact
 
 
 def test_redact_keeps_everything_but_the_secret() -> None:
