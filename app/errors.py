@@ -101,16 +101,45 @@ def _validation_message(error: dict[str, Any]) -> str:
     return f"Invalid value for '{param}': {message}" if param else message
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def conversation_gone(conversation_id: str) -> APIError:
+    """The conversation was deleted (before or during the turn)."""
+    return APIError(404, f"conversation {conversation_id!r} not found",
+                    code="conversation_not_found")
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The API error a request's failure is answered with: HTTP responses, SSE error chunks
+    and WebSocket error frames all come from here. What a client caused is a 4xx naming the
+    field; an engine that is not running is 503; anything unknown is a logged 500."""
     from inference.async_engine import EngineDeadError
     from inference.chat_template import ChatTemplateError
     from inference.errors import InvalidRequestError
     from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    from app.store import StaleFence
 
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        param = "messages" if exc.code == "context_length_exceeded" else exc.field
+        return invalid_request(str(exc), param, exc.code)
+    if isinstance(exc, ContextLengthExceeded):
+        return invalid_request(str(exc), exc.param, exc.code)
+    if isinstance(exc, InvalidHistoryError | HistoryPolicyError):
+        return invalid_request(str(exc), exc.field)
+    if isinstance(exc, ChatTemplateError):
+        return invalid_request(str(exc), "messages")
+    if isinstance(exc, EngineDeadError):
+        log.error("request refused: %s", exc)
+        return unavailable("The engine is not running; try again shortly.", 5)
+    if isinstance(exc, StaleFence):
+        return busy("Another turn took this conversation over; try again.")
+    log.error("unexpected error", exc_info=exc)
+    return APIError(500, "The server had an error while processing your request.",
+                    code="internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -125,34 +154,26 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
-    @app.exception_handler(InvalidRequestError)
-    async def engine_request_error(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        param = "messages" if exc.code == "context_length_exceeded" else exc.field
-        return invalid_request(str(exc), param, exc.code).response()
+    async def known_error(_: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
 
-    @app.exception_handler(ContextLengthExceeded)
-    async def context_error(_: Request, exc: ContextLengthExceeded) -> JSONResponse:
-        return invalid_request(str(exc), exc.param, exc.code).response()
-
-    @app.exception_handler(InvalidHistoryError)
-    async def history_error(_: Request, exc: InvalidHistoryError) -> JSONResponse:
-        return invalid_request(str(exc), exc.field).response()
-
-    @app.exception_handler(HistoryPolicyError)
-    async def policy_error(_: Request, exc: HistoryPolicyError) -> JSONResponse:
-        return invalid_request(str(exc), exc.field).response()
-
-    @app.exception_handler(ChatTemplateError)
-    async def template_error(_: Request, exc: ChatTemplateError) -> JSONResponse:
-        return invalid_request(str(exc), "messages").response()
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        log.error("request refused: %s", exc)
-        return unavailable("The engine is not running; try again shortly.", 5).response()
+    # The types api_error knows are answered here; anything else reaches the last handler
+    # (Starlette's server-error middleware: the 500 body, the traceback logged once).
+    for kind in known_error_types():
+        app.add_exception_handler(kind, known_error)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return APIError(500, "The server had an error while processing your request.",
-                        code="internal_error").response()
+        return api_error(exc).response()
+
+
+def known_error_types() -> tuple[type[Exception], ...]:
+    from inference.async_engine import EngineDeadError
+    from inference.chat_template import ChatTemplateError
+    from inference.errors import InvalidRequestError
+    from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+
+    from app.store import StaleFence
+
+    return (APIError, InvalidRequestError, ContextLengthExceeded, InvalidHistoryError,
+            HistoryPolicyError, ChatTemplateError, EngineDeadError, StaleFence)

@@ -30,13 +30,14 @@ from app.api import (
     ui_chat,
     ws,
 )
-from app.coord import make_coordinator
+from app.coord import ProcessIdentity, make_coordinator
 from app.errors import install_error_handlers
 from app.coord.leases import LeaseKeeper, default_replica_id
 from app.runtime import Runtime
 from app.settings import Settings
 from app.state import AppState
 from app.store import Store
+from app.turns.service import TurnService
 
 log = logging.getLogger("kvchat")
 
@@ -57,15 +58,18 @@ Every route but the health checks takes `Authorization: Bearer <key>`.
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     store = await Store.open(settings.database)
-    interrupted = await store.mark_interrupted()
-    if interrupted:
-        log.warning("%d replies were cut off by a restart; stored as interrupted", interrupted)
     runtime = await asyncio.to_thread(Runtime, settings)
     runtime.start()
     coord = make_coordinator(settings.redis_url, settings.redis_prefix)
     await coord.start()
-    state = AppState(settings=settings, store=store, runtime=runtime, coord=coord)
-    state.replica_id = settings.replica_id or default_replica_id(settings.port)
+    identity = ProcessIdentity(settings.replica_id or default_replica_id(settings.port))
+    state = AppState(settings=settings, store=store, runtime=runtime, coord=coord,
+                     identity=identity)
+    state.turns = TurnService(state)
+    interrupted = await state.turns.recover()
+    if interrupted:
+        log.warning("%d replies were cut off by a restart; stored as interrupted",
+                    len(interrupted))
     state.leases = LeaseKeeper(coord, runtime, state.replica_id, settings.lease_ttl)
     state.leases.start()
     app.state.kvchat = state
@@ -83,6 +87,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
         await state.leases.close()
         await coord.close()
+        identity.retire()
         await store.close()
 
 

@@ -78,6 +78,13 @@ class Settings(BaseSettings):
         None, description="This process's name in session leases (default: host:port:pid)."
     )
     lease_ttl: float = Field(30.0, description="Session ownership leases expire unless renewed.")
+    turn_lock_ttl: float = Field(
+        10.0, gt=0, description="A conversation's turn lock expires this long after its "
+        "holder last renewed it (renewed every third of it while the turn runs): a crashed "
+        "process's conversations take turns again within it.")
+    reply_checkpoint_interval: float = Field(
+        1.0, ge=0, description="Seconds between writes of a generating reply's text so far "
+        "(what a crash leaves of it); 0: only the final write.")
 
     # -- limits (per API key; unset: none) ------------------------------------------------------
     rate_limit_requests: int | None = Field(None, description="Requests per minute per key.")

@@ -7,16 +7,19 @@ import asyncio
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from app.coord import Coordinator
+from app.coord import Coordinator, ProcessIdentity
 from app.errors import APIError
 from app.turns.prompting import GeneratedIds
 from app.runtime import Runtime
 from app.settings import Settings
 from app.store import KeyRecord, Store
+
+if TYPE_CHECKING:
+    from app.turns.service import TurnService
 
 
 @dataclass
@@ -43,21 +46,25 @@ class AppState:
     store: Store
     runtime: Runtime
     coord: Coordinator
+    identity: ProcessIdentity
     generated: GeneratedIds = field(default_factory=GeneratedIds)
-    # The turn running in each conversation (this process), for stop and resume.
-    turns: dict[str, Any] = field(default_factory=dict)
+    # Every turn of this process: start, stop, resume, delete (set by the lifespan).
+    turns: TurnService = field(init=False)
     # Work that outlives a request (summaries, turns whose client left): kept referenced,
     # awaited at shutdown.
     background: set[asyncio.Task[None]] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))
     defaults: SessionDefaults = field(default_factory=SessionDefaults)
-    replica_id: str = ""
     websockets: dict[str, int] = field(default_factory=dict)  # key id -> open sockets
     leases: Any = None  # LeaseKeeper: this process's session ownership leases
     shutting_down: bool = False  # set on SIGTERM: replies are left to the engine's drain
 
     def __post_init__(self) -> None:
         self.defaults = SessionDefaults.of(self.settings)
+
+    @property
+    def replica_id(self) -> str:
+        return self.identity.replica_id
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)

@@ -9,8 +9,11 @@ from fastapi import APIRouter, Header, Query, Request
 
 from inference.chat_template import ChatMessage
 
+from app.store import MessageRecord
 from app.transports import sse
-from app.turns import pipeline as turns
+from app.turns.events import TurnEvent
+from app.turns.idempotency import Replayed, run_once
+from app.turns.turn import Turn
 from app.errors import invalid_request, not_found
 from app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
 from app.schemas.conversations import (
@@ -88,15 +91,8 @@ async def update_conversation(
 async def delete_conversation(
     conversation_id: str, key: CurrentKey, state: StateDep
 ) -> dict[str, Any]:
-    conv = await state.store.get_conversation(key.owner, conversation_id)
-    if conv is None:
-        raise not_found(f"conversation {conversation_id!r}")
-    turn = state.turns.get(conversation_id)
-    if turn is not None:  # stop the reply being written, let it store itself, then delete
-        turn.stop()
-        await turn.wait()
-    await state.store.delete_conversation(key.owner, conversation_id)
-    state.runtime.engine.close_session(conversation_id)
+    """Delete the conversation; a reply being generated is stopped first."""
+    await state.turns.delete(key.owner, conversation_id)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
@@ -160,10 +156,15 @@ async def post_message(
     elif body.parent_id is None:
         raise invalid_request("content is required (without it, parent_id must name the user "
                               "or tool message whose reply to regenerate)", "content")
-    result = await turns.post_turn(
-        state, key.owner, conversation_id, body, new_message=new_message,
-        parent_id=body.parent_id, idempotency_key=idempotency_key,
-        raw_body=body.model_dump(mode="json", exclude_unset=True), key_id=key.id,
+    service = state.turns
+    result = await run_once(
+        state, key.owner, conversation_id, idempotency_key,
+        body.model_dump(mode="json", exclude_unset=True),
+        start=lambda on_end: service.start(key, conversation_id, body, new_message=new_message,
+                                           parent_id=body.parent_id, on_end=on_end),
+        rerun=lambda user_id, on_end: service.start(key, conversation_id, body,
+                                                    new_message=None, parent_id=user_id,
+                                                    on_end=on_end),
     )
     return await _respond(state, request, result, body.stream)
 
@@ -178,18 +179,16 @@ async def regenerate(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     """A new reply to the message an assistant reply answered (a new sibling of that reply)."""
-    conv = await state.store.get_conversation(key.owner, conversation_id)
-    if conv is None:
-        raise not_found(f"conversation {conversation_id!r}")
-    target = body.message_id or conv.current_leaf_id
-    message = await state.store.get_message(conversation_id, target) if target else None
-    if message is None or message.role != "assistant" or message.parent_id is None:
-        raise invalid_request("message_id must name an assistant reply", "message_id")
-    result = await turns.post_turn(
-        state, key.owner, conversation_id, body, new_message=None, parent_id=message.parent_id,
-        idempotency_key=idempotency_key,
-        raw_body={"regenerate": target, **body.model_dump(mode="json", exclude_unset=True)},
-        key_id=key.id,
+    service = state.turns
+    parent = await service.regenerate_parent(key.owner, conversation_id, body.message_id)
+    result = await run_once(
+        state, key.owner, conversation_id, idempotency_key,
+        {"regenerate": body.message_id or parent,
+         **body.model_dump(mode="json", exclude_unset=True)},
+        start=lambda on_end: service.start(key, conversation_id, body, new_message=None,
+                                           parent_id=parent, on_end=on_end),
+        rerun=lambda _user, on_end: service.start(key, conversation_id, body, new_message=None,
+                                                  parent_id=parent, on_end=on_end),
     )
     return await _respond(state, request, result, body.stream)
 
@@ -197,32 +196,37 @@ async def regenerate(
 @router.post("/{conversation_id}/stop")
 async def stop(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     """Stop the reply being generated (it is stored as cancelled with what it has)."""
-    conv = await state.store.get_conversation(key.owner, conversation_id)
-    if conv is None:
-        raise not_found(f"conversation {conversation_id!r}")
-    await state.coord.publish_stop(conversation_id)
-    turn = state.turns.get(conversation_id)
-    if turn is not None:
-        turn.stop()
-    return {"id": conversation_id, "stopped": turn is not None}
+    stopped = await state.turns.stop(key.owner, conversation_id)
+    return {"id": conversation_id, "stopped": stopped}
 
 
-async def _respond(
-    state: StateDep, request: Request, result: turns.Turn | turns.Replayed, stream: bool
-) -> Any:
-    if isinstance(result, turns.Replayed):
-        if not stream:
-            return result.message
-        return sse.sse_response(_replay(result.message))
+async def _respond(state: StateDep, request: Request, result: Turn | Replayed,
+                   stream: bool) -> Any:
+    if isinstance(result, Replayed):
+        message = result.message
+        if stream:
+            events = await state.turns.attach(message.conversation_id, message.id)
+            return sse.sse_response(_frames(events))
+        return await _message_out(state, message)
     turn = result
     if stream:
         return sse.sse_response(_stream(state, turn))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
-    siblings = [m.id for m in await state.store.children(final.conversation_id, final.parent_id)]
-    return message_out(final, siblings)
+    return await _message_out(state, final)
 
 
-async def _stream(state: StateDep, turn: turns.Turn) -> AsyncIterator[str]:
+async def _message_out(state: StateDep, message: MessageRecord) -> MessageOut:
+    siblings = [m.id for m in await state.store.children(message.conversation_id,
+                                                         message.parent_id)]
+    return message_out(message, siblings)
+
+
+async def _frames(events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:
+    async for event in events:
+        yield sse.event(event.frame())
+
+
+async def _stream(state: StateDep, turn: Turn) -> AsyncIterator[str]:
     finished = False
     try:
         async for event in turn.events():
@@ -233,16 +237,3 @@ async def _stream(state: StateDep, turn: turns.Turn) -> AsyncIterator[str]:
         # engine's drain stops it instead, and it is stored as interrupted.
         if not finished and not state.shutting_down:
             turn.stop()
-
-
-async def _replay(message: dict[str, Any]) -> AsyncIterator[str]:
-    yield sse.event({"type": "start", "message_id": message["id"],
-                     "parent_id": message["parent_id"]})
-    if message.get("content"):
-        yield sse.event({"type": "delta", "message_id": message["id"],
-                         "text": message["content"], "offset": 0})
-    usage = message.get("usage") or {}
-    yield sse.event({"type": "done", "message_id": message["id"],
-                     "finish_reason": message.get("finish_reason"), "status": message["status"],
-                     "usage": usage, "timings": message.get("timings")})
-

@@ -15,8 +15,6 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from app.transports import websocket as realtime
-from app.turns import pipeline as turns
 from app.transports import ui_chat as ui_messages
 from app.transports import ui_stream
 from app.errors import not_found
@@ -24,6 +22,7 @@ from app.ops.limits import RateLimitedKey
 from app.schemas.ui_chat import UIChatRequest
 from app.transports.sse import SSE_HEADERS
 from app.state import AppState, CurrentKey, StateDep
+from app.turns.turn import Turn
 
 router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
 
@@ -36,7 +35,7 @@ STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
 @router.post("", responses=STREAM_RESPONSE)
 async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -> Response:
     """useChat's request: `{id, messages, trigger, messageId}` (plus sampling fields)."""
-    turn = await ui_messages.start_chat_turn(state, key.owner, key.id, body)
+    turn = await ui_messages.start_chat_turn(state, key, body)
     return _stream(state, turn)
 
 
@@ -45,7 +44,7 @@ async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -
 async def resume_chat(chat_id: str, key: CurrentKey, state: StateDep) -> Response:
     """The reply being generated, from its start; 204 when nothing is generating."""
     conv = await ui_messages.find_chat(state, key.owner, chat_id)
-    turn = state.turns.get(conv.id) if conv is not None else None
+    turn = state.turns.running(conv.id) if conv is not None else None
     if turn is None or turn.is_done:
         return Response(status_code=204)
     return _stream(state, turn)
@@ -57,26 +56,21 @@ async def stop_chat(chat_id: str, key: CurrentKey, state: StateDep) -> dict[str,
     conv = await ui_messages.find_chat(state, key.owner, chat_id)
     if conv is None:
         raise not_found(f"chat {chat_id!r}")
-    await state.coord.publish_stop(conv.id)
-    turn = state.turns.get(conv.id)
-    if turn is not None:
-        turn.stop()
-    return {"id": chat_id, "stopped": turn is not None}
+    stopped = await state.turns.stop(key.owner, conv.id)
+    return {"id": chat_id, "stopped": stopped}
 
 
-def _stream(state: AppState, turn: turns.Turn) -> StreamingResponse:
+def _stream(state: AppState, turn: Turn) -> StreamingResponse:
     return StreamingResponse(
         _watch(state, turn), media_type="text/event-stream",
         headers={**SSE_HEADERS, ui_stream.HEADER: ui_stream.VERSION},
     )
 
 
-async def _watch(state: AppState, turn: turns.Turn) -> AsyncIterator[str]:
-    turn.watchers += 1
+async def _watch(state: AppState, turn: Turn) -> AsyncIterator[str]:
+    turn.watch()
     try:
         async for text in ui_stream.ui_stream(turn.events()):
             yield text
     finally:
-        turn.watchers -= 1
-        if not turn.is_done and not state.shutting_down:
-            state.spawn(realtime.stop_after_grace(turn, state.settings.ws_grace_period))
+        turn.unwatch(None if state.shutting_down else state.settings.ws_grace_period)

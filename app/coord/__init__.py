@@ -3,7 +3,13 @@ idempotency records, stop signals, rate limits, session ownership leases and the
 events of replies. One interface, two back ends: in-process (the embedded default) and Redis
 (`KVCHAT_REDIS_URL`)."""
 
-from app.coord.base import Coordinator, IdempotencyRecord, RateDecision
+from app.coord.base import (
+    Coordinator,
+    IdempotencyRecord,
+    LockHolder,
+    ProcessIdentity,
+    RateDecision,
+)
 from app.coord.local import LocalCoordinator
 
 
@@ -19,6 +25,8 @@ __all__ = [
     "Coordinator",
     "IdempotencyRecord",
     "LocalCoordinator",
+    "LockHolder",
+    "ProcessIdentity",
     "RateDecision",
     "make_coordinator",
 ]

@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import abc
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class IdempotencyRecord:
-    """What the first request with an Idempotency-Key left: its body's fingerprint, and its
-    result once it finished (None while it is still running)."""
+    """What the first request with an Idempotency-Key left: its body's fingerprint, its
+    result once it finished (None while it runs), and the attempt running it (`attempt`:
+    its id, its process as in LockHolder, and what it has stored so far, e.g. the turn lock's
+    token and the user message id), so a retry can tell a live attempt from a dead one."""
 
     fingerprint: str
     result: dict[str, Any] | None = None
+    attempt: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_done(self) -> bool:
         return self.result is not None
+
+    def record(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "result": self.result, "attempt": self.attempt}
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> IdempotencyRecord:
+        attempt = record.get("attempt")
+        return cls(str(record.get("fingerprint", "")), record.get("result"),
+                   attempt if isinstance(attempt, dict) else {})
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,96 @@ class RateDecision:
 
 
 StopHandler = Callable[[str], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Who this process is, as lock and lease records name it: the replica id operators see,
+    and the host, process id and a random instance id that tell a dead holder from a live
+    one (a restarted container has the same host name and often the same pid, never the same
+    instance)."""
+
+    replica_id: str
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    def process(self) -> dict[str, Any]:
+        """This process as records name it (a lock's holder, an idempotent attempt)."""
+        return {"owner": self.replica_id, "host": self.host, "pid": self.pid,
+                "instance": self.instance}
+
+    def is_dead(self, holder: LockHolder | dict[str, Any]) -> bool:
+        """Whether the process that holds a lock (or a record naming a process as
+        `process()` does) is known to be gone: an earlier incarnation of this replica, or a
+        process of this host that no longer runs. Processes on other hosts are never known
+        dead here (their locks expire instead)."""
+        record = holder.record() if isinstance(holder, LockHolder) else holder
+        instance, owner = record.get("instance"), record.get("owner")
+        host, pid = record.get("host"), record.get("pid")
+        if instance == self.instance:
+            return False
+        if host == self.host and pid == self.pid:
+            # This process, or an earlier one that had its pid (a restarted container):
+            # this process knows its own live instances.
+            return instance not in _LIVE_INSTANCES
+        if owner == self.replica_id:
+            return True  # a replica id names one live process; this one is it now
+        if host != self.host or not isinstance(pid, int):
+            return False
+        return not _process_exists(pid)
+
+    def __post_init__(self) -> None:
+        _LIVE_INSTANCES.add(self.instance)
+
+    def retire(self) -> None:
+        """This identity's app has stopped (its locks are released or expiring)."""
+        _LIVE_INSTANCES.discard(self.instance)
+
+
+# The identities alive in this process (tests run several apps in one process).
+_LIVE_INSTANCES: set[str] = set()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a lock: the acquisition's token (it alone renews and releases it), the
+    holding process, a fencing token (strictly increasing across every acquisition: storage
+    that records the fence of its last writer refuses an older one) and what it is held for
+    (`purpose`: "turn", "delete", "summary"), with free-form `data` (the reply being
+    generated)."""
+
+    token: str
+    owner: str
+    host: str
+    pid: int
+    instance: str
+    fence: int
+    purpose: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {"token": self.token, "owner": self.owner, "host": self.host, "pid": self.pid,
+                "instance": self.instance, "fence": self.fence, "purpose": self.purpose,
+                "data": self.data}
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> LockHolder:
+        data = record.get("data")
+        return cls(token=str(record["token"]), owner=str(record["owner"]),
+                   host=str(record["host"]), pid=int(record["pid"]),
+                   instance=str(record["instance"]), fence=int(record["fence"]),
+                   purpose=str(record["purpose"]), data=data if isinstance(data, dict) else {})
 
 
 def sliding_window_count(previous: float, current: float, elapsed_fraction: float) -> float:
@@ -54,32 +159,77 @@ class Coordinator(abc.ABC):
     async def healthy(self) -> bool:
         """Whether the back end answers (the in-process one always does)."""
 
-    # -- one turn at a time per conversation ------------------------------------------------------
+    # -- owned, fenced, expiring locks (one turn at a time per conversation) --------------------
+    #
+    # A lock is a lease: it expires `ttl` seconds after it was taken or last renewed, so a
+    # holder that dies frees it within `ttl`; its holder renews it while it works (see
+    # app/coord/locks.py). Only the acquisition's token renews or releases it.
 
     @abc.abstractmethod
-    async def try_lock(self, key: str, token: str, ttl: float) -> bool:
-        """Take `key` for `token` unless someone holds it; expires after `ttl` seconds."""
+    async def lock_acquire(
+        self,
+        key: str,
+        identity: ProcessIdentity,
+        token: str,
+        ttl: float,
+        *,
+        purpose: str,
+        fence_floor: int = 0,
+        data: dict[str, Any] | None = None,
+    ) -> tuple[bool, LockHolder]:
+        """Take `key` unless another token holds it. Returns (taken, the holder now): when
+        taken, the new holder with a fence above every fence issued before and above
+        `fence_floor` (the fence the storage last saw, so a reset back end never issues an
+        old one)."""
 
     @abc.abstractmethod
-    async def unlock(self, key: str, token: str) -> None:
-        """Release `key` if `token` still holds it."""
+    async def lock_renew(self, key: str, token: str, ttl: float) -> bool:
+        """Extend `key` by `ttl` if `token` still holds it; False when it was lost."""
+
+    @abc.abstractmethod
+    async def lock_release(self, key: str, token: str) -> bool:
+        """Release `key` if `token` holds it (also: break a dead holder's lock by its token).
+        Whether it was released."""
+
+    @abc.abstractmethod
+    async def lock_holder(self, key: str) -> LockHolder | None:
+        """Who holds `key` now (None: free or expired)."""
+
+    @abc.abstractmethod
+    async def lock_scan(self, prefix: str) -> list[tuple[str, LockHolder]]:
+        """Every live lock whose key starts with `prefix` (start-up takes over dead holders')."""
 
     # -- idempotency -----------------------------------------------------------------------------
 
     @abc.abstractmethod
     async def idempotency_begin(
-        self, key: str, fingerprint: str, ttl: float
+        self, key: str, fingerprint: str, ttl: float, attempt: dict[str, Any] | None = None
     ) -> IdempotencyRecord | None:
-        """Claim `key` for a new request (returns None), or return the record of the request
-        that claimed it first."""
+        """Claim `key` for a new request run by `attempt` (returns None), or return the
+        record of the request that claimed it first."""
+
+    @abc.abstractmethod
+    async def idempotency_progress(
+        self, key: str, attempt_id: str, fields: dict[str, Any]
+    ) -> bool:
+        """Merge `fields` into the running attempt's entry if `attempt_id` still runs it."""
+
+    @abc.abstractmethod
+    async def idempotency_takeover(
+        self, key: str, dead_attempt_id: str, attempt: dict[str, Any]
+    ) -> IdempotencyRecord | None:
+        """Hand an unfinished record from a dead attempt to `attempt` (a retry that re-runs
+        it), atomically: the updated record, or None when the record changed meanwhile (it
+        finished, or another retry took it over first)."""
 
     @abc.abstractmethod
     async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
         """Store the first request's result; later requests with the key get it."""
 
     @abc.abstractmethod
-    async def idempotency_abandon(self, key: str) -> None:
-        """The first request failed before producing anything: let a retry start afresh."""
+    async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:
+        """The request failed before producing anything: let a retry start afresh (only if
+        `attempt_id`, when given, still runs it)."""
 
     @abc.abstractmethod
     async def idempotency_get(self, key: str) -> IdempotencyRecord | None: ...
@@ -124,6 +274,11 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     async def append_event(self, stream: str, event: dict[str, Any], ttl: float) -> None:
         """Buffer one event of a reply (start, delta, tool_call, done, error)."""
+
+    @abc.abstractmethod
+    async def buffered_events(self, stream: str) -> list[dict[str, Any]]:
+        """The events buffered for a reply so far, without waiting for more (recovery after a
+        crash reads what clients were sent)."""
 
     @abc.abstractmethod
     def read_events(self, stream: str, timeout: float) -> AsyncIterator[dict[str, Any]]:

@@ -8,11 +8,14 @@ import inspect
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from app.coord.base import (
     Coordinator,
     IdempotencyRecord,
+    LockHolder,
+    ProcessIdentity,
     RateDecision,
     StopHandler,
     sliding_window_count,
@@ -22,10 +25,15 @@ END_EVENTS = ("done", "error")
 
 
 class LocalCoordinator(Coordinator):
+    """`clock` (monotonic seconds) decides when locks, leases and records expire; tests pass
+    their own to move time without waiting."""
+
     name = "local"
 
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[str, float]] = {}  # key -> (token, expires at)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._locks: dict[str, tuple[LockHolder, float]] = {}  # key -> (holder, expires at)
+        self._fence = 0
         self._idempotency: dict[str, tuple[IdempotencyRecord, float]] = {}
         self._stop_handlers: dict[str, list[StopHandler]] = {}
         self._windows: dict[tuple[str, int], float] = {}  # (key, window index) -> units
@@ -38,17 +46,63 @@ class LocalCoordinator(Coordinator):
 
     # -- locks -------------------------------------------------------------------------------------
 
-    async def try_lock(self, key: str, token: str, ttl: float) -> bool:
-        return self._hold(self._locks, key, token, ttl)
-
-    async def unlock(self, key: str, token: str) -> None:
+    def _live_lock(self, key: str) -> LockHolder | None:
         held = self._locks.get(key)
-        if held is not None and held[0] == token:
+        if held is None:
+            return None
+        if held[1] <= self.clock():
             del self._locks[key]
+            return None
+        return held[0]
 
-    @staticmethod
-    def _hold(table: dict[str, tuple[str, float]], key: str, token: str, ttl: float) -> bool:
-        now = time.monotonic()
+    async def lock_acquire(
+        self,
+        key: str,
+        identity: ProcessIdentity,
+        token: str,
+        ttl: float,
+        *,
+        purpose: str,
+        fence_floor: int = 0,
+        data: dict[str, Any] | None = None,
+    ) -> tuple[bool, LockHolder]:
+        held = self._live_lock(key)
+        if held is not None and held.token != token:
+            return False, held
+        if held is not None:  # the same token again: a renewal
+            self._locks[key] = (held, self.clock() + ttl)
+            return True, held
+        self._fence = max(self._fence, fence_floor) + 1
+        holder = LockHolder(token=token, owner=identity.replica_id, host=identity.host,
+                            pid=identity.pid, instance=identity.instance, fence=self._fence,
+                            purpose=purpose, data=dict(data or {}))
+        self._locks[key] = (holder, self.clock() + ttl)
+        return True, holder
+
+    async def lock_renew(self, key: str, token: str, ttl: float) -> bool:
+        held = self._live_lock(key)
+        if held is None or held.token != token:
+            return False
+        self._locks[key] = (held, self.clock() + ttl)
+        return True
+
+    async def lock_release(self, key: str, token: str) -> bool:
+        held = self._live_lock(key)
+        if held is None or held.token != token:
+            return False
+        del self._locks[key]
+        return True
+
+    async def lock_holder(self, key: str) -> LockHolder | None:
+        return self._live_lock(key)
+
+    async def lock_scan(self, prefix: str) -> list[tuple[str, LockHolder]]:
+        return [(k, h) for k in list(self._locks) if k.startswith(prefix)
+                and (h := self._live_lock(k)) is not None]
+
+    def _hold(self, table: dict[str, tuple[str, float]], key: str, token: str,
+              ttl: float) -> bool:
+        now = self.clock()
         held = table.get(key)
         if held is not None and held[1] > now and held[0] != token:
             return False
@@ -61,27 +115,58 @@ class LocalCoordinator(Coordinator):
         entry = self._idempotency.get(key)
         if entry is None:
             return None
-        if entry[1] <= time.monotonic():
+        if entry[1] <= self.clock():
             del self._idempotency[key]
             return None
         return entry[0]
 
     async def idempotency_begin(
-        self, key: str, fingerprint: str, ttl: float
+        self, key: str, fingerprint: str, ttl: float, attempt: dict[str, Any] | None = None
     ) -> IdempotencyRecord | None:
         existing = self._live(key)
         if existing is not None:
             return existing
-        self._idempotency[key] = (IdempotencyRecord(fingerprint), time.monotonic() + ttl)
+        record = IdempotencyRecord(fingerprint, attempt=dict(attempt or {}))
+        self._idempotency[key] = (record, self.clock() + ttl)
         return None
+
+    def _running(self, key: str, attempt_id: str) -> tuple[IdempotencyRecord, float] | None:
+        record = self._live(key)
+        if record is None or record.is_done or record.attempt.get("id") != attempt_id:
+            return None
+        return record, self._idempotency[key][1]
+
+    async def idempotency_progress(
+        self, key: str, attempt_id: str, fields: dict[str, Any]
+    ) -> bool:
+        running = self._running(key, attempt_id)
+        if running is None:
+            return False
+        record, expires = running
+        self._idempotency[key] = (replace(record, attempt={**record.attempt, **fields}), expires)
+        return True
+
+    async def idempotency_takeover(
+        self, key: str, dead_attempt_id: str, attempt: dict[str, Any]
+    ) -> IdempotencyRecord | None:
+        running = self._running(key, dead_attempt_id)
+        if running is None:
+            return None
+        record, expires = running
+        new = replace(record, attempt=dict(attempt))
+        self._idempotency[key] = (new, expires)
+        return new
 
     async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
         record = self._live(key)
         fingerprint = record.fingerprint if record is not None else ""
-        self._idempotency[key] = (IdempotencyRecord(fingerprint, result), time.monotonic() + ttl)
+        attempt = record.attempt if record is not None else {}
+        self._idempotency[key] = (IdempotencyRecord(fingerprint, result, attempt),
+                                  self.clock() + ttl)
 
-    async def idempotency_abandon(self, key: str) -> None:
-        self._idempotency.pop(key, None)
+    async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:
+        if attempt_id is None or self._running(key, attempt_id) is not None:
+            self._idempotency.pop(key, None)
 
     async def idempotency_get(self, key: str) -> IdempotencyRecord | None:
         return self._live(key)
@@ -162,14 +247,14 @@ class LocalCoordinator(Coordinator):
 
     async def lease_holder(self, name: str) -> str | None:
         held = self._leases.get(name)
-        if held is None or held[1] <= time.monotonic():
+        if held is None or held[1] <= self.clock():
             return None
         return held[0]
 
     # -- event buffers -----------------------------------------------------------------------------
 
     async def append_event(self, stream: str, event: dict[str, Any], ttl: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for name in [n for n, (_, expires) in self._events.items() if expires <= now]:
             del self._events[name]
         events = self._events.setdefault(stream, ([], now + ttl))[0]
@@ -177,6 +262,10 @@ class LocalCoordinator(Coordinator):
         self._events[stream] = (events, now + ttl)
         self._event_added.set()
         self._event_added = asyncio.Event()
+
+    async def buffered_events(self, stream: str) -> list[dict[str, Any]]:
+        entry = self._events.get(stream)
+        return list(entry[0]) if entry is not None and entry[1] > self.clock() else []
 
     async def read_events(self, stream: str, timeout: float) -> AsyncIterator[dict[str, Any]]:
         index = 0

@@ -27,6 +27,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from app.coord.base import (
     Coordinator,
     IdempotencyRecord,
+    LockHolder,
+    ProcessIdentity,
     RateDecision,
     StopHandler,
     sliding_window_count,
@@ -42,6 +44,63 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.Timeout
 RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
+"""
+# Locks: the value is the holder's JSON record; KEYS[2] is the one fence counter.
+# ARGV: token, ttl ms, fence floor, the holder's record without token and fence (JSON).
+LOCK_ACQUIRE = """
+local held = redis.call('get', KEYS[1])
+if held then
+  local holder = cjson.decode(held)
+  if holder.token ~= ARGV[1] then return {0, held} end
+  redis.call('pexpire', KEYS[1], ARGV[2])
+  return {1, held}
+end
+local fence = tonumber(redis.call('get', KEYS[2]) or '0')
+local floor = tonumber(ARGV[3])
+if fence < floor then fence = floor end
+fence = fence + 1
+redis.call('set', KEYS[2], fence)
+local holder = cjson.decode(ARGV[4])
+holder.token = ARGV[1]
+holder.fence = fence
+local record = cjson.encode(holder)
+redis.call('set', KEYS[1], record, 'PX', ARGV[2])
+return {1, record}
+"""
+# ARGV: token [, ttl ms]: renew (with a ttl) or release (without) if the token holds the key.
+LOCK_TOUCH = """
+local held = redis.call('get', KEYS[1])
+if not held or cjson.decode(held).token ~= ARGV[1] then return 0 end
+if ARGV[2] then redis.call('pexpire', KEYS[1], ARGV[2]) else redis.call('del', KEYS[1]) end
+return 1
+"""
+# Idempotency records: JSON {fingerprint, result, attempt}. ARGV[1]: the attempt id that must
+# be running it; ARGV[2]: JSON fields to merge into the attempt (progress) or the new attempt
+# (takeover, ARGV[3] == "1"). Returns the new record, or false.
+IDEMPOTENCY_UPDATE = """
+local raw = redis.call('get', KEYS[1])
+if not raw then return false end
+local record = cjson.decode(raw)
+if record.result ~= cjson.null and record.result ~= nil then return false end
+if record.attempt == nil or record.attempt.id ~= ARGV[1] then return false end
+local fields = cjson.decode(ARGV[2])
+if ARGV[3] == '1' then
+  record.attempt = fields
+else
+  for k, v in pairs(fields) do record.attempt[k] = v end
+end
+local encoded = cjson.encode(record)
+redis.call('set', KEYS[1], encoded, 'KEEPTTL')
+return encoded
+"""
+IDEMPOTENCY_ABANDON = """
+if ARGV[1] == '' then return redis.call('del', KEYS[1]) end
+local raw = redis.call('get', KEYS[1])
+if not raw then return 0 end
+local record = cjson.decode(raw)
+if record.attempt == nil or record.attempt.id ~= ARGV[1] then return 0 end
+if record.result ~= cjson.null and record.result ~= nil then return 0 end
+return redis.call('del', KEYS[1])
 """
 # Take a key for a token, or extend it when the token already holds it.
 HOLD = """
@@ -136,49 +195,117 @@ class RedisCoordinator(Coordinator):
 
     # -- locks -------------------------------------------------------------------------------------
 
-    async def try_lock(self, key: str, token: str, ttl: float) -> bool:
+    async def lock_acquire(
+        self,
+        key: str,
+        identity: ProcessIdentity,
+        token: str,
+        ttl: float,
+        *,
+        purpose: str,
+        fence_floor: int = 0,
+        data: dict[str, Any] | None = None,
+    ) -> tuple[bool, LockHolder]:
+        async def work() -> tuple[bool, LockHolder]:
+            partial = {"owner": identity.replica_id, "host": identity.host,
+                       "pid": identity.pid, "instance": identity.instance,
+                       "purpose": purpose, "data": data or {}}
+            taken, raw = await self.redis.eval(
+                LOCK_ACQUIRE, 2, f"{self.prefix}lock:{key}", f"{self.prefix}fence",
+                token, max(1, int(ttl * 1000)), int(fence_floor), json.dumps(partial),
+            )
+            return bool(taken), LockHolder.of(json.loads(raw))
+
+        return await self._call(work, lambda: self.local.lock_acquire(
+            key, identity, token, ttl, purpose=purpose, fence_floor=fence_floor, data=data))
+
+    async def lock_renew(self, key: str, token: str, ttl: float) -> bool:
         async def work() -> bool:
-            return bool(await self.redis.eval(HOLD, 1, self.prefix + key, token, int(ttl * 1000)))
+            return bool(await self.redis.eval(LOCK_TOUCH, 1, f"{self.prefix}lock:{key}", token,
+                                              max(1, int(ttl * 1000))))
 
-        return await self._call(work, lambda: self.local.try_lock(key, token, ttl))
+        return await self._call(work, lambda: self.local.lock_renew(key, token, ttl))
 
-    async def unlock(self, key: str, token: str) -> None:
-        async def work() -> None:
-            await self.redis.eval(RELEASE, 1, self.prefix + key, token)
+    async def lock_release(self, key: str, token: str) -> bool:
+        async def work() -> bool:
+            return bool(await self.redis.eval(LOCK_TOUCH, 1, f"{self.prefix}lock:{key}", token))
 
-        await self.local.unlock(key, token)
-        await self._call(work, _nothing)
+        released_here = await self.local.lock_release(key, token)
+        return await self._call(work, _false) or released_here
+
+    async def lock_holder(self, key: str) -> LockHolder | None:
+        async def work() -> LockHolder | None:
+            raw = await self.redis.get(f"{self.prefix}lock:{key}")
+            return None if raw is None else LockHolder.of(json.loads(raw))
+
+        return await self._call(work, lambda: self.local.lock_holder(key))
+
+    async def lock_scan(self, prefix: str) -> list[tuple[str, LockHolder]]:
+        async def work() -> list[tuple[str, LockHolder]]:
+            head = f"{self.prefix}lock:"
+            names = [name async for name in self.redis.scan_iter(
+                match=f"{head}{_glob_escape(prefix)}*", count=500)]
+            found: list[tuple[str, LockHolder]] = []
+            for start in range(0, len(names), 500):
+                chunk = names[start:start + 500]
+                for name, raw in zip(chunk, await self.redis.mget(chunk)):
+                    if raw is not None:
+                        found.append((name[len(head):], LockHolder.of(json.loads(raw))))
+            return found
+
+        return await self._call(work, lambda: self.local.lock_scan(prefix))
 
     # -- idempotency -------------------------------------------------------------------------------
 
     async def idempotency_begin(
-        self, key: str, fingerprint: str, ttl: float
+        self, key: str, fingerprint: str, ttl: float, attempt: dict[str, Any] | None = None
     ) -> IdempotencyRecord | None:
         async def work() -> IdempotencyRecord | None:
-            record = json.dumps({"fingerprint": fingerprint, "result": None})
-            if await self.redis.set(self.prefix + key, record, nx=True, px=int(ttl * 1000)):
+            record = IdempotencyRecord(fingerprint, attempt=dict(attempt or {}))
+            if await self.redis.set(self.prefix + key, json.dumps(record.record()), nx=True,
+                                    px=int(ttl * 1000)):
                 return None
             return await self._idempotency_get(key)
 
-        return await self._call(work, lambda: self.local.idempotency_begin(key, fingerprint, ttl))
+        return await self._call(
+            work, lambda: self.local.idempotency_begin(key, fingerprint, ttl, attempt))
+
+    async def idempotency_progress(
+        self, key: str, attempt_id: str, fields: dict[str, Any]
+    ) -> bool:
+        async def work() -> bool:
+            return bool(await self.redis.eval(IDEMPOTENCY_UPDATE, 1, self.prefix + key,
+                                              attempt_id, json.dumps(fields), "0"))
+
+        return await self._call(
+            work, lambda: self.local.idempotency_progress(key, attempt_id, fields))
+
+    async def idempotency_takeover(
+        self, key: str, dead_attempt_id: str, attempt: dict[str, Any]
+    ) -> IdempotencyRecord | None:
+        async def work() -> IdempotencyRecord | None:
+            raw = await self.redis.eval(IDEMPOTENCY_UPDATE, 1, self.prefix + key,
+                                        dead_attempt_id, json.dumps(attempt), "1")
+            return IdempotencyRecord.of(json.loads(raw)) if raw else None
+
+        return await self._call(
+            work, lambda: self.local.idempotency_takeover(key, dead_attempt_id, attempt))
 
     async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
         async def work() -> None:
             current = await self._idempotency_get(key)
-            fingerprint = current.fingerprint if current else ""
-            await self.redis.set(
-                self.prefix + key,
-                json.dumps({"fingerprint": fingerprint, "result": result}),
-                px=int(ttl * 1000),
-            )
+            record = IdempotencyRecord(current.fingerprint if current else "", result,
+                                       current.attempt if current else {})
+            await self.redis.set(self.prefix + key, json.dumps(record.record()),
+                                 px=int(ttl * 1000))
 
         await self._call(work, lambda: self.local.idempotency_finish(key, result, ttl))
 
-    async def idempotency_abandon(self, key: str) -> None:
+    async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:
         async def work() -> None:
-            await self.redis.delete(self.prefix + key)
+            await self.redis.eval(IDEMPOTENCY_ABANDON, 1, self.prefix + key, attempt_id or "")
 
-        await self._call(work, lambda: self.local.idempotency_abandon(key))
+        await self._call(work, lambda: self.local.idempotency_abandon(key, attempt_id))
 
     async def idempotency_get(self, key: str) -> IdempotencyRecord | None:
         return await self._call(
@@ -187,10 +314,7 @@ class RedisCoordinator(Coordinator):
 
     async def _idempotency_get(self, key: str) -> IdempotencyRecord | None:
         raw = await self.redis.get(self.prefix + key)
-        if raw is None:
-            return None
-        data = json.loads(raw)
-        return IdempotencyRecord(data["fingerprint"], data["result"])
+        return None if raw is None else IdempotencyRecord.of(json.loads(raw))
 
     # -- stop signals ------------------------------------------------------------------------------
 
@@ -306,6 +430,14 @@ class RedisCoordinator(Coordinator):
         await self.local.append_event(stream, event, ttl)
         await self._call(work, _nothing)
 
+    async def buffered_events(self, stream: str) -> list[dict[str, Any]]:
+        async def work() -> list[dict[str, Any]]:
+            entries = cast(list[tuple[str, dict[str, str]]],
+                           await self.redis.xrange(f"{self.prefix}events:{stream}") or [])
+            return [json.loads(fields["event"]) for _, fields in entries]
+
+        return await self._call(work, lambda: self.local.buffered_events(stream))
+
     async def read_events(self, stream: str, timeout: float) -> AsyncIterator[dict[str, Any]]:
         if not self._up:
             async for event in self.local.read_events(stream, timeout):
@@ -333,3 +465,12 @@ class RedisCoordinator(Coordinator):
 
 async def _nothing() -> None:
     return None
+
+
+async def _false() -> bool:
+    return False
+
+
+def _glob_escape(text: str) -> str:
+    """`text` as a literal inside a Redis MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -6,7 +6,13 @@ Alembic (`migrations/`). Never imports torch or the engine.
 
 from app.store.database import default_database_url, display_url
 from app.store.message_store import NEW_USER
-from app.store.errors import DatabaseUnreachable, InvalidDatabaseUrl, SchemaNotCurrent, StoreError
+from app.store.errors import (
+    DatabaseUnreachable,
+    InvalidDatabaseUrl,
+    SchemaNotCurrent,
+    StaleFence,
+    StoreError,
+)
 from app.store.records import (
     OVERRIDE_FIELDS,
     ROLES,
@@ -30,6 +36,7 @@ __all__ = [
     "KeyRecord",
     "MessageRecord",
     "SchemaNotCurrent",
+    "StaleFence",
     "Store",
     "StoreError",
     "SummaryRecord",

@@ -24,6 +24,11 @@ class SchemaNotCurrent(StoreError):
     """The database's schema is missing or not at the migrations' head."""
 
 
+class StaleFence(Exception):
+    """A turn's lock was taken over by a newer one (its fence is not above the conversation's
+    last): the turn must not start."""
+
+
 def unreachable(where: str, error: BaseException) -> DatabaseUnreachable:
     """DatabaseUnreachable for one of CONNECT_ERRORS, with the driver's own first line."""
     cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error

@@ -67,6 +67,15 @@ class KeyStore(StoreBase):
             )
         return replace(record, last_used_at=now)
 
+    async def is_key_active(self, key_id: str) -> bool:
+        """Whether the key exists and is not revoked (a cheap check by id, for connections
+        that outlive one request)."""
+        async with self._read() as session:
+            row = (await session.execute(
+                select(ApiKey.revoked_at).where(ApiKey.id == key_id)
+            )).first()
+            return row is not None and row[0] is None
+
     async def list_keys(self) -> list[KeyRecord]:
         async with self._read() as session:
             rows = await session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any, cast
 
@@ -9,6 +10,7 @@ from sqlalchemy import CursorResult, literal_column, select, update
 from sqlalchemy.orm import aliased
 
 from app.store.column_types import utcnow
+from app.store.errors import StaleFence
 from app.store.queries import has_message
 from app.store.records import ROLES, STATUSES, MessageRecord, SummaryRecord
 from app.store.store_base import StoreBase, check_fields
@@ -124,11 +126,17 @@ class MessageStore(StoreBase):
         parent_id: str | None,
         user: dict[str, Any] | None,
         trim_start_id: str | None,
+        fence: int | None = None,
     ) -> tuple[MessageRecord | None, MessageRecord]:
         """A turn's writes before generation, in one transaction: the user's message (fields as
         add_message's, under parent_id) when there is one, the assistant's reply under it with
         status `generating`, the conversation's leaf moved to the reply and its trim start set
-        (NEW_USER: the user message added here). Returns (user message, reply)."""
+        (NEW_USER: the user message added here). Returns (user message, reply).
+
+        `fence`: the turn lock's fence. It must be above the conversation's `turn_fence`
+        (StaleFence otherwise: a newer lock holder started a turn since) and becomes it; and
+        since the caller holds the turn lock, any reply still `generating` in the conversation
+        is a dead turn's: it becomes `interrupted`. LookupError for an unknown conversation."""
         now = utcnow()
         rows: list[Message] = []
         if user is not None:
@@ -151,6 +159,22 @@ class MessageStore(StoreBase):
             status="generating", created_at=reply_at, updated_at=reply_at,
         ))
         async with self._write() as session:
+            if fence is not None:
+                fenced = cast(CursorResult[Any], await session.execute(
+                    update(Conversation)
+                    .where(Conversation.id == conversation_id, Conversation.turn_fence < fence)
+                    .values(turn_fence=fence)
+                ))
+                if fenced.rowcount != 1:
+                    if await session.get(Conversation, conversation_id) is None:
+                        raise LookupError(f"no conversation {conversation_id!r}")
+                    raise StaleFence(f"the turn lock of {conversation_id} was taken over")
+                await session.execute(
+                    update(Message)
+                    .where(Message.conversation_id == conversation_id,
+                           Message.status == "generating")
+                    .values(status="interrupted", updated_at=now)
+                )
             conversation = await session.get(Conversation, conversation_id)
             if conversation is None:
                 raise LookupError(f"no conversation {conversation_id!r}")
@@ -194,16 +218,22 @@ class MessageStore(StoreBase):
         async with self._read() as session:
             return [MessageRecord.of(row) for row in await session.scalars(query)]
 
-    async def mark_interrupted(self) -> int:
-        """After a crash: every message still `generating` becomes `interrupted`. Returns how
-        many did."""
+    async def mark_interrupted(
+        self, *, except_conversations: Collection[str] = ()
+    ) -> list[MessageRecord]:
+        """After a crash: every message still `generating` becomes `interrupted`, except in
+        the conversations named (whose replies another live process is generating). Returns
+        the messages as they are now."""
+        query = select(Message).where(Message.status == "generating")
         async with self._write() as session:
-            result = cast(CursorResult[Any], await session.execute(
-                update(Message)
-                .where(Message.status == "generating")
-                .values(status="interrupted", updated_at=utcnow())
-            ))
-            return result.rowcount
+            rows = [row for row in await session.scalars(query)
+                    if row.conversation_id not in except_conversations]
+            now = utcnow()
+            for row in rows:
+                row.status = "interrupted"
+                row.updated_at = now
+            await session.flush()
+            return [MessageRecord.of(row) for row in rows]
 
 
 def _check_status(status: str) -> None:

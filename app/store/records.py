@@ -62,6 +62,7 @@ class ConversationRecord:
     max_summary_tokens: int | None
     current_leaf_id: str | None
     trim_start_id: str | None
+    turn_fence: int
     created_at: datetime
     updated_at: datetime
 
@@ -77,7 +78,8 @@ class ConversationRecord:
             id=row.id, owner=row.owner, title=row.title, system_prompt=row.system_prompt,
             metadata=dict(row.meta), **{name: getattr(row, name) for name in OVERRIDE_FIELDS},
             current_leaf_id=row.current_leaf_id, trim_start_id=row.trim_start_id,
-            created_at=row.created_at, updated_at=row.updated_at,
+            turn_fence=row.turn_fence or 0, created_at=row.created_at,
+            updated_at=row.updated_at,
         )
 
 

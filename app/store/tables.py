@@ -12,7 +12,18 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
 
 from app.store.column_types import UTCDateTime, utcnow
@@ -96,6 +107,9 @@ class Conversation(Base):
     # two tables refer to each other).
     current_leaf_id: Mapped[str | None] = mapped_column(ID)
     trim_start_id: Mapped[str | None] = mapped_column(ID)
+    # The fence of the last turn lock that started a reply here (app/coord/locks.py): a
+    # turn whose lock's fence is not above it lost its lock and is refused.
+    turn_fence: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 
 from inference.chat_template import ChatMessage
 
-from app.turns import pipeline as turns
 from app.errors import busy, invalid_request, not_found
 from app.schemas.present import tree_children
 from app.schemas.conversations import ROOT
 from app.schemas.ui_chat import UIChatRequest, UIMessage
 from app.state import AppState
-from app.store import ConversationRecord, MessageRecord
-from app.turns.pipeline import Turn
+from app.store import ConversationRecord, KeyRecord, MessageRecord
+from app.turns.turn import Turn
 
 DERIVED_PREFIX = "conv_ui_"
 TITLE_CHARS = 80
@@ -133,7 +132,7 @@ async def place(
         raise invalid_request("the chat's system message differs from the conversation's "
                               "system prompt; change it with PATCH /v1/conversations/{id}",
                               "messages")
-    if conv is not None and state.turns.get(conv.id) is not None:
+    if conv is not None and state.turns.running(conv.id) is not None:
         raise busy("A reply is already being generated in this chat; wait for it or stop it.")
     stored = await state.store.messages(conv.id) if conv is not None else []
     by_id = {m.id: m for m in stored}
@@ -199,10 +198,9 @@ async def store_imported(state: AppState, conv: ConversationRecord, placement: P
     return parent or ROOT
 
 
-async def start_chat_turn(
-    state: AppState, owner: str, key_id: str, request: UIChatRequest
-) -> Turn:
-    """Place useChat's request on its conversation and start the turn (app/turns/pipeline.py)."""
+async def start_chat_turn(state: AppState, key: KeyRecord, request: UIChatRequest) -> Turn:
+    """Place useChat's request on its conversation and start the turn (app/turns/service.py)."""
+    owner = key.owner
     conv = await find_chat(state, owner, request.id)
     if conv is None and request.id.startswith("conv_") and not request.id.startswith(
             DERIVED_PREFIX):
@@ -211,9 +209,5 @@ async def start_chat_turn(
     if conv is None:
         conv = await create_chat(state, owner, request)
     parent = await store_imported(state, conv, placement)
-    result = await turns.post_turn(
-        state, owner, conv.id, request, new_message=placement.new_message, parent_id=parent,
-        idempotency_key=None, raw_body={}, key_id=key_id,
-    )
-    assert isinstance(result, turns.Turn)  # no idempotency key: always a new turn
-    return result
+    return await state.turns.start(key, conv.id, request, new_message=placement.new_message,
+                                   parent_id=parent)

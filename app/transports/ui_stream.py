@@ -15,17 +15,24 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from app.turns.pipeline import TurnEvent
+from app.turns.events import (
+    TurnDelta,
+    TurnDone,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+    TurnToolCall,
+)
 
 HEADER = "x-vercel-ai-ui-message-stream"
 VERSION = "v1"
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool-calls"}
 
 
-def metadata(done: dict[str, Any]) -> dict[str, Any]:
+def metadata(done: TurnDone) -> dict[str, Any]:
     """kvchat's usage and timings of a reply, as the message's metadata."""
-    return {"status": done.get("status"), "finishReason": done.get("finish_reason"),
-            "usage": done.get("usage"), "timings": done.get("timings")}
+    return {"status": done.status, "finishReason": done.finish_reason,
+            "usage": dict(done.usage), "timings": dict(done.timings)}
 
 
 class PartWriter:
@@ -37,47 +44,47 @@ class PartWriter:
         self.tools: dict[int, dict[str, Any]] = {}  # index -> {id, name, arguments}
 
     def parts(self, event: TurnEvent) -> Iterable[dict[str, Any]]:
-        data = event.data
-        if event.type == "start":
-            self.text_id = f"text_{data['message_id']}"
-            yield {"type": "start", "messageId": data["message_id"]}
+        if isinstance(event, TurnStarted):
+            self.text_id = f"text_{event.message_id}"
+            yield {"type": "start", "messageId": event.message_id}
             yield {"type": "start-step"}
-        elif event.type == "delta":
+        elif isinstance(event, TurnDelta):
             if not self.text_open:
                 self.text_open = True
-                yield {"type": "text-start", "id": self._text_id(data)}
-            yield {"type": "text-delta", "id": self._text_id(data), "delta": data["text"]}
-        elif event.type == "tool_call":
-            call = self.tools.get(data["index"])
+                yield {"type": "text-start", "id": self._text_id(event.message_id)}
+            yield {"type": "text-delta", "id": self._text_id(event.message_id),
+                   "delta": event.text}
+        elif isinstance(event, TurnToolCall):
+            call = self.tools.get(event.index)
             if call is None:
-                call = self.tools[data["index"]] = {
-                    "id": data.get("id") or f"call_{data['message_id']}_{data['index']}",
-                    "name": data.get("name") or "", "arguments": ""}
+                call = self.tools[event.index] = {
+                    "id": event.id or f"call_{event.message_id}_{event.index}",
+                    "name": event.name or "", "arguments": ""}
                 yield {"type": "tool-input-start", "toolCallId": call["id"],
                        "toolName": call["name"]}
-            if data.get("arguments"):
-                call["arguments"] += data["arguments"]
+            if event.arguments:
+                call["arguments"] += event.arguments
                 yield {"type": "tool-input-delta", "toolCallId": call["id"],
-                       "inputTextDelta": data["arguments"]}
-        elif event.type == "done":
+                       "inputTextDelta": event.arguments}
+        elif isinstance(event, TurnDone):
             yield from self._close()
             yield {"type": "finish-step"}
-            if data.get("status") in ("cancelled", "interrupted"):
-                yield {"type": "message-metadata", "messageMetadata": metadata(data)}
-                yield {"type": "abort", "reason": data.get("status")}
+            if event.status in ("cancelled", "interrupted"):
+                yield {"type": "message-metadata", "messageMetadata": metadata(event)}
+                yield {"type": "abort", "reason": event.status}
             else:
-                part: dict[str, Any] = {"type": "finish", "messageMetadata": metadata(data)}
-                reason = FINISH_REASONS.get(str(data.get("finish_reason")))
+                part: dict[str, Any] = {"type": "finish", "messageMetadata": metadata(event)}
+                reason = FINISH_REASONS.get(str(event.finish_reason))
                 if reason is not None:
                     part["finishReason"] = reason
                 yield part
-        elif event.type == "error":
+        elif isinstance(event, TurnFailed):
             yield from self._close()
-            yield {"type": "error", "errorText": str(data.get("message") or "engine error")}
+            yield {"type": "error", "errorText": event.message or "engine error"}
 
-    def _text_id(self, data: dict[str, Any]) -> str:
+    def _text_id(self, message_id: str) -> str:
         if self.text_id is None:  # resumed past the start part
-            self.text_id = f"text_{data['message_id']}"
+            self.text_id = f"text_{message_id}"
         return self.text_id
 
     def _close(self) -> Iterable[dict[str, Any]]:

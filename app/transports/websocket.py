@@ -28,12 +28,11 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from inference.chat_template import ChatMessage
-from inference.errors import InvalidRequestError
-from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 
+from app.errors import APIError, _param, api_error
 from app.ops import limits
-from app.turns import pipeline as turns
-from app.errors import APIError, _param
+from app.turns.events import TurnEvent
+from app.turns.turn import Turn
 from app.schemas.chat import SamplingFields, TextPart
 from app.state import AppState, bearer_token
 from app.store import KeyRecord
@@ -143,7 +142,7 @@ class Socket:
         self.key = key
         self.conversation_id = conversation_id
         self.send_lock = asyncio.Lock()
-        self.turn: turns.Turn | None = None  # the reply this socket streams
+        self.turn: Turn | None = None  # the reply this socket streams (generated here)
         self.streaming: asyncio.Task[None] | None = None
         self.last_activity = time.monotonic()
 
@@ -195,22 +194,21 @@ class Socket:
             await self.send(error_frame("invalid_request", str(first.get("msg")), param=param))
             return
         try:
+            if not isinstance(frame, PingFrame):
+                await self.state.turns.check_key(self.key)
             if isinstance(frame, PingFrame):
                 await self.send({"type": "pong"})
             elif isinstance(frame, StopFrame):
-                await self.stop()
+                await self.state.turns.stop(self.key.owner, self.conversation_id)
             elif isinstance(frame, ResumeFrame):
                 await self.resume(frame)
             else:
                 await self.start(frame)
-        except APIError as e:
-            await self.send(api_error_frame(e))
-        except (InvalidRequestError, ContextLengthExceeded, InvalidHistoryError,
-                HistoryPolicyError) as e:
-            code = getattr(e, "code", None) or "invalid_request"
-            await self.send(error_frame(code, str(e),
-                                        param=getattr(e, "field", None)
-                                        or getattr(e, "param", None)))
+        except Exception as e:
+            error = api_error(e)
+            await self.send(api_error_frame(error))
+            if error.status == 401:
+                await self.websocket.close(CLOSE_BAD_KEY, "API key revoked")
 
     # -- frames ------------------------------------------------------------------------------------
 
@@ -219,6 +217,7 @@ class Socket:
             await self.send(error_frame("busy", "a reply is being generated; stop it or wait"))
             return
         await limits.admit(self.state, self.key)
+        service = self.state.turns
         if isinstance(frame, MessageFrame):
             if frame.role == "tool" and not frame.tool_call_id:
                 raise APIError(400, "a tool message needs tool_call_id", param="tool_call_id")
@@ -228,79 +227,46 @@ class Socket:
             )
             parent_id = frame.parent_id
         else:
-            message, parent_id = None, await self._regenerate_parent(frame.message_id)
-        result = await turns.post_turn(
-            self.state, self.key.owner, self.conversation_id, frame, new_message=message,
-            parent_id=parent_id, idempotency_key=None, raw_body={}, key_id=self.key.id,
-        )
-        assert isinstance(result, turns.Turn)
-        self.attach(result, 0)
-
-    async def _regenerate_parent(self, message_id: str | None) -> str:
-        conv = await self.state.store.get_conversation(self.key.owner, self.conversation_id)
-        target = message_id or (conv.current_leaf_id if conv else None)
-        message = await self.state.store.get_message(self.conversation_id, target) \
-            if target else None
-        if message is None or message.role != "assistant" or message.parent_id is None:
-            raise APIError(400, "message_id must name an assistant reply", param="message_id")
-        return message.parent_id
-
-    async def stop(self) -> None:
-        """Stop the conversation's reply, wherever it is being generated."""
-        turn = self.state.turns.get(self.conversation_id)
-        if turn is not None:
-            turn.stop()
-        await self.state.coord.publish_stop(self.conversation_id)
+            message = None
+            parent_id = await service.regenerate_parent(self.key.owner, self.conversation_id,
+                                                        frame.message_id)
+        turn = await service.start(self.key, self.conversation_id, frame, new_message=message,
+                                   parent_id=parent_id)
+        self.stream(turn, turn.events())
 
     async def resume(self, frame: ResumeFrame) -> None:
         if self.streaming is not None and not self.streaming.done():
             await self.send(error_frame("busy", "this socket is streaming a reply already"))
             return
-        turn = self.state.turns.get(self.conversation_id)
-        if turn is not None and turn.assistant_message.id == frame.message_id:
-            self.attach(turn, frame.offset)
-            return
-        stored = await self.state.store.get_message(self.conversation_id, frame.message_id)
-        if stored is None or stored.role != "assistant":
-            await self.send(error_frame("not_found", "no such reply in this conversation"))
-            return
-        if stored.status == "generating" and self.state.coord.name != "local":
-            # Generated by another process: its events are buffered in Redis.
-            events = self.state.coord.read_events(turns.events_stream(stored.id), 60.0)
-            self.streaming = asyncio.create_task(self.forward(from_offset(events,
-                                                                          frame.offset)))
-            return
-        if stored.status == "generating":
-            await self.send(error_frame("not_found", "that reply is not being generated here"))
-            return
-        text = (stored.content or "")[frame.offset:]
-        if text:
-            await self.send({"type": "delta", "message_id": stored.id, "text": text,
-                             "offset": frame.offset})
-        await self.send({"type": "done", **turns.done_frame(stored)})
+        events = await self.state.turns.attach(self.conversation_id, frame.message_id,
+                                               frame.offset)
+        turn = self.state.turns.running(self.conversation_id)
+        self.stream(turn if turn is not None and turn.message_id == frame.message_id else None,
+                    events)
 
     # -- streaming a turn --------------------------------------------------------------------------
 
-    def attach(self, turn: turns.Turn, offset: int) -> None:
+    def stream(self, turn: Turn | None, events: AsyncIterator[TurnEvent]) -> None:
+        """Send `events` as frames; `turn` (when the reply is generated here) is watched
+        while they go."""
         self.turn = turn
-        turn.watchers += 1
+        if turn is not None:
+            turn.watch()
+        self.streaming = asyncio.create_task(self.forward(turn, events))
 
-        async def frames() -> AsyncIterator[dict[str, Any]]:
-            async for event in turn.events(offset):
-                yield event.frame()
-
-        self.streaming = asyncio.create_task(self.forward(frames()))
-
-    async def forward(self, frames: AsyncIterator[dict[str, Any]]) -> None:
+    async def forward(self, turn: Turn | None, events: AsyncIterator[TurnEvent]) -> None:
         try:
-            async for frame in frames:
-                await self.send(frame)
+            async for event in events:
+                await self.send(event.frame())
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass
         finally:
-            if self.turn is not None:
-                self.turn.watchers -= 1
-                self.turn = None if self.turn.is_done else self.turn
+            if turn is not None:
+                # Gone mid-reply: the reply goes on for the grace period (a client may resume).
+                turn.unwatch(None if self.state.shutting_down
+                             else self.state.settings.ws_grace_period)
+                if self.turn is turn and turn.is_done:
+                    self.turn = None
 
     async def send(self, frame: dict[str, Any]) -> None:
         async with self.send_lock:
@@ -309,40 +275,12 @@ class Socket:
                 self.last_activity = time.monotonic()
 
     async def detach(self) -> None:
-        """The socket is gone: the reply it streamed goes on for the grace period, then
-        stops unless a client resumed it."""
-        turn = self.turn
+        """The socket is gone: stop forwarding (the reply it streamed goes on for the grace
+        period, then stops unless a client resumed it)."""
         if self.streaming is not None:
             self.streaming.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.streaming
-        if turn is not None and not turn.is_done:
-            self.state.spawn(stop_after_grace(turn, self.state.settings.ws_grace_period))
-
-
-async def stop_after_grace(turn: turns.Turn, grace: float) -> None:
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not turn.is_done:
-        await asyncio.sleep(min(0.2, grace))
-    if not turn.is_done and turn.watchers <= 0:
-        turn.stop()
-
-
-async def from_offset(
-    events: AsyncIterator[dict[str, Any]], offset: int
-) -> AsyncIterator[dict[str, Any]]:
-    """Buffered events from `offset` characters on (the start skipped when resuming)."""
-    async for event in events:
-        kind = event.get("type")
-        if kind == "start" and offset:
-            continue
-        if kind == "delta":
-            start, text = event["offset"], event["text"]
-            if start + len(text) <= offset:
-                continue
-            if start < offset:
-                event = {**event, "text": text[offset - start:], "offset": offset}
-        yield event
 
 
 def api_error_frame(error: APIError) -> dict[str, Any]:

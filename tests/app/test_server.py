@@ -148,14 +148,21 @@ def test_a_client_that_leaves_mid_stream_stops_the_reply(server: Server) -> None
 
 def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    server = Server(dev_model, data).start()
+    server = Server(dev_model, data, env={"KVCHAT_REPLY_CHECKPOINT_INTERVAL": "0.05"}).start()
     conv = new_conversation(server, title="crash")
+    seen = ""
     with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
                       headers=server.headers(), timeout=60,
                       json={"content": "Please answer slowly", "max_tokens": 3000,
                             "temperature": 1.0, "stream": True}) as r:
         for line in r.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:])["type"] == "delta":
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "delta":
+                seen += event["text"]
+            # Kill once the text the client saw has been written (a checkpoint).
+            if len(seen) >= 20 and (messages(server, conv)[-1]["content"] or ""):
                 server.stop(signal.SIGKILL)
                 break
     assert server.process is not None and server.process.returncode == -signal.SIGKILL
@@ -167,6 +174,10 @@ def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> Non
         assert [(m["role"], m["content"]) for m in stored][:1] == [
             ("user", "Please answer slowly")]
         assert stored[1]["role"] == "assistant" and stored[1]["status"] == "interrupted"
+        # The interrupted reply keeps the text streamed up to its last checkpoint: the same
+        # stream as the client's, cut at one point or the other.
+        kept = stored[1]["content"] or ""
+        assert kept and (seen.startswith(kept) or kept.startswith(seen)), (kept, seen)
         r = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
                        headers=restarted.headers(), timeout=120,
                        json={"content": "Are you back?", "max_tokens": 8})
@@ -262,3 +273,81 @@ def test_sigterm_mid_reply_stores_it_before_exiting(dev_model: Path, tmp_path: P
         assert reply["content"]
     finally:
         restarted.stop()
+
+
+def test_sigkill_with_redis_frees_the_conversation_and_answers_the_retry(
+    dev_model: Path, tmp_path: Path
+) -> None:
+    """A replica on Postgres + Redis is killed mid-reply. On restart the turn lock of the dead
+    process is taken over at once (its TTL is set to ten minutes here, so expiry cannot be
+    what frees it), the reply is stored interrupted with the text the buffered events hold, a
+    stop finds nothing to stop, the conversation takes a new turn, and the killed request
+    retried with its Idempotency-Key is run again as a new reply to the stored user message
+    instead of hanging."""
+    import uuid
+
+    with postgres_database() as url:
+        keys = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--name",
+                               "ops", "--admin", "--database-url", url], capture_output=True,
+                              text=True, timeout=120)
+        assert keys.returncode == 0, keys.stderr
+        env = {"KVCHAT_DATABASE_URL": url, "KVCHAT_REDIS_URL": "redis://127.0.0.1:6379/0",
+               "KVCHAT_REDIS_PREFIX": f"kvchat-test-{uuid.uuid4().hex[:10]}:",
+               "KVCHAT_TURN_LOCK_TTL": "600", "KVCHAT_REPLY_CHECKPOINT_INTERVAL": "0"}
+        key = keys.stdout.strip()
+        server = Server(dev_model, tmp_path, env=env, key=key).start()
+        conv = new_conversation(server)
+        body = {"content": "Tell me everything", "max_tokens": 3000, "temperature": 1.0,
+                "ignore_eos": True, "stream": True}
+        idem = {**server.headers(), "Idempotency-Key": "crash-1"}
+        seen = ""
+        with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
+                          headers=idem, timeout=60, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and (event := json.loads(line[6:]))["type"] == \
+                        "delta":
+                    seen += event["text"]
+                    if len(seen) >= 30:
+                        server.stop(signal.SIGKILL)
+                        break
+        restarted = Server(dev_model, tmp_path, env=env, key=key, port=server.port).start()
+        try:
+            stored = messages(restarted, conv)
+            assert [m["role"] for m in stored] == ["user", "assistant"]
+            reply = stored[1]
+            assert reply["status"] == "interrupted"
+            # Recovered from the buffered events (checkpoints are off here): the client's
+            # stream, cut at one point or the other.
+            kept = reply["content"] or ""
+            assert kept and (seen.startswith(kept) or kept.startswith(seen)), (kept, seen)
+            stop = httpx.post(f"{restarted.url}/v1/conversations/{conv}/stop",
+                              headers=restarted.headers(), timeout=30)
+            assert stop.json()["stopped"] is False
+            again = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
+                               headers=restarted.headers(), timeout=60,
+                               json={"content": "Back?", "max_tokens": 4})
+            assert again.status_code == 200, again.text
+            # The retry: a new reply to the stored user message, streaming at once.
+            with httpx.stream("POST", f"{restarted.url}/v1/conversations/{conv}/messages",
+                              headers=idem, timeout=60, json=body) as retry:
+                assert retry.status_code == 200
+                lines = retry.iter_lines()
+                start = next(json.loads(x[6:]) for x in lines if x.startswith("data: "))
+                assert start["type"] == "start" and start["parent_id"] == stored[0]["id"]
+                assert start["message_id"] != reply["id"]
+                httpx.post(f"{restarted.url}/v1/conversations/{conv}/stop",
+                           headers=restarted.headers(), timeout=30)
+                events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+            assert events[-1]["type"] == "done" and events[-1]["status"] == "cancelled"
+            # Retried once more: the re-run's reply is replayed, not run a third time.
+            replay = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
+                                headers=idem, timeout=60, json=body)
+            replayed = [json.loads(x[6:]) for x in replay.text.splitlines()
+                        if x.startswith("data: ")]
+            assert replayed[0] == start and replayed[-1] == events[-1]
+            tree = httpx.get(f"{restarted.url}/v1/conversations/{conv}/messages?all=true",
+                             headers=restarted.headers()).json()["data"]
+            replies = [m["id"] for m in tree if m["parent_id"] == stored[0]["id"]]
+            assert replies == [reply["id"], start["message_id"]]
+        finally:
+            restarted.stop()

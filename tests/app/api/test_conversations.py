@@ -179,7 +179,7 @@ def test_a_second_concurrent_turn_is_busy(service: Service) -> None:
     thread.start()
     started.wait()
     for _ in range(200):  # until the first turn holds the conversation
-        if conv["id"] in service.state.turns:
+        if service.state.turns.running(conv["id"]) is not None:
             break
         threading.Event().wait(0.01)
     busy = say(service, conv["id"], "Me too")
@@ -240,3 +240,96 @@ def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy:
     assert info["trims"] >= 1
     # Most turns (all but those that trimmed) reuse the pinned prefix.
     assert sum(1 for c in cached[1:] if c > 0) >= len(cached[1:]) - info["trims"] - 1
+
+
+# -- a turn's end, whatever happens around it ------------------------------------------------------
+
+LONG_REPLY = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+
+
+def sse_events(response: Any) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ")]
+
+
+def test_a_delete_racing_a_turn_never_hangs_or_fails(service: Service) -> None:
+    """DELETE sent 0-20 ms after POST .../messages: the turn is stopped and stored, then the
+    conversation deleted; the POST answers 200 (the reply as stored) or 404 (the delete came
+    first), never 500 or a hang; nothing is left running or locked."""
+    outcomes = []
+    for attempt in range(12):
+        conv = create(service)["id"]
+        answers: dict[str, Any] = {}
+        posting = threading.Thread(target=lambda c=conv, out=answers: out.update(
+            post=say(service, c, "Race me", **LONG_REPLY)))
+        posting.start()
+        threading.Event().wait((attempt % 6) * 0.004)
+        deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
+        posting.join(120)
+        assert not posting.is_alive(), "the POST hung"
+        assert deleted.status_code == 200, deleted.text
+        post = answers["post"]
+        assert post.status_code in (200, 404), post.text
+        if post.status_code == 404:
+            assert post.json()["error"]["code"] in ("conversation_not_found", "not_found")
+        else:
+            assert post.json()["status"] in ("cancelled", "complete")
+        outcomes.append(post.status_code)
+        assert service.get(f"/v1/conversations/{conv}").status_code == 404
+        assert service.state.turns.running(conv) is None
+        holder = service.client.portal.call(
+            lambda c=conv: service.state.coord.lock_holder(f"turn:{c}"))
+        assert holder is None
+    assert set(outcomes) <= {200, 404}
+
+
+def test_a_conversation_deleted_under_a_turn_ends_it_with_one_404(service: Service) -> None:
+    """The store loses the conversation while its reply is generated (deleted around the
+    turn lock, as an operator's SQL would): the turn still ends with exactly one terminal
+    event, a 404 error, and frees its lock."""
+    conv = create(service)["id"]
+    state, portal = service.state, service.client.portal
+    answers: dict[str, Any] = {}
+    posting = threading.Thread(target=lambda: answers.update(post=say(
+        service, conv, "Delete me", stream=True, **LONG_REPLY)))
+    posting.start()
+    deadline = threading.Event()
+    for _ in range(6000):
+        turn = state.turns.running(conv)
+        if turn is not None and turn.text_sent:
+            break
+        deadline.wait(0.01)
+    assert portal.call(lambda: state.store.delete_conversation("alice", conv))
+    posting.join(120)
+    assert not posting.is_alive()
+    events = sse_events(answers["post"])
+    terminal = [e for e in events if e["type"] in ("done", "error")]
+    assert len(terminal) == 1 and terminal[0] == events[-1]
+    assert terminal[0]["type"] == "error" and terminal[0]["code"] == "conversation_not_found"
+    assert state.turns.running(conv) is None
+    assert portal.call(lambda: state.coord.lock_holder(f"turn:{conv}")) is None
+
+
+def test_a_reply_that_cannot_be_stored_still_ends_the_turn(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An injected fault: the final write of the reply fails. The stream gets one error
+    event, the lock is released, the conversation takes its next turn."""
+    conv = create(service)["id"]
+    store = service.state.store
+    real = store.update_message
+
+    async def failing(message_id: str, **fields: Any) -> Any:
+        if "status" in fields:  # the final write, not a checkpoint
+            raise RuntimeError("disk full")
+        return await real(message_id, **fields)
+
+    monkeypatch.setattr(store, "update_message", failing)
+    r = say(service, conv, "Store me", stream=True)
+    monkeypatch.setattr(store, "update_message", real)
+    events = sse_events(r)
+    assert [e["type"] for e in events].count("error") == 1 and events[-1]["type"] == "error"
+    assert events[-1]["code"] == "internal_error"
+    assert not [e for e in events if e["type"] == "done"]
+    after = say(service, conv, "And now?")
+    assert after.status_code == 200, after.text

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.coord import Coordinator, LocalCoordinator
+from app.coord import Coordinator, LocalCoordinator, ProcessIdentity
+from app.coord.locks import HeldLock, Locks
 from app.coord.redis import RedisCoordinator
 from tests.app.conftest import Service, service_settings
 from tests.service import free_port
@@ -43,16 +44,116 @@ async def coord(request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
         await backend.close()
 
 
+ME = ProcessIdentity("replica-test")
+
+
+async def wait_until(check: Any, timeout: float = 10.0) -> None:
+    """Until `await check()` is true (a safety deadline only, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.anyio
-async def test_locks_are_exclusive_and_released_by_their_holder(coord: Coordinator) -> None:
-    assert await coord.try_lock("turn:c1", "a", 5)
-    assert not await coord.try_lock("turn:c1", "b", 5)
-    await coord.unlock("turn:c1", "b")  # not b's: still held
-    assert not await coord.try_lock("turn:c1", "b", 5)
-    await coord.unlock("turn:c1", "a")
-    assert await coord.try_lock("turn:c1", "b", 0.2)
-    await asyncio.sleep(0.3)  # expired
-    assert await coord.try_lock("turn:c1", "c", 5)
+async def test_locks_are_owned_fenced_and_released_by_their_token(coord: Coordinator) -> None:
+    taken, a = await coord.lock_acquire("turn:c1", ME, "a", 5, purpose="turn",
+                                        data={"message_id": "m1"})
+    assert taken and a.token == "a" and a.purpose == "turn" and a.data == {"message_id": "m1"}
+    assert (a.owner, a.host, a.pid, a.instance) == (ME.replica_id, ME.host, ME.pid,
+                                                    ME.instance)
+    taken, holder = await coord.lock_acquire("turn:c1", ME, "b", 5, purpose="delete")
+    assert not taken and holder == a  # b is told who holds it
+    assert not await coord.lock_release("turn:c1", "b")  # not b's: still held
+    assert await coord.lock_holder("turn:c1") == a
+    assert not await coord.lock_renew("turn:c1", "b", 5)
+    assert await coord.lock_renew("turn:c1", "a", 5)
+    assert await coord.lock_release("turn:c1", "a")
+    assert await coord.lock_holder("turn:c1") is None
+    taken, b = await coord.lock_acquire("turn:c1", ME, "b", 5, purpose="turn")
+    assert taken and b.fence > a.fence  # fences only grow
+    # a floor (the fence the store saw last) lifts the next fence above it
+    taken, c = await coord.lock_acquire("turn:c2", ME, "c", 5, purpose="turn",
+                                        fence_floor=b.fence + 1000)
+    assert taken and c.fence == b.fence + 1001
+    assert sorted(k for k, _ in await coord.lock_scan("turn:")) == ["turn:c1", "turn:c2"]
+    assert [k for k, _ in await coord.lock_scan("turn:c2")] == ["turn:c2"]
+
+
+@pytest.mark.anyio
+async def test_a_lock_expires_unless_renewed(coord: Coordinator) -> None:
+    assert (await coord.lock_acquire("turn:c", ME, "a", 0.3, purpose="turn"))[0]
+    await wait_until(lambda: _free(coord, "turn:c"))
+    assert not await coord.lock_renew("turn:c", "a", 5)  # lost: it cannot be renewed
+    assert (await coord.lock_acquire("turn:c", ME, "b", 5, purpose="turn"))[0]
+
+
+async def _free(coord: Coordinator, key: str) -> bool:
+    return await coord.lock_holder(key) is None
+
+
+@pytest.mark.anyio
+async def test_local_locks_expire_by_the_injected_clock() -> None:
+    now = [100.0]
+    coord = LocalCoordinator(clock=lambda: now[0])
+    assert (await coord.lock_acquire("turn:c", ME, "a", 10, purpose="turn"))[0]
+    now[0] += 9.9
+    assert await coord.lock_renew("turn:c", "a", 10)  # renewed at 109.9: until 119.9
+    now[0] += 9.9
+    assert (await coord.lock_holder("turn:c")) is not None
+    now[0] += 0.2
+    assert await coord.lock_holder("turn:c") is None
+    assert (await coord.lock_acquire("turn:c", ME, "b", 10, purpose="turn"))[0]
+
+
+def test_a_dead_holder_is_recognised() -> None:
+    import os
+    import subprocess
+    import sys
+
+    me = ProcessIdentity("host-a:8000:1")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def holder(**fields: Any) -> dict[str, Any]:
+        return {**me.process(), "instance": "another", **fields}
+
+    assert not me.is_dead(me.process())  # this process
+    assert me.is_dead(holder(pid=gone.pid))  # an earlier incarnation of this replica id
+    assert me.is_dead(holder(owner="x", pid=gone.pid))  # a pid of this host that has ended
+    assert not me.is_dead(holder(owner="x", pid=os.getppid()))  # one that runs
+    assert me.is_dead(holder(owner="x"))  # our own pid, another instance: a previous life
+    sibling = ProcessIdentity("host-b:8001:1")  # another app alive in this process
+    assert not me.is_dead(sibling.process())
+    sibling.retire()
+    assert me.is_dead(sibling.process())
+    assert not me.is_dead(holder(owner="x", host="elsewhere", pid=gone.pid))  # unknown
+
+
+@pytest.mark.anyio
+async def test_held_locks_are_renewed_and_dead_holders_taken_over(coord: Coordinator) -> None:
+    locks = Locks(coord, ME, ttl=0.3)
+    held = await locks.acquire("turn:c", purpose="turn")
+    assert isinstance(held, HeldLock)
+    lost: list[bool] = []
+    held.on_lost = lambda: lost.append(True)
+    await asyncio.sleep(1.0)  # > 3 TTLs: only the renewals keep it
+    assert (await coord.lock_holder("turn:c")) == held.holder and not lost
+    other = await Locks(coord, ProcessIdentity("replica-other"), ttl=5).acquire(
+        "turn:c", purpose="turn")
+    assert other == held.holder  # a live holder keeps it
+    await held.release()
+    assert await coord.lock_holder("turn:c") is None
+    # a lock left by a dead incarnation of this replica is taken over at once
+    dead = ProcessIdentity(ME.replica_id)
+    dead.retire()
+    assert (await coord.lock_acquire("turn:d", dead, "old", 60, purpose="turn"))[0]
+    taken = await locks.acquire("turn:d", purpose="turn")
+    assert isinstance(taken, HeldLock) and taken.token != "old"
+    await taken.release()
+    assert (await coord.lock_acquire("turn:e", dead, "old2", 60, purpose="turn"))[0]
+    assert [k for k, _ in await locks.reclaim_dead()] == ["turn:e"]
+    assert await coord.lock_holder("turn:e") is None
 
 
 @pytest.mark.anyio
@@ -65,6 +166,34 @@ async def test_idempotency_records(coord: Coordinator) -> None:
     assert done is not None and done.result == {"id": "msg_1"} and done.fingerprint == "fp1"
     await coord.idempotency_abandon("idem:k")
     assert await coord.idempotency_get("idem:k") is None
+
+
+@pytest.mark.anyio
+async def test_idempotency_attempts_progress_and_are_taken_over_once(
+    coord: Coordinator,
+) -> None:
+    first = {"id": "a1", **ME.process()}
+    assert await coord.idempotency_begin("idem:t", "fp", 60, first) is None
+    assert await coord.idempotency_progress("idem:t", "a1", {"lock": "tok", "user": "msg_u"})
+    assert not await coord.idempotency_progress("idem:t", "zz", {"lock": "other"})
+    record = await coord.idempotency_get("idem:t")
+    assert record is not None and record.attempt == {**first, "lock": "tok", "user": "msg_u"}
+    # two retries race to take over the dead attempt: exactly one wins
+    won = await asyncio.gather(
+        coord.idempotency_takeover("idem:t", "a1", {"id": "r1"}),
+        coord.idempotency_takeover("idem:t", "a1", {"id": "r2"}),
+    )
+    winners = [r for r in won if r is not None]
+    assert len(winners) == 1 and winners[0].attempt["id"] in ("r1", "r2")
+    assert winners[0].fingerprint == "fp"
+    loser = "r2" if winners[0].attempt["id"] == "r1" else "r1"
+    await coord.idempotency_abandon("idem:t", loser)  # not the loser's: kept
+    assert await coord.idempotency_get("idem:t") is not None
+    await coord.idempotency_finish("idem:t", {"message_id": "m"}, 60)
+    assert await coord.idempotency_takeover("idem:t", winners[0].attempt["id"], {}) is None
+    await coord.idempotency_abandon("idem:t", winners[0].attempt["id"])  # finished: kept
+    done = await coord.idempotency_get("idem:t")
+    assert done is not None and done.result == {"message_id": "m"}
 
 
 @pytest.mark.anyio
@@ -174,12 +303,13 @@ def test_a_stop_sent_to_another_instance_stops_the_reply(
     )
     thread.start()
     for _ in range(500):
-        if conv in a.state.turns:
+        if a.state.turns.running(conv) is not None:
             break
         time.sleep(0.01)
     time.sleep(0.3)
+    assert b.state.turns.running(conv) is None  # generated by a: the stop goes through Redis
     stop = b.post(f"/v1/conversations/{conv}/stop", {}).json()
-    assert stop["stopped"] is False  # not generated by b: the stop went through Redis
+    assert stop["stopped"] is True  # b sees a's turn lock
     thread.join(60)
     reply = result["reply"]
     assert reply["status"] == "cancelled"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.store import NEW_USER, MessageRecord, Store
+from app.store import NEW_USER, MessageRecord, StaleFence, Store
 
 pytestmark = pytest.mark.anyio
 TOOL_CALLS = [
@@ -172,8 +172,10 @@ async def test_mark_interrupted_turns_every_generating_message_interrupted(
             c, parent_id=u.id, role="assistant", content="partial", status="generating"
         )).id))
         ids.append((c, u.id))
-    assert await store.mark_interrupted() == 2
-    assert await store.mark_interrupted() == 0
+    marked = await store.mark_interrupted()
+    assert sorted(m.id for m in marked) == sorted(m for _, m in ids[::2])
+    assert [m.status for m in marked] == ["interrupted"] * 2
+    assert await store.mark_interrupted() == []
     statuses = [(await store.get_message(c, m)) for c, m in ids]
     assert [m.status for m in statuses if m] == ["interrupted", "complete"] * 2
     assert [m.content for m in statuses if m] == ["partial", "q"] * 2
@@ -264,3 +266,39 @@ async def test_turn_context_and_start_reply_write_a_turn_in_one_go(store: Store)
     assert await store.messages(c) == before
     conv = await store.get_conversation("alice", c)
     assert conv is not None and conv.current_leaf_id == again.id
+
+
+async def test_start_reply_is_fenced_and_takes_over_a_dead_turns_reply(store: Store) -> None:
+    """A turn starts under its lock's fence, which must be above the conversation's last one;
+    holding the lock, it marks a reply still `generating` (a dead turn's) interrupted."""
+    c = (await store.create_conversation("alice")).id
+    assert (await store.get_conversation("alice", c)).turn_fence == 0  # type: ignore[union-attr]
+    user = {"role": "user", "content": "q"}
+    _, dead = await store.start_reply(c, parent_id=None, user=user, trim_start_id=None, fence=5)
+    conv = await store.get_conversation("alice", c)
+    assert conv is not None and conv.turn_fence == 5
+    with pytest.raises(StaleFence):  # an older lock's turn is refused
+        await store.start_reply(c, parent_id=None, user=user, trim_start_id=None, fence=4)
+    with pytest.raises(StaleFence):
+        await store.start_reply(c, parent_id=None, user=user, trim_start_id=None, fence=5)
+    assert len(await store.messages(c)) == 2  # nothing of the refused turns was written
+    _, live = await store.start_reply(c, parent_id=None, user=user, trim_start_id=None, fence=9)
+    assert (await store.get_message(c, dead.id)).status == "interrupted"  # type: ignore[union-attr]
+    assert (await store.get_message(c, live.id)).status == "generating"  # type: ignore[union-attr]
+    with pytest.raises(LookupError):
+        await store.start_reply("conv_gone", parent_id=None, user=user, trim_start_id=None,
+                                fence=10)
+
+
+async def test_mark_interrupted_spares_conversations_another_process_generates(
+    store: Store,
+) -> None:
+    ids = []
+    for _ in range(2):
+        c = (await store.create_conversation("alice")).id
+        u = await _say(store, c, None, "user", "q")
+        ids.append((c, (await store.add_message(c, parent_id=u.id, role="assistant",
+                                                status="generating")).id))
+    marked = await store.mark_interrupted(except_conversations={ids[1][0]})
+    assert [m.id for m in marked] == [ids[0][1]]
+    assert (await store.get_message(*ids[1])).status == "generating"  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.turns.pipeline import TurnEvent
+from app.turns.events import TurnDelta, TurnDone, TurnFailed, TurnStarted, TurnToolCall
 from app.transports.ui_stream import PartWriter
 from tests.service import Server
 
@@ -310,22 +310,17 @@ def test_tool_call_events_become_tool_input_parts() -> None:
     """The turn pipeline's tool_call events (a name first, then argument fragments) as parts;
     a random-weight model does not call tools on its own, so the events are given here."""
     writer = PartWriter()
-    m = {"message_id": "msg_1"}
+    m = "msg_1"
     events = [
-        TurnEvent("start", {**m, "parent_id": "msg_0"}),
-        TurnEvent("delta", {**m, "text": "Let me look.", "offset": 0}),
-        TurnEvent("tool_call", {**m, "index": 0, "id": "call_a", "name": "get_weather",
-                                "arguments": ""}),
-        TurnEvent("tool_call", {**m, "index": 0, "id": None, "name": None,
-                                "arguments": '{"city": '}),
-        TurnEvent("tool_call", {**m, "index": 0, "id": None, "name": None,
-                                "arguments": '"Paris"}'}),
-        TurnEvent("tool_call", {**m, "index": 1, "id": "call_b", "name": "broken",
-                                "arguments": "{not json"}),
-        TurnEvent("done", {**m, "finish_reason": "tool_calls", "status": "complete",
-                           "usage": {"prompt_tokens": 5, "completion_tokens": 9,
-                                     "total_tokens": 14, "cached_tokens": 0},
-                           "timings": {"ttft_ms": 1.0, "total_ms": 2.0}}),
+        TurnStarted(m, "msg_0"),
+        TurnDelta(m, "Let me look.", 0),
+        TurnToolCall(m, 0, "call_a", "get_weather", ""),
+        TurnToolCall(m, 0, None, None, '{"city": '),
+        TurnToolCall(m, 0, None, None, '"Paris"}'),
+        TurnToolCall(m, 1, "call_b", "broken", "{not json"),
+        TurnDone(m, "complete", "tool_calls",
+                 {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                  "cached_tokens": 0}, {"ttft_ms": 1.0, "total_ms": 2.0}),
     ]
     parts = [part for event in events for part in writer.parts(event)]
     for part in parts:
@@ -344,10 +339,9 @@ def test_tool_call_events_become_tool_input_parts() -> None:
 
 def test_an_engine_error_is_an_error_part() -> None:
     writer = PartWriter()
-    m = {"message_id": "msg_1"}
-    parts = [p for e in (TurnEvent("start", {**m, "parent_id": None}),
-                         TurnEvent("delta", {**m, "text": "x", "offset": 0}),
-                         TurnEvent("error", {**m, "code": "engine_error", "message": "boom"}))
+    m = "msg_1"
+    parts = [p for e in (TurnStarted(m, None), TurnDelta(m, "x", 0),
+                         TurnFailed(m, "engine_error", "boom"))
              for p in writer.parts(e)]
     for part in parts:
         check_part(part)

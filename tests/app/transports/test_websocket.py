@@ -26,7 +26,7 @@ def ws_service(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     from app.main import create_app
 
     settings = service_settings(dev_model, tmp_path_factory.mktemp("ws"), None)
-    settings.ws_grace_period = 1.5
+    settings.ws_grace_period = 600.0  # a dropped reply waits for its client (no race)
     settings.ws_max_connections_per_key = 3
     app = create_app(settings)
     with TestClient(app) as client:
@@ -134,18 +134,41 @@ def test_resume_after_a_drop_gets_exactly_the_missing_text(ws_service: Service) 
 
 
 def test_a_drop_without_resume_is_cancelled_after_the_grace_period(ws_service: Service) -> None:
+    settings = ws_service.state.settings
     conv = conversation(ws_service)
-    with socket(ws_service, conv) as ws:
-        ws.send_json({"type": "message", "content": "Keep going", **LONG})
-        until(ws, "delta")
-    time.sleep(0.5)
-    assert stored(ws_service, conv)[-1]["status"] == "generating"  # still in its grace period
-    deadline = time.monotonic() + 30
-    while stored(ws_service, conv)[-1]["status"] == "generating" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    try:
+        settings.ws_grace_period = 0.2
+        with socket(ws_service, conv) as ws:
+            ws.send_json({"type": "message", "content": "Keep going", **LONG})
+            until(ws, "delta")
+        deadline = time.monotonic() + 60  # a safety net: the grace period ends the reply
+        while stored(ws_service, conv)[-1]["status"] == "generating":
+            assert time.monotonic() < deadline, "the reply was never stopped"
+            time.sleep(0.05)
+    finally:
+        settings.ws_grace_period = 600.0
     reply = stored(ws_service, conv)[-1]
     assert reply["status"] == "cancelled"
     assert reply["usage"]["completion_tokens"] < LONG["max_tokens"]
+
+
+def test_a_client_back_within_the_grace_period_keeps_the_reply(ws_service: Service) -> None:
+    """The reply of a dropped socket has no watcher and its grace period running; a socket
+    that resumes it stops the clock, and the reply runs to its end."""
+    conv = conversation(ws_service)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "message", "content": "Go on", **{**LONG, "max_tokens": 40}})
+        start = ws.receive_json()
+    turn = ws_service.state.turns.running(conv)
+    if turn is not None:  # still generating (the usual case): watched by nobody now
+        deadline = time.monotonic() + 60
+        while turn.watchers or not (turn.in_grace_period or turn.is_done):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    with socket(ws_service, conv) as ws:
+        ws.send_json({"type": "resume", "message_id": start["message_id"], "offset": 0})
+        frames = until(ws, "done")
+    assert frames[-1]["status"] == "complete" and frames[-1]["finish_reason"] == "length"
 
 
 def test_bad_frames_get_error_frames_and_the_socket_stays_usable(ws_service: Service) -> None:
@@ -275,3 +298,24 @@ def test_two_sockets_stream_independently_against_a_started_server(server: Serve
             f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers()
         ).json()["data"][-1]
         assert reply["id"] == done["message_id"] and reply["content"] == text
+
+
+def test_a_revoked_key_closes_its_open_socket_at_the_next_message(ws_service: Service) -> None:
+    state, portal = ws_service.state, ws_service.client.portal
+    record, key = portal.call(lambda: state.store.create_key("soon-revoked", owner="alice"))
+    conv = conversation(ws_service, key)
+    with socket(ws_service, conv, key) as ws:
+        ws.send_json({"type": "message", "content": "Before", "max_tokens": 3})
+        assert until(ws, "done")[-1]["status"] == "complete"
+        portal.call(lambda: state.store.revoke_key(record.id))
+        ws.send_json({"type": "ping"})
+        assert ws.receive_json() == {"type": "pong"}  # no turn: nothing to refuse yet
+        ws.send_json({"type": "message", "content": "After", "max_tokens": 3})
+        frame = ws.receive_json()
+        assert frame["type"] == "error" and frame["code"] == "invalid_api_key"
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+    assert closed.value.code == 4401
+    # nothing was stored for the refused message
+    messages = ws_service.get(f"/v1/conversations/{conv}/messages").json()["data"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["Before"]
