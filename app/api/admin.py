@@ -32,7 +32,8 @@ async def put_session(
 ) -> dict[str, Any]:
     """Set max_context_tokens, max_kv_tokens, history_policy, watermarks,
     max_tool_result_tokens, max_summary_tokens (null: back to the default). Stored on the
-    conversation; applied at the session's next turn."""
+    conversation; applied at the session's next turn. Checked with what the conversation
+    stores and the defaults (400 naming the field, nothing written)."""
     return await operators.update_session(state, conversation_id, body)
 
 

@@ -13,7 +13,11 @@ from memory.history import HistoryPolicy
 
 from app.errors import invalid_request, not_found
 from app.coord.leases import lease_name
-from app.schemas.conversations import SessionSettings
+from app.schemas.conversations import (
+    InvalidSessionSettings,
+    SessionSettings,
+    check_session_settings,
+)
 from app.state import AppState
 from app.store import OVERRIDE_FIELDS, ConversationRecord
 from app.turns.pipeline import context_budget, history_policy, session_budget
@@ -111,8 +115,16 @@ async def conversation(state: AppState, conversation_id: str) -> ConversationRec
 
 
 async def session(state: AppState, conversation_id: str) -> dict[str, Any]:
+    """A session's settings (as stored), what is in effect, its engine state and lease holder.
+    `error` says why a turn would be refused (the stored settings do not fit together or with
+    the defaults; `effective` then shows what the views fall back to); PUT repairs it."""
     conv = await conversation(state, conversation_id)
     policy = history_policy(state, conv)
+    error = None
+    try:
+        check_session_settings(conv.overrides, {}, dataclasses.asdict(state.defaults))
+    except InvalidSessionSettings as e:
+        error = {"param": e.field, "message": str(e)}
     return {
         "object": "session",
         "conversation_id": conv.id,
@@ -127,6 +139,7 @@ async def session(state: AppState, conversation_id: str) -> dict[str, Any]:
             "max_tool_result_tokens": policy.max_tool_result_tokens,
             "max_summary_tokens": policy.max_summary_tokens,
         },
+        "error": error,
         "engine": state.runtime.engine.session_info(conv.id),
         "lease_holder": await state.coord.lease_holder(lease_name(conv.id)),
     }
@@ -136,11 +149,16 @@ async def update_session(
     state: AppState, conversation_id: str, body: SessionSettings
 ) -> dict[str, Any]:
     """Store the settings on the conversation (they survive restarts) and give the engine
-    the new budget: it applies at the session's next turn."""
+    the new budget: it applies at the session's next turn. The settings are checked as they
+    will be, stored and new together over the defaults (400 naming the field, nothing
+    written)."""
     conv = await conversation(state, conversation_id)
     fields = body.model_dump(exclude_unset=True)
+    if fields:
+        check_session_settings(conv.overrides, fields, dataclasses.asdict(state.defaults))
     updated = await state.store.update_conversation(conv.owner, conv.id, **fields)
-    assert updated is not None
+    if updated is None:  # deleted meanwhile
+        raise not_found(f"conversation {conversation_id!r}")
     state.runtime.engine.set_session_budget(conv.id, session_budget(state, updated))
     return await session(state, conversation_id)
 
@@ -179,7 +197,9 @@ REQUIRED_DEFAULTS = ("history_policy", "high_watermark", "low_watermark", "max_s
 
 def update_defaults(state: AppState, body: SessionSettings) -> dict[str, Any]:
     """Defaults of sessions that set none of their own, from their next turn on (this
-    process; every replica takes its own)."""
+    process; every replica takes its own). A conversation whose own settings no longer fit
+    the new defaults (its low_watermark above the new high one) keeps them: its next turn is
+    refused, 400 naming its field, until PATCH or PUT repairs it."""
     fields = body.model_dump(exclude_unset=True)
     for name in REQUIRED_DEFAULTS:
         if name in fields and fields[name] is None:

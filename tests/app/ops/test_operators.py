@@ -46,10 +46,10 @@ def turn(service: Service, conv: str, text: str, **fields: Any) -> dict[str, Any
     return r.json()  # type: ignore[no-any-return]
 
 
-def settled(service: Service, conv: str) -> dict[str, Any]:
+def settled(service: Service, conv: str, key: str | None = None) -> dict[str, Any]:
     """The session once its last turn has pinned its KV (a step after the reply)."""
     for _ in range(200):
-        info = service.get(f"/v1/admin/sessions/{conv}").json()
+        info = service.get(f"/v1/admin/sessions/{conv}", key=key).json()
         if info["engine"] and info["engine"]["state"] != "active":
             return info  # type: ignore[no-any-return]
         time.sleep(0.02)
@@ -210,3 +210,75 @@ def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
     )
     assert "kvchat:pinned_sessions{tier=gpu}" in after
     assert after["kvchat:num_requests_running{}"] == 0
+
+
+def admin_key(service: Service) -> str:
+    _, key = service.client.portal.call(
+        lambda: service.state.store.create_key("ops", admin=True))
+    return key  # type: ignore[no-any-return]
+
+
+def put(service: Service, path: str, body: dict[str, Any], key: str) -> Any:
+    return service.client.put(path, headers=service.headers(key), json=body)
+
+
+def readable(service: Service, conv: str) -> None:
+    """The owner's conversation reads and lists."""
+    assert service.get(f"/v1/conversations/{conv}").status_code == 200
+    page = service.get("/v1/conversations", params={"limit": 100})
+    assert page.status_code == 200 and conv in [c["id"] for c in page.json()["data"]]
+
+
+def test_put_checks_settings_with_what_the_conversation_stores(service: Service) -> None:
+    admin = admin_key(service)
+    conv = service.post("/v1/conversations", {"low_watermark": 0.6}).json()["id"]
+    path = f"/v1/admin/sessions/{conv}"
+    r = put(service, path, {"high_watermark": 0.3}, admin)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "high_watermark", r.text
+    view = service.get(path, key=admin)
+    assert view.status_code == 200, view.text
+    assert view.json()["settings"]["high_watermark"] is None and view.json()["error"] is None
+    readable(service, conv)
+    # A row that holds them anyway (from before this check, or by hand): every view reads it,
+    # the admin one says why a turn is refused, the turn says so too, and PUT repairs it.
+    service.client.portal.call(
+        lambda: service.state.store.update_conversation("alice", conv, high_watermark=0.3))
+    view = service.get(path, key=admin)
+    assert view.status_code == 200, view.text
+    assert view.json()["settings"]["high_watermark"] == 0.3
+    assert view.json()["error"]["param"] == "high_watermark"
+    readable(service, conv)
+    assert service.get("/v1/admin/memory", key=admin).status_code == 200
+    refused = service.post(f"/v1/conversations/{conv}/messages", {"content": "Hi"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "high_watermark"
+    repaired = put(service, path, {"high_watermark": 0.9}, admin)
+    assert repaired.status_code == 200, repaired.text
+    assert repaired.json()["error"] is None
+    effective = repaired.json()["effective"]
+    assert (effective["low_watermark"], effective["high_watermark"]) == (0.6, 0.9)
+    assert turn(service, conv, "Hi")["status"] == "complete"
+
+
+def test_defaults_a_conversation_no_longer_fits_refuse_its_next_turn(service: Service) -> None:
+    admin = admin_key(service)
+    conv = service.post("/v1/conversations", {"low_watermark": 0.7}).json()["id"]
+    try:
+        r = put(service, "/v1/admin/defaults", {"high_watermark": 0.6}, admin)
+        assert r.status_code == 200, r.text
+        readable(service, conv)
+        refused = service.post(f"/v1/conversations/{conv}/messages", {"content": "Hi"})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "low_watermark"  # the conversation's own, to change
+        assert "high_watermark 0.6: the server default" in error["message"], error["message"]
+        view = service.get(f"/v1/admin/sessions/{conv}", key=admin).json()
+        assert view["error"]["param"] == "low_watermark"
+        messages = service.get(f"/v1/conversations/{conv}/messages").json()["data"]
+        assert messages == []
+        patched = service.client.patch(f"/v1/conversations/{conv}", headers=service.headers(),
+                                       json={"high_watermark": 0.9})
+        assert patched.status_code == 200, patched.text
+        assert turn(service, conv, "Hi")["status"] == "complete"
+    finally:
+        put(service, "/v1/admin/defaults", {"high_watermark": 0.8}, admin)
+
