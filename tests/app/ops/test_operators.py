@@ -3,6 +3,7 @@ Prometheus metrics that move as a scripted workload predicts."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,3 +283,58 @@ def test_defaults_a_conversation_no_longer_fits_refuse_its_next_turn(service: Se
     finally:
         put(service, "/v1/admin/defaults", {"high_watermark": 0.8}, admin)
 
+
+def stateless_id(owner: str, header: str) -> str:
+    """The documented id of an X-Session-Id session (app.turns.prompting.session_key)."""
+    return "sess_" + hashlib.sha256(f"{owner}\0{header}".encode()).hexdigest()[:32]
+
+
+def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(
+    service: Service
+) -> None:
+    admin = admin_key(service)
+    body = {"model": service.model, "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "An agent's history, long enough for a few blocks. " * 3}]}
+
+    def call(key: str | None = None) -> None:
+        r = service.post("/v1/chat/completions", body, key=key,
+                         headers={"X-Session-Id": "agent-7"})
+        assert r.status_code == 200, r.text
+
+    call()
+    session_id = stateless_id("alice", "agent-7")
+    path = f"/v1/admin/sessions/{session_id}"
+    view = settled(service, session_id, admin)
+    assert view["kind"] == "stateless" and view["session_id"] == session_id
+    assert view["engine"]["state"] == "resident" and view["engine"]["tokens"] > 32
+    memory = service.get("/v1/admin/memory", key=admin)
+    assert "agent-7" not in memory.text  # the header a client sent is not shown
+    (listed,) = [s for s in memory.json()["sessions"] if s["session_id"] == session_id]
+    assert listed["kind"] == "stateless" and listed["conversation_id"] is None
+    assert listed["tokens"] == view["engine"]["tokens"]
+    assert all(s["kind"] == "conversation" and s["conversation_id"] == s["session_id"]
+               for s in memory.json()["sessions"] if s["session_id"] != session_id
+               and not s["session_id"].startswith("sess_"))
+    # Evict: to the host pool, then dropped.
+    moved = service.post(f"{path}/evict?offload=true", {}, key=admin).json()
+    assert (moved["session_id"], moved["before"], moved["state"]) == (
+        session_id, "resident", "offloaded")
+    dropped = service.post(f"{path}/evict?offload=false", {}, key=admin).json()
+    assert (dropped["before"], dropped["state"]) == ("offloaded", "empty")
+    # A budget applies to its engine session from its next call; history settings do not.
+    r = put(service, path, {"max_kv_tokens": 16}, admin)
+    assert r.status_code == 200 and r.json()["effective"]["max_kv_tokens"] == 16, r.text
+    call()
+    assert settled(service, session_id, admin)["engine"]["tokens"] == 16
+    bad = put(service, path, {"history_policy": "drop"}, admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
+    back = put(service, path, {"max_kv_tokens": None}, admin)
+    assert back.json()["effective"]["max_kv_tokens"] == service.state.defaults.max_kv_tokens
+    # Another owner's equal header is another session; an unknown id is not found.
+    call(service.other_key)
+    other = stateless_id("bob", "agent-7")
+    assert other != session_id and settled(service, other, admin)["kind"] == "stateless"
+    unknown = "sess_" + "0" * 32
+    assert service.get(f"/v1/admin/sessions/{unknown}", key=admin).status_code == 404
+    assert service.post(f"/v1/admin/sessions/{unknown}/evict", {}, key=admin).status_code == 404
+    assert put(service, f"/v1/admin/sessions/{unknown}", {}, admin).status_code == 404
