@@ -529,8 +529,12 @@ async def summarize(
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
     covers = [*(previous.covers if previous else ()), *newly]
     measured = runtime.builder.summary_state(conv.system_prompt, text, covers)
-    await state.store.add_summary(conv.id, text=text, num_tokens=measured.num_tokens,
-                                  covers=list(covers))
+    try:
+        await state.store.add_summary(conv.id, text=text, num_tokens=measured.num_tokens,
+                                      covers=list(covers))
+    except LookupError:  # deleted while its summary was being made: nothing left to keep
+        log.debug("summary of %s dropped: the conversation was deleted", conv.id)
+        return
     runtime.engine.record_history(conv.id, HistoryStats(summaries=1,
                                                         summary_tokens=num_generated))
 

@@ -332,3 +332,44 @@ def test_another_owners_conversation_never_tells_whether_a_message_exists(
     assert own.status_code == 404 and own.json()["error"]["param"] == "current_leaf_id"
     assert service.get(f"/v1/conversations/{conv['id']}").json()["current_leaf_id"] == reply["id"]
 
+
+def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
+    service: Service, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    state = service.state
+    conv = create(service, max_context_tokens=200, history_policy="summarize",
+                  max_summary_tokens=8)["id"]
+    real = state.store.add_summary
+    reached = threading.Event()
+    proceed = asyncio.Event()
+    jobs: list[asyncio.Task[Any]] = []
+
+    async def held(conversation_id: str, **fields: Any) -> Any:
+        """The summary is made: hold it here, before it is stored, until the test says."""
+        task = asyncio.current_task()
+        assert task is not None
+        jobs.append(task)
+        reached.set()
+        await proceed.wait()
+        return await real(conversation_id, **fields)
+
+    monkeypatch.setattr(state.store, "add_summary", held)
+    for turn in range(12):  # until a turn drops messages, which starts a summary
+        r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3)
+        assert r.status_code == 200, r.text
+        if state.runtime.engine.session_history(conv)["trims"]:
+            break
+    assert reached.wait(120), "no summary was started"
+    deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
+    assert deleted.status_code == 200, deleted.text
+    caplog.set_level(logging.DEBUG, logger="app.turns.pipeline")
+    service.client.portal.call(proceed.set)
+    service.client.portal.call(asyncio.wait_for, jobs[0], 60)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert any(conv in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    assert service.client.portal.call(real.__self__.latest_summary, conv) is None
+    assert state.runtime.engine.session_history(conv)["summaries"] == 0
