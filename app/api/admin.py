@@ -16,34 +16,47 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 @router.get("/memory")
 async def memory(key: AdminKey, state: StateDep) -> dict[str, Any]:
-    """Pool and host pool usage, pinned sessions, prefix-cache hit rate, where prefill tokens
-    came from, evictions, offloads, preemptions, trims and summaries."""
+    """Pool and host pool usage, pinned sessions (each with its `session_id` and `kind`:
+    `conversation`, or `stateless` for an `X-Session-Id` of chat completions), prefix-cache
+    hit rate, where prefill tokens came from, evictions, offloads, preemptions, trims and
+    summaries."""
     return operators.memory(state)
 
 
-@router.get("/sessions/{conversation_id}")
-async def get_session(conversation_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
-    return await operators.session(state, conversation_id)
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    """A conversation's session (its id) or a stateless one (`sess_...`, as `GET /memory`
+    lists it): settings stored and in effect, why a turn would be refused (`error`), the
+    engine's state."""
+    return await operators.session(state, session_id)
 
 
-@router.put("/sessions/{conversation_id}")
+@router.put("/sessions/{session_id}")
 async def put_session(
-    conversation_id: str, body: SessionSettings, key: AdminKey, state: StateDep
+    session_id: str, body: SessionSettings, key: AdminKey, state: StateDep
 ) -> dict[str, Any]:
     """Set max_context_tokens, max_kv_tokens, history_policy, watermarks,
     max_tool_result_tokens, max_summary_tokens (null: back to the default). Stored on the
-    conversation; applied at the session's next turn."""
-    return await operators.update_session(state, conversation_id, body)
+    conversation; applied at the session's next turn. Checked with what the conversation
+    stores and the defaults (400 naming the field, nothing written).
+
+    A stateless session (`sess_...`) takes max_kv_tokens and max_context_tokens only, applied
+    to its engine session from its next call and held by this process, not stored (a restart
+    forgets them); a history setting is a 400 naming the field, since its client sends the
+    whole history each call."""
+    return await operators.update_session(state, session_id, body)
 
 
-@router.post("/sessions/{conversation_id}/evict")
+@router.post("/sessions/{session_id}/evict")
 async def evict(
-    conversation_id: str,
+    session_id: str,
     key: AdminKey,
     state: StateDep,
     offload: Annotated[bool, Query(description="Move to the host pool (else drop).")] = True,
 ) -> dict[str, Any]:
-    return await operators.evict(state, conversation_id, offload)
+    """Move an idle session's KV (a conversation's or a stateless one's) to the host pool, or
+    drop it; its next turn restores or recomputes it."""
+    return await operators.evict(state, session_id, offload)
 
 
 @router.get("/defaults")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -17,6 +18,7 @@ from app.turns.turn import Turn
 from app.errors import invalid_request, not_found
 from app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
 from app.schemas.conversations import (
+    SETTINGS_FIELDS,
     ConversationCreate,
     ConversationList,
     ConversationOut,
@@ -25,6 +27,7 @@ from app.schemas.conversations import (
     MessageOut,
     PostMessage,
     Regenerate,
+    check_session_settings,
 )
 from app.ops.limits import RateLimitedKey
 from app.state import CurrentKey, StateDep
@@ -38,7 +41,10 @@ IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
 async def create_conversation(
     body: ConversationCreate, key: CurrentKey, state: StateDep
 ) -> ConversationOut:
+    """A new conversation; its settings are checked together, over the server defaults (400
+    naming the field)."""
     fields = body.model_dump(exclude={"title", "system", "metadata"}, exclude_none=True)
+    check_session_settings({}, fields, asdict(state.defaults))
     conv = await state.store.create_conversation(
         key.owner, title=body.title, system_prompt=body.system, metadata=body.metadata or {},
         **fields,
@@ -75,16 +81,26 @@ async def get_conversation(
 async def update_conversation(
     conversation_id: str, body: ConversationPatch, key: CurrentKey, state: StateDep
 ) -> ConversationOut:
+    """Change what the body sets (null: back to the default). Settings are checked as they
+    will be, what is stored and the change together, over the server defaults (400 naming the
+    field, nothing written); a conversation whose stored settings are refused is repaired
+    here. Another owner's conversation is not found, whatever the body names."""
+    conv = await state.store.get_conversation(key.owner, conversation_id)
+    if conv is None:
+        raise not_found(f"conversation {conversation_id!r}")
     fields = body.model_dump(exclude_unset=True)
     if "system" in fields:
         fields["system_prompt"] = fields.pop("system")
+    settings = {name: fields[name] for name in SETTINGS_FIELDS if name in fields}
+    if settings:
+        check_session_settings(conv.overrides, settings, asdict(state.defaults))
     leaf = fields.get("current_leaf_id")
     if leaf is not None and await state.store.get_message(conversation_id, leaf) is None:
         raise not_found(f"message {leaf!r}", "current_leaf_id")
-    conv = await state.store.update_conversation(key.owner, conversation_id, **fields)
-    if conv is None:
+    updated = await state.store.update_conversation(key.owner, conversation_id, **fields)
+    if updated is None:  # deleted meanwhile
         raise not_found(f"conversation {conversation_id!r}")
-    return conversation_out(conv)
+    return conversation_out(updated)
 
 
 @router.delete("/{conversation_id}")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES
+from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
 
 from app.schemas.chat import SamplingFields, TextPart, ToolCall
 
@@ -15,7 +16,10 @@ ROOT = "root"  # parent_id that makes a new message a root (editing the first me
 
 
 class SessionSettings(BaseModel):
-    """Per-conversation budget and history policy; unset fields take the server defaults."""
+    """Per-conversation budget and history policy; unset fields take the server defaults.
+
+    Each field is checked alone here; how they fit together (the watermarks' order), with what
+    a conversation already stores and with the defaults, by check_session_settings()."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -34,12 +38,90 @@ class SessionSettings(BaseModel):
             raise ValueError(f"must be one of {', '.join(POLICIES)}")
         return value
 
-    @model_validator(mode="after")
-    def _watermarks(self) -> SessionSettings:
-        low, high = self.low_watermark, self.high_watermark
-        if low is not None and high is not None and low > high:
-            raise ValueError("low_watermark must not exceed high_watermark")
-        return self
+
+SETTINGS_FIELDS = tuple(SessionSettings.model_fields)
+WATERMARKS = ("low_watermark", "high_watermark")
+
+
+class InvalidSessionSettings(HistoryPolicyError):
+    """Session settings that cannot run a turn; `field` names the setting as the API does (the
+    service answers a HistoryPolicyError 400 with that param)."""
+
+
+def check_session_settings(
+    stored: Mapping[str, Any], changes: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> None:
+    """Check a conversation's settings as they will be once `changes` (the fields a request
+    sets; None: back to the default) apply over `stored` (what it holds now; None or absent:
+    unset), each unset one taking its value from `defaults` (the server's, all fields).
+
+    Checked together, since settings checked one request at a time can add up to a policy no
+    turn can run (`low_watermark` 0.6 stored, `high_watermark` 0.3 patched later). Raises
+    InvalidSessionSettings naming a field the request changed where one is to blame, else one
+    the conversation stores; the message says where each value came from."""
+    merged = {name: stored.get(name) for name in SETTINGS_FIELDS} | dict(changes)
+
+    def source(name: str) -> str:
+        if merged[name] is None:
+            return "the server default"
+        return "this request" if name in changes else "stored on the conversation"
+
+    def blamed(involved: tuple[str, ...], named: str) -> str:
+        candidates = ([n for n in involved if n in changes]
+                      or [n for n in involved if merged[n] is not None] or list(involved))
+        return named if named in candidates else candidates[0]
+
+    try:
+        SessionSettings.model_validate({n: v for n, v in merged.items() if v is not None})
+    except ValidationError as e:
+        errors = [(str(err["loc"][0]), str(err["msg"]).removeprefix("Value error, "))
+                  for err in e.errors() if err["loc"] and err["loc"][0] in merged]
+        if not errors:  # no field named: say what pydantic says
+            raise InvalidSessionSettings(str(e), next(iter(changes), "settings")) from None
+        name, message = next(((n, m) for n, m in errors if n in changes), errors[0])
+        raise InvalidSessionSettings(
+            f"{name} {merged[name]!r} ({source(name)}): {message}", name
+        ) from None
+    effective: dict[str, Any] = {n: defaults[n] if merged[n] is None else merged[n]
+                                 for n in SETTINGS_FIELDS}
+    try:
+        HistoryPolicy(
+            policy=effective["history_policy"], high_watermark=effective["high_watermark"],
+            low_watermark=effective["low_watermark"],
+            max_tool_result_tokens=effective["max_tool_result_tokens"],
+            max_summary_tokens=effective["max_summary_tokens"],
+        )
+    except HistoryPolicyError as e:
+        named = "history_policy" if e.field == "policy" else e.field
+        involved = WATERMARKS if named in WATERMARKS else (named,)
+        message = str(e)
+        if named in WATERMARKS and effective["low_watermark"] > effective["high_watermark"]:
+            message = "low_watermark must not exceed high_watermark"
+        sources = "; ".join(f"{n} {effective[n]!r}: {source(n)}" for n in involved)
+        raise InvalidSessionSettings(f"{message} ({sources})", blamed(involved, named)) from None
+
+
+def setting_in_range(name: str, value: Any) -> bool:
+    """Whether `value` passes the rules of the SessionSettings field `name`, alone."""
+    try:
+        SessionSettings.model_validate({name: value})
+    except ValidationError:
+        return False
+    return True
+
+
+class StoredSessionSettings(BaseModel):
+    """A conversation's settings as stored, in a response: types only, no ranges, so a row
+    that SessionSettings would refuse now (stored before settings were checked together, or
+    by hand) still lists and reads; a turn on it answers 400 naming the field."""
+
+    max_context_tokens: int | None = None
+    max_kv_tokens: int | None = None
+    history_policy: str | None = None
+    high_watermark: float | None = None
+    low_watermark: float | None = None
+    max_tool_result_tokens: int | None = None
+    max_summary_tokens: int | None = None
 
 
 class ConversationCreate(SessionSettings):
@@ -55,9 +137,7 @@ class ConversationPatch(SessionSettings):
     current_leaf_id: str | None = None
 
 
-class ConversationOut(SessionSettings):
-    model_config = ConfigDict(extra="ignore")
-
+class ConversationOut(StoredSessionSettings):
     id: str
     object: Literal["conversation"] = "conversation"
     title: str | None

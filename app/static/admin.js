@@ -126,7 +126,7 @@ function renderSessions() {
 }
 
 function sessionRow(s) {
-  const id = s.conversation_id;
+  const id = s.session_id;  // a conversation's id, or a stateless session's sess_...
   const evict = (offload) => async () => {
     await api("POST", `/v1/admin/sessions/${id}/evict?offload=${offload}`);
     await refresh();

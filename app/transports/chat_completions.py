@@ -1,7 +1,8 @@
 """Stateless chat completions (OpenAI's `POST /v1/chat/completions`): the client sends the whole
 history every call. With an `X-Session-Id` the call runs in that session (scoped to the key's
 owner), so its pinned KV is reused exactly as in the conversations API; without one the prefix
-cache still serves. Nothing is stored."""
+cache still serves. Nothing is stored. Operators see such a session, evict it and set its
+budget by its `sess_...` id (app.turns.prompting.session_key)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ async def create(
     grammar = output_grammar(body, fmt, runtime.grammars)
     params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
               for i in range(body.n)]
-    runtime.engine.validate_prompt(prompt, params[0])
+    # Against the session's budget too (an operator's max_context_tokens): a 400 now, not an
+    # error mid-stream.
+    runtime.engine.validate_prompt(prompt, params[0], skey)
     check_capacity(state)
     started = time.monotonic()
     generations = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from inference.chat_template import ChatMessage
@@ -21,6 +21,7 @@ from inference.scheduler import PRIORITY_LOW
 from memory.history import (
     ContextPlan,
     HistoryPolicy,
+    HistoryPolicyError,
     SummaryState,
     plan_context,
 )
@@ -32,7 +33,12 @@ from app.errors import invalid_request, not_found, unavailable
 from app.turns.prompting import offered_tools, sampling_params
 from app.turns.structured import output_grammar
 from app.schemas.chat import SamplingFields
-from app.schemas.conversations import ROOT
+from app.schemas.conversations import (
+    ROOT,
+    InvalidSessionSettings,
+    check_session_settings,
+    setting_in_range,
+)
 from app.state import AppState
 from app.store import NEW_USER, ConversationRecord, MessageRecord
 
@@ -78,20 +84,46 @@ class PreparedTurn:
 # -- the pipeline ----------------------------------------------------------------------------
 
 
+def check_settings(state: AppState, conv: ConversationRecord) -> None:
+    """Refuse a turn (400 naming the field) on a conversation whose settings, over the
+    defaults, make no budget and policy a turn can run: a row stored before settings were
+    checked together, or by hand, or left behind by a change of the defaults."""
+    try:
+        check_session_settings(conv.overrides, {}, asdict(state.defaults))
+    except InvalidSessionSettings as e:
+        raise invalid_request(
+            f"This conversation's settings cannot run a turn: {e}. Change them with PATCH "
+            f"/v1/conversations/{conv.id}.", e.field, code="invalid_session_settings",
+        ) from None
+
+
+# The three below never raise, whatever a row holds (listings and the admin view read them):
+# a value out of its field's range reads as unset, and a policy whose values do not fit
+# together reads as the defaults' policy. A turn refuses such a row first (check_settings).
+
+
 def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
     default = state.defaults
-    return HistoryPolicy(
-        policy=conv.history_policy or default.history_policy,
-        high_watermark=_pick(conv.high_watermark, default.high_watermark),
-        low_watermark=_pick(conv.low_watermark, default.low_watermark),
-        max_tool_result_tokens=_pick(conv.max_tool_result_tokens, default.max_tool_result_tokens),
-        max_summary_tokens=_pick(conv.max_summary_tokens, default.max_summary_tokens),
-    )
+    try:
+        return HistoryPolicy(
+            policy=_setting(state, conv, "history_policy"),
+            high_watermark=_setting(state, conv, "high_watermark"),
+            low_watermark=_setting(state, conv, "low_watermark"),
+            max_tool_result_tokens=_setting(state, conv, "max_tool_result_tokens"),
+            max_summary_tokens=_setting(state, conv, "max_summary_tokens"),
+        )
+    except HistoryPolicyError:
+        return HistoryPolicy(
+            policy=default.history_policy, high_watermark=default.high_watermark,
+            low_watermark=default.low_watermark,
+            max_tool_result_tokens=default.max_tool_result_tokens,
+            max_summary_tokens=default.max_summary_tokens,
+        )
 
 
 def context_budget(state: AppState, conv: ConversationRecord) -> int:
     limit = state.runtime.max_model_len
-    budget = _pick(conv.max_context_tokens, state.defaults.max_context_tokens)
+    budget = _setting(state, conv, "max_context_tokens")
     return min(limit, budget) if budget else limit
 
 
@@ -99,13 +131,16 @@ def session_budget(state: AppState, conv: ConversationRecord) -> SessionBudget:
     """The engine-side budget of the conversation's session, set before each of its turns
     (an operator's change applies at the next turn)."""
     return SessionBudget(
-        max_kv_tokens=_pick(conv.max_kv_tokens, state.defaults.max_kv_tokens),
+        max_kv_tokens=_setting(state, conv, "max_kv_tokens"),
         max_context_tokens=context_budget(state, conv),
     )
 
 
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
+def _setting(state: AppState, conv: ConversationRecord, name: str) -> Any:
+    value = getattr(conv, name)
+    if value is None or not setting_in_range(name, value):
+        return getattr(state.defaults, name)
+    return value
 
 
 def as_chat(message: MessageRecord) -> ChatMessage:
@@ -144,6 +179,7 @@ async def prepare_turn(
     regenerates the reply to `parent_id` (a user or tool message). Raises the request's
     errors (APIError, the planner's and the engine's) before anything is stored."""
     runtime, store = state.runtime, state.store
+    check_settings(state, conv)
     tools = offered_tools(fields)
     tool_names = {t.function.name for t in fields.tools} if fields.tools else None
     tool_format = runtime.template.tool_call_format if tools else None
@@ -292,7 +328,11 @@ async def summarize(
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
     covers = [*(previous.covers if previous else ()), *newly]
     measured = runtime.builder.summary_state(conv.system_prompt, text, covers)
-    await state.store.add_summary(conv.id, text=text, num_tokens=measured.num_tokens,
-                                  covers=list(covers))
+    try:
+        await state.store.add_summary(conv.id, text=text, num_tokens=measured.num_tokens,
+                                      covers=list(covers))
+    except LookupError:  # deleted while its summary was being made: nothing left to keep
+        log.debug("summary of %s dropped: the conversation was deleted", conv.id)
+        return
     runtime.engine.record_history(conv.id, HistoryStats(summaries=1,
                                                         summary_tokens=num_generated))

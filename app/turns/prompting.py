@@ -4,6 +4,7 @@ sampling parameters, and replies the model generated spliced back as their exact
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import OrderedDict
@@ -19,6 +20,7 @@ from app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
 from app.turns.structured import check_json_schema
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+STATELESS_SESSION_PREFIX = "sess_"  # engine sessions of X-Session-Id (conversations': conv_)
 
 
 def unsupported(feature: str, param: str) -> APIError:
@@ -213,7 +215,10 @@ class GeneratedIds:
 
 
 def session_key(owner: str, session_id: str | None) -> str | None:
-    """The engine session of a stateless call's X-Session-Id, scoped to the key's owner."""
+    """The engine session of a stateless call's X-Session-Id, scoped to the key's owner:
+    `sess_` and the first 32 hex digits of sha256(owner, NUL, X-Session-Id). It is also the
+    session's id in the admin API (`/v1/admin/sessions/{id}`, `GET /v1/admin/memory`): the
+    header a client sent never shows there, and two owners' equal headers are two sessions."""
     if session_id is None:
         return None
     if not SESSION_ID_PATTERN.match(session_id):
@@ -221,4 +226,5 @@ def session_key(owner: str, session_id: str | None) -> str | None:
             "X-Session-Id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
             "X-Session-Id",
         )
-    return f"{owner}/{session_id}"
+    digest = hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()
+    return f"{STATELESS_SESSION_PREFIX}{digest[:32]}"

@@ -242,6 +242,139 @@ def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy:
     assert sum(1 for c in cached[1:] if c > 0) >= len(cached[1:]) - info["trims"] - 1
 
 
+def patch(service: Service, conv_id: str, body: dict[str, Any], key: str | None = None) -> Any:
+    return service.client.patch(f"/v1/conversations/{conv_id}", headers=service.headers(key),
+                                json=body)
+
+
+def listed(service: Service, conv_id: str) -> dict[str, Any]:
+    r = service.get("/v1/conversations", params={"limit": 100})
+    assert r.status_code == 200, r.text
+    (conv,) = [c for c in r.json()["data"] if c["id"] == conv_id]
+    return conv  # type: ignore[no-any-return]
+
+
+def test_settings_are_checked_together_with_what_is_stored(service: Service) -> None:
+    conv = create(service, low_watermark=0.6)
+    r = patch(service, conv["id"], {"high_watermark": 0.3})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "high_watermark"
+    assert "low_watermark 0.6: stored" in error["message"], error["message"]
+    # Nothing was written: the conversation reads, lists and runs a turn as before.
+    got = service.get(f"/v1/conversations/{conv['id']}")
+    assert got.status_code == 200, got.text
+    assert (got.json()["low_watermark"], got.json()["high_watermark"]) == (0.6, None)
+    assert listed(service, conv["id"])["high_watermark"] is None
+    assert say(service, conv["id"], "Still fine?").status_code == 200
+    # A change that fits is written; the next one is checked against it.
+    assert patch(service, conv["id"], {"high_watermark": 0.7}).json()["high_watermark"] == 0.7
+    r = patch(service, conv["id"], {"low_watermark": 0.9, "title": "not written either"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "low_watermark"
+    assert service.get(f"/v1/conversations/{conv['id']}").json()["title"] is None
+    # Back to the default is checked too: the default high_watermark (0.8) is under 0.85.
+    assert patch(service, conv["id"], {"low_watermark": 0.85, "high_watermark": 0.9}
+                 ).status_code == 200
+    r = patch(service, conv["id"], {"high_watermark": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "high_watermark"
+    assert "high_watermark 0.8: the server default" in r.json()["error"]["message"]
+    # At creation, over the defaults, naming the field even when both come in one body.
+    r = service.post("/v1/conversations", {"low_watermark": 0.9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "low_watermark"
+    r = service.post("/v1/conversations", {"low_watermark": 0.9, "high_watermark": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "high_watermark"
+    assert create(service, low_watermark=0.9, high_watermark=0.95)["low_watermark"] == 0.9
+
+
+@pytest.mark.parametrize("stored, param", [
+    ({"low_watermark": 0.6, "high_watermark": 0.3}, "high_watermark"),
+    ({"max_context_tokens": 5}, "max_context_tokens"),
+    ({"max_kv_tokens": -1}, "max_kv_tokens"),
+    ({"history_policy": "forget"}, "history_policy"),
+    ({"max_tool_result_tokens": 3}, "max_tool_result_tokens"),
+])
+def test_a_stored_row_the_checks_refuse_still_lists_and_its_turn_says_why(
+    service: Service, stored: dict[str, Any], param: str
+) -> None:
+    conv = create(service, title="written by hand")
+    # As a row from before settings were checked together (or edited by hand) holds them.
+    service.client.portal.call(
+        lambda: service.state.store.update_conversation("alice", conv["id"], **stored))
+    got = service.get(f"/v1/conversations/{conv['id']}")
+    assert got.status_code == 200, got.text
+    assert {k: got.json()[k] for k in stored} == stored
+    assert {k: listed(service, conv["id"])[k] for k in stored} == stored
+    r = say(service, conv["id"], "Hello?")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_session_settings"
+    assert f"PATCH /v1/conversations/{conv['id']}" in error["message"]
+    assert branch(service, conv["id"]) == []  # the refused turn stored nothing
+    # The owner repairs it.
+    repaired = patch(service, conv["id"], {name: None for name in stored})
+    assert repaired.status_code == 200, repaired.text
+    assert say(service, conv["id"], "Hello again.").status_code == 200
+
+
+def test_another_owners_conversation_never_tells_whether_a_message_exists(
+    service: Service
+) -> None:
+    conv = create(service)
+    reply = say(service, conv["id"], "Hi").json()
+    answers = [patch(service, conv["id"], {"current_leaf_id": leaf}, key=service.other_key)
+               for leaf in (reply["id"], "msg_missing")]
+    assert [a.status_code for a in answers] == [404, 404]
+    assert answers[0].json() == answers[1].json()
+    assert answers[0].json()["error"]["param"] is None
+    assert "conversation" in answers[0].json()["error"]["message"]
+    # The owner is told which message is missing, and nothing changed for the refusals.
+    own = patch(service, conv["id"], {"current_leaf_id": "msg_missing"})
+    assert own.status_code == 404 and own.json()["error"]["param"] == "current_leaf_id"
+    assert service.get(f"/v1/conversations/{conv['id']}").json()["current_leaf_id"] == reply["id"]
+
+
+def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
+    service: Service, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    state = service.state
+    conv = create(service, max_context_tokens=200, history_policy="summarize",
+                  max_summary_tokens=8)["id"]
+    real = state.store.add_summary
+    reached = threading.Event()
+    proceed = asyncio.Event()
+    jobs: list[asyncio.Task[Any]] = []
+
+    async def held(conversation_id: str, **fields: Any) -> Any:
+        """The summary is made: hold it here, before it is stored, until the test says."""
+        task = asyncio.current_task()
+        assert task is not None
+        jobs.append(task)
+        reached.set()
+        await proceed.wait()
+        return await real(conversation_id, **fields)
+
+    monkeypatch.setattr(state.store, "add_summary", held)
+    for turn in range(12):  # until a turn drops messages, which starts a summary
+        r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3)
+        assert r.status_code == 200, r.text
+        if state.runtime.engine.session_history(conv)["trims"]:
+            break
+    assert reached.wait(120), "no summary was started"
+    deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
+    assert deleted.status_code == 200, deleted.text
+    caplog.set_level(logging.DEBUG, logger="app.turns.pipeline")
+    service.client.portal.call(proceed.set)
+    service.client.portal.call(asyncio.wait_for, jobs[0], 60)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert any(conv in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    assert service.client.portal.call(real.__self__.latest_summary, conv) is None
+    assert state.runtime.engine.session_history(conv)["summaries"] == 0
+
+
 # -- a turn's end, whatever happens around it ------------------------------------------------------
 
 LONG_REPLY = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}

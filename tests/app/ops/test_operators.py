@@ -3,6 +3,7 @@ Prometheus metrics that move as a scripted workload predicts."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,10 +47,10 @@ def turn(service: Service, conv: str, text: str, **fields: Any) -> dict[str, Any
     return r.json()  # type: ignore[no-any-return]
 
 
-def settled(service: Service, conv: str) -> dict[str, Any]:
+def settled(service: Service, conv: str, key: str | None = None) -> dict[str, Any]:
     """The session once its last turn has pinned its KV (a step after the reply)."""
     for _ in range(200):
-        info = service.get(f"/v1/admin/sessions/{conv}").json()
+        info = service.get(f"/v1/admin/sessions/{conv}", key=key).json()
         if info["engine"] and info["engine"]["state"] != "active":
             return info  # type: ignore[no-any-return]
         time.sleep(0.02)
@@ -210,3 +211,130 @@ def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
     )
     assert "kvchat:pinned_sessions{tier=gpu}" in after
     assert after["kvchat:num_requests_running{}"] == 0
+
+
+def admin_key(service: Service) -> str:
+    _, key = service.client.portal.call(
+        lambda: service.state.store.create_key("ops", admin=True))
+    return key  # type: ignore[no-any-return]
+
+
+def put(service: Service, path: str, body: dict[str, Any], key: str) -> Any:
+    return service.client.put(path, headers=service.headers(key), json=body)
+
+
+def readable(service: Service, conv: str) -> None:
+    """The owner's conversation reads and lists."""
+    assert service.get(f"/v1/conversations/{conv}").status_code == 200
+    page = service.get("/v1/conversations", params={"limit": 100})
+    assert page.status_code == 200 and conv in [c["id"] for c in page.json()["data"]]
+
+
+def test_put_checks_settings_with_what_the_conversation_stores(service: Service) -> None:
+    admin = admin_key(service)
+    conv = service.post("/v1/conversations", {"low_watermark": 0.6}).json()["id"]
+    path = f"/v1/admin/sessions/{conv}"
+    r = put(service, path, {"high_watermark": 0.3}, admin)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "high_watermark", r.text
+    view = service.get(path, key=admin)
+    assert view.status_code == 200, view.text
+    assert view.json()["settings"]["high_watermark"] is None and view.json()["error"] is None
+    readable(service, conv)
+    # A row that holds them anyway (from before this check, or by hand): every view reads it,
+    # the admin one says why a turn is refused, the turn says so too, and PUT repairs it.
+    service.client.portal.call(
+        lambda: service.state.store.update_conversation("alice", conv, high_watermark=0.3))
+    view = service.get(path, key=admin)
+    assert view.status_code == 200, view.text
+    assert view.json()["settings"]["high_watermark"] == 0.3
+    assert view.json()["error"]["param"] == "high_watermark"
+    readable(service, conv)
+    assert service.get("/v1/admin/memory", key=admin).status_code == 200
+    refused = service.post(f"/v1/conversations/{conv}/messages", {"content": "Hi"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "high_watermark"
+    repaired = put(service, path, {"high_watermark": 0.9}, admin)
+    assert repaired.status_code == 200, repaired.text
+    assert repaired.json()["error"] is None
+    effective = repaired.json()["effective"]
+    assert (effective["low_watermark"], effective["high_watermark"]) == (0.6, 0.9)
+    assert turn(service, conv, "Hi")["status"] == "complete"
+
+
+def test_defaults_a_conversation_no_longer_fits_refuse_its_next_turn(service: Service) -> None:
+    admin = admin_key(service)
+    conv = service.post("/v1/conversations", {"low_watermark": 0.7}).json()["id"]
+    try:
+        r = put(service, "/v1/admin/defaults", {"high_watermark": 0.6}, admin)
+        assert r.status_code == 200, r.text
+        readable(service, conv)
+        refused = service.post(f"/v1/conversations/{conv}/messages", {"content": "Hi"})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "low_watermark"  # the conversation's own, to change
+        assert "high_watermark 0.6: the server default" in error["message"], error["message"]
+        view = service.get(f"/v1/admin/sessions/{conv}", key=admin).json()
+        assert view["error"]["param"] == "low_watermark"
+        messages = service.get(f"/v1/conversations/{conv}/messages").json()["data"]
+        assert messages == []
+        patched = service.client.patch(f"/v1/conversations/{conv}", headers=service.headers(),
+                                       json={"high_watermark": 0.9})
+        assert patched.status_code == 200, patched.text
+        assert turn(service, conv, "Hi")["status"] == "complete"
+    finally:
+        put(service, "/v1/admin/defaults", {"high_watermark": 0.8}, admin)
+
+
+def stateless_id(owner: str, header: str) -> str:
+    """The documented id of an X-Session-Id session (app.turns.prompting.session_key)."""
+    return "sess_" + hashlib.sha256(f"{owner}\0{header}".encode()).hexdigest()[:32]
+
+
+def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(
+    service: Service
+) -> None:
+    admin = admin_key(service)
+    body = {"model": service.model, "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "An agent's history, long enough for a few blocks. " * 3}]}
+
+    def call(key: str | None = None) -> None:
+        r = service.post("/v1/chat/completions", body, key=key,
+                         headers={"X-Session-Id": "agent-7"})
+        assert r.status_code == 200, r.text
+
+    call()
+    session_id = stateless_id("alice", "agent-7")
+    path = f"/v1/admin/sessions/{session_id}"
+    view = settled(service, session_id, admin)
+    assert view["kind"] == "stateless" and view["session_id"] == session_id
+    assert view["engine"]["state"] == "resident" and view["engine"]["tokens"] > 32
+    memory = service.get("/v1/admin/memory", key=admin)
+    assert "agent-7" not in memory.text  # the header a client sent is not shown
+    (listed,) = [s for s in memory.json()["sessions"] if s["session_id"] == session_id]
+    assert listed["kind"] == "stateless" and listed["conversation_id"] is None
+    assert listed["tokens"] == view["engine"]["tokens"]
+    assert all(s["kind"] == "conversation" and s["conversation_id"] == s["session_id"]
+               for s in memory.json()["sessions"] if s["session_id"] != session_id
+               and not s["session_id"].startswith("sess_"))
+    # Evict: to the host pool, then dropped.
+    moved = service.post(f"{path}/evict?offload=true", {}, key=admin).json()
+    assert (moved["session_id"], moved["before"], moved["state"]) == (
+        session_id, "resident", "offloaded")
+    dropped = service.post(f"{path}/evict?offload=false", {}, key=admin).json()
+    assert (dropped["before"], dropped["state"]) == ("offloaded", "empty")
+    # A budget applies to its engine session from its next call; history settings do not.
+    r = put(service, path, {"max_kv_tokens": 16}, admin)
+    assert r.status_code == 200 and r.json()["effective"]["max_kv_tokens"] == 16, r.text
+    call()
+    assert settled(service, session_id, admin)["engine"]["tokens"] == 16
+    bad = put(service, path, {"history_policy": "drop"}, admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
+    back = put(service, path, {"max_kv_tokens": None}, admin)
+    assert back.json()["effective"]["max_kv_tokens"] == service.state.defaults.max_kv_tokens
+    # Another owner's equal header is another session; an unknown id is not found.
+    call(service.other_key)
+    other = stateless_id("bob", "agent-7")
+    assert other != session_id and settled(service, other, admin)["kind"] == "stateless"
+    unknown = "sess_" + "0" * 32
+    assert service.get(f"/v1/admin/sessions/{unknown}", key=admin).status_code == 404
+    assert service.post(f"/v1/admin/sessions/{unknown}/evict", {}, key=admin).status_code == 404
+    assert put(service, f"/v1/admin/sessions/{unknown}", {}, admin).status_code == 404
