@@ -139,10 +139,47 @@ class Segment:
     token_ids: tuple[int, ...]
 
 
+MessageKey = tuple[Any, ...]
+
+
+def message_key(message: ChatMessage) -> MessageKey:
+    """What a message's rendering depends on, hashable (to tell whether two are the same)."""
+    calls = json.dumps(message.tool_calls, sort_keys=True) if message.tool_calls else None
+    return (message.role, message.content, message.token_ids, message.name, calls,
+            message.tool_call_id)
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str | None:
+    return json.dumps(tools, sort_keys=True, default=str) if tools else None
+
+
+@dataclass(frozen=True)
+class RenderedSegments:
+    """What `extend_segments` computed, and what a later call for more of the same
+    conversation reuses: the messages' keys and escaped dicts, the text their segments cover
+    (the render without the generation prompt), their segments and the prompt's."""
+
+    keys: tuple[MessageKey, ...]
+    tools_key: str | None
+    dicts: tuple[dict[str, Any], ...]
+    text: str
+    message_segments: tuple[Segment, ...]
+    prompt: Segment | None
+    complete: bool  # the last message has its own segment ending at `text`: reusable
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [*self.message_segments, *([self.prompt] if self.prompt is not None else [])]
+
+
 class ChatTemplate:
     """One compiled Jinja chat template bound to the tokenizer whose ids it produces."""
 
     def __init__(self, source: str, tokenizer: Tokenizer) -> None:
+        # How much work rendering took: whole-template renders and characters tokenized
+        # (tests check a turn's work does not grow with the conversation).
+        self.num_renders = 0
+        self.num_tokenized_chars = 0
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
@@ -224,19 +261,44 @@ class ChatTemplate:
         first segment that holds them. With add_generation_prompt the last segment is
         always the generation prompt, possibly empty.
         """
+        return self.extend_segments(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        ).segments
+
+    def extend_segments(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        previous: RenderedSegments | None = None,
+    ) -> RenderedSegments:
+        """`render_segments`, reusing `previous` (this template's result for the first of
+        these messages, with the same tools) when the new render still starts with its text:
+        then only the new messages' segments are computed (a few whole renders and the new
+        text tokenized, instead of a render per message). Falls back to computing all of
+        them when the earlier messages render differently now (a look-ahead template)."""
         self._validate(messages)
         tools_variable = self._tools_variable(tools)
-        dicts = [self._as_dict(m) for m in messages]
-        full = self._render(dicts, add_generation_prompt, tools_variable)
-        without_prompt = (
-            full if not add_generation_prompt else self._render(dicts, False, tools_variable)
-        )
-        segments: list[Segment] = []
-        start = 0  # chars of `full` already in segments
+        keys = tuple(message_key(m) for m in messages)
+        tools_key = _tools_key(tools_variable)
+        reused = 0
+        if (previous is not None and previous.tools_key == tools_key
+                and len(previous.keys) <= len(keys) and keys[: len(previous.keys)] == previous.keys
+                and previous.complete):
+            reused = len(previous.keys)
+        dicts = [*(previous.dicts if reused and previous else ()),
+                 *(self._as_dict(m) for m in messages[reused:])]
+        without = self._render(dicts, False, tools_variable)
+        full = self._render(dicts, True, tools_variable) if add_generation_prompt else without
+        if reused and previous is not None and not full.startswith(previous.text):
+            reused = 0  # the new messages changed how the earlier ones render
+        segments: list[Segment] = list(previous.message_segments) if reused and previous else []
+        start = len(previous.text) if reused and previous else 0  # chars already in segments
         num_messages = len(messages)
-        for index in range(num_messages):
+        for index in range(reused, num_messages):
             if index == num_messages - 1:
-                rendered: str | None = without_prompt
+                rendered: str | None = without
             else:
                 rendered = self._render_prefix(dicts[: index + 1], tools_variable)
             if rendered is None or len(rendered) < start or not full.startswith(rendered):
@@ -246,15 +308,19 @@ class ChatTemplate:
                 self._message_segment(messages, dicts, index, before, rendered, tools_variable)
             )
             start = len(rendered)
-        if not segments or segments[-1].message_index != num_messages - 1:
-            end = len(without_prompt)
-            if end < start or not full.startswith(without_prompt):
+        complete = bool(segments) and segments[-1].message_index == num_messages - 1
+        if not complete:
+            end = len(without)
+            if end < start or not full.startswith(without):
                 end = len(full)
             segments.append(Segment(num_messages - 1, self._tokenize(full[start:end])))
             start = end
-        if add_generation_prompt:
-            segments.append(Segment(None, self._tokenize(full[start:])))
-        return segments
+        prompt = Segment(None, self._tokenize(full[start:])) if add_generation_prompt else None
+        return RenderedSegments(
+            keys=keys, tools_key=tools_key, dicts=tuple(dicts), text=full[:start] if complete
+            else without, message_segments=tuple(segments), prompt=prompt,
+            complete=complete and full.startswith(without),
+        )
 
     def _message_segment(
         self,
@@ -301,8 +367,13 @@ class ChatTemplate:
             suffix = suffix.removeprefix(end_text)
         return self._tokenize(prefix) + token_ids + self._tokenize(suffix)
 
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """Text as this template tokenizes what it renders (special-token text parsed)."""
+        return self._tokenize(text)
+
     def _tokenize(self, text: str) -> tuple[int, ...]:
         """Rendered text -> ids: markup may hold special tokens, escaped text is plain."""
+        self.num_tokenized_chars += len(text)
         encode = self._tokenizer.encode
         ids: list[int] = []
         start = 0
@@ -380,6 +451,7 @@ class ChatTemplate:
             variables["bos_token"] = self._tokenizer.bos_token
         if self._tokenizer.eos_token is not None:
             variables["eos_token"] = self._tokenizer.eos_token
+        self.num_renders += 1
         try:
             return (template or self._template).render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
