@@ -10,22 +10,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES
 
 from app.schemas.chat import SamplingFields, TextPart, ToolCall
+from app.schemas.ranges import INT32_MAX
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 
 
 class SessionSettings(BaseModel):
-    """Per-conversation budget and history policy; unset fields take the server defaults."""
+    """Per-conversation budget and history policy; unset fields take the server defaults.
+    Token counts are at most INT32_MAX (the columns they are stored in are 32-bit)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_context_tokens: int | None = Field(None, ge=16)
-    max_kv_tokens: int | None = Field(None, ge=0)
+    max_context_tokens: int | None = Field(None, ge=16, le=INT32_MAX)
+    max_kv_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     history_policy: str | None = Field(None, description=f"One of {', '.join(POLICIES)}.")
     high_watermark: float | None = Field(None, ge=0.0, le=1.0)
     low_watermark: float | None = Field(None, ge=0.0, le=1.0)
-    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS)
-    max_summary_tokens: int | None = Field(None, ge=1)
+    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS, le=INT32_MAX)
+    max_summary_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     @field_validator("history_policy")
     @classmethod
@@ -55,9 +57,17 @@ class ConversationPatch(SessionSettings):
     current_leaf_id: str | None = None
 
 
-class ConversationOut(SessionSettings):
-    model_config = ConfigDict(extra="ignore")
+class ConversationOut(BaseModel):
+    """A stored conversation. Its settings are shown as stored, not checked again (a value an
+    older version accepted still reads back)."""
 
+    max_context_tokens: int | None = None
+    max_kv_tokens: int | None = None
+    history_policy: str | None = None
+    high_watermark: float | None = None
+    low_watermark: float | None = None
+    max_tool_result_tokens: int | None = None
+    max_summary_tokens: int | None = None
     id: str
     object: Literal["conversation"] = "conversation"
     title: str | None
