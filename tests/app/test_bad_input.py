@@ -339,6 +339,19 @@ def test_a_bad_frame_gets_an_error_frame_and_the_socket_stays_open(
     assert world.snapshot() == before
 
 
+def test_nul_in_a_websocket_url_is_refused_at_the_handshake(world: World) -> None:
+    from starlette.websockets import WebSocketDisconnect
+
+    s = world.service
+    before = world.snapshot()
+    for url in ("/v1/conversations/%00/ws", f"/v1/conversations/{world.conv}/ws?x=%00"):
+        with pytest.raises(WebSocketDisconnect) as refused, s.client.websocket_connect(
+                url, headers=s.headers()) as ws:
+            ws.receive_json()
+        assert refused.value.code == 1008
+    assert world.snapshot() == before
+
+
 def test_nesting_up_to_the_limits_is_accepted(service: Service) -> None:
     metadata = json.loads(deep_object(MAX_JSON_DEPTH - 1))  # the body is MAX_JSON_DEPTH deep
     r = service.post("/v1/conversations", {"metadata": metadata})
