@@ -42,11 +42,10 @@ from itertools import accumulate
 from types import MappingProxyType
 
 POLICIES = ("summarize", "drop", "drop_oldest", "none")
-# The running summary's share of max_context_tokens, as placed (markup included). Like the
-# reply reserve (a quarter of the budget by default), it stays well under the window, as in
-# MemGPT-style recursive summaries: the two together leave at least half the window to the
-# system prompt and the recent messages, so a trim event still has room to reach the low
-# watermark at the defaults (0.5) and watermarks keep the prompt prefix stable.
+# The running summary's share of max_context_tokens, as placed (markup included): a quarter,
+# as much as the service's default reply reserve (budget // 4). It stays well under the
+# window, and beside a full summary and a default reserve half the window is left for the
+# system prompt and the newest messages, whatever the budget.
 SUMMARY_SHARE = 0.25
 ROLES = ("user", "assistant", "tool")
 # Smallest tool-result cap: room for the cut marker (about ten tokens in common tokenizers)
@@ -220,7 +219,7 @@ class ContextPlan:
     summary_left_out: SummaryState | None
     to_summarize: tuple[str, ...]  # running_summary.covers + to_summarize == dropped (summarize)
     capped: Mapping[str, int]  # kept tool message id -> content tokens it is cut to
-    num_prompt_tokens: int  # system + summary + kept (capped) + generation prompt
+    num_prompt_tokens: int  # system + placed summary + kept (capped) + generation prompt
     trimmed: bool  # this turn moved the trim point (a trim event)
     num_dropped_tokens: int  # prompt tokens newly dropped by this turn's trim event
 
