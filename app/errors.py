@@ -70,6 +70,21 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, param=param, code=code)
 
 
+def invalid_api_key() -> APIError:
+    return APIError(
+        401,
+        "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'; "
+        "`kvchat keys create` makes one.",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def request_too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than {max_bytes} bytes.",
+                    code="request_too_large")
+
+
 def not_found(what: str, param: str | None = None) -> APIError:
     return APIError(404, f"{what} not found", param=param, code="not_found")
 

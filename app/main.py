@@ -30,6 +30,7 @@ from app.api import (
     ui_chat,
     ws,
 )
+from app.api.request_checks import RequestChecks
 from app.coord import ProcessIdentity, make_coordinator
 from app.errors import install_error_handlers
 from app.coord.leases import LeaseKeeper, default_replica_id
@@ -136,6 +137,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
+    # Innermost of the middlewares: its refusals still get CORS headers and a request id.
+    app.add_middleware(RequestChecks, max_request_bytes=settings.max_request_bytes)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -180,6 +183,10 @@ def serve(settings: Settings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
-                            ws_per_message_deflate=settings.ws_compression)
+                            ws_per_message_deflate=settings.ws_compression,
+                            # Frames past this are refused by the protocol (close 1009) before
+                            # they are buffered; smaller ones over ws_max_frame_bytes get an
+                            # error frame from the app.
+                            ws_max_size=settings.ws_protocol_max_bytes)
     log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
     Server(config).run()

@@ -86,6 +86,12 @@ class Settings(BaseSettings):
         1.0, ge=0, description="Seconds between writes of a generating reply's text so far "
         "(what a crash leaves of it); 0: only the final write.")
 
+    # -- request bodies --------------------------------------------------------------------------
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Larger request bodies are answered 413 "
+        "(request_too_large): on their Content-Length before they are read, or once a chunked "
+        "body passes it.")
+
     # -- limits (per API key; unset: none) ------------------------------------------------------
     rate_limit_requests: int | None = Field(None, description="Requests per minute per key.")
     rate_limit_tokens: int | None = Field(None, description="Tokens per minute per key.")
@@ -94,7 +100,10 @@ class Settings(BaseSettings):
     ws_grace_period: float = Field(
         30.0, description="A reply goes on this long after its socket drops (resume window)."
     )
-    ws_max_frame_bytes: int = 256 * 1024
+    ws_max_frame_bytes: int = Field(
+        256 * 1024, ge=1024, description="Larger frames get a frame_too_large error frame (the "
+        "socket stays open) up to ws_protocol_max_bytes; past that the protocol closes the "
+        "socket (1009) before buffering the frame.")
     ws_compression: bool = Field(
         False, description="Offer permessage-deflate on WebSockets (token deltas are small "
         "frames: compressing them costs CPU beside the decoder and saves little).")
@@ -112,6 +121,12 @@ class Settings(BaseSettings):
     def _history_policy_valid(self) -> Settings:
         self.default_history_policy()  # raises with the field named
         return self
+
+    @property
+    def ws_protocol_max_bytes(self) -> int:
+        """The largest frame uvicorn buffers for the app (its `ws_max_size`): a few frame
+        limits, so a frame a little too large is answered, a huge one refused unread."""
+        return 4 * self.ws_max_frame_bytes
 
     @property
     def database(self) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Header, Request
 
 from app.coord import Coordinator, ProcessIdentity
-from app.errors import APIError
+from app.errors import APIError, invalid_api_key
 from app.turns.prompting import GeneratedIds
 from app.runtime import Runtime
 from app.settings import Settings
@@ -96,13 +96,7 @@ async def current_key(
     token = bearer_token(authorization)
     record = await state.store.authenticate(token) if token else None
     if record is None:
-        raise APIError(
-            401,
-            "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'; "
-            "`kvchat keys create` makes one.",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise invalid_api_key()
     return record
 
 

@@ -17,8 +17,10 @@ from memory.history import (
     TOOL_CUT_MARKER,
     ContextPlan,
     HistoryMessage,
+    HistoryPolicy,
     SummaryState,
     summarization_messages,
+    summary_max_new_tokens,
     tool_cap_split,
 )
 
@@ -86,9 +88,35 @@ class ContextBuilder:
         return len(with_prompt) - len(self.template.render_ids(probe, add_generation_prompt=False))
 
     def summary_state(
-        self, system: str | None, text: str, covers: Sequence[str]
+        self,
+        system: str | None,
+        text: str,
+        covers: Sequence[str],
+        max_num_tokens: int | None = None,
     ) -> SummaryState:
-        """A summary with its segment length as placed after the system prompt."""
+        """A summary with its segment length as placed after the system prompt. With
+        `max_num_tokens`, its text is cut at the end until it takes at most that many (the
+        generated ids, decoded and tokenized again, can come out a token or two longer)."""
+        state = self._summary_state(system, text, covers)
+        if max_num_tokens is None:
+            return state
+        ids = self.tokenizer.encode(text)
+        while state.num_tokens > max_num_tokens and ids:
+            # Each text token removed saves about one placed token.
+            ids = ids[: max(0, len(ids) - (state.num_tokens - max_num_tokens))]
+            state = self._summary_state(system, self.tokenizer.decode(ids).strip(), covers)
+        return state
+
+    def summary_max_tokens(
+        self, system: str | None, policy: HistoryPolicy, max_context_tokens: int
+    ) -> int:
+        """max_tokens for generating a running summary that, placed after `system`, stays
+        within its share of the budget (policy.summary_share_tokens); 0: no room for one.
+        Measure what is generated with summary_state(..., max_num_tokens=the share)."""
+        markup = self._summary_state(system, "", ()).num_tokens
+        return summary_max_new_tokens(policy, max_context_tokens, markup)
+
+    def _summary_state(self, system: str | None, text: str, covers: Sequence[str]) -> SummaryState:
         head = [ChatMessage("system", system)] if system else []
         summary = ChatMessage("system", SUMMARY_PREFIX + text)
         segments = self.template.render_segments([*head, summary], add_generation_prompt=False)

@@ -65,7 +65,7 @@ class Conversation:
     summary: SummaryState | None = None
     pending_summary: _PendingSummary | None = None
     summaries: list[SummaryState] = field(default_factory=list)  # every summary made, in order
-    summary_params: SamplingParams | None = None  # default: greedy, max_summary_tokens
+    summary_params: SamplingParams | None = None  # default: greedy, within the summary's share
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -131,12 +131,15 @@ class Conversation:
         newly = plan.dropped[len(covered) :]
         if not newly:
             return False
+        # Within its share of the budget, so the summary fits beside the next turns.
+        max_tokens = self.builder.summary_max_tokens(self.system, self.policy,
+                                                     self.max_context_tokens)  # fmt: skip
+        if max_tokens < 1:
+            return False  # the budget leaves no room for a summary
         previous = self.summary.text if self.summary is not None else None
         prompt = self.builder.summarization_prompt(previous, [self.messages[i] for i in newly])
         request_id = f"{self.session_id}-summary{next(_ids)}"
-        params = self.summary_params or SamplingParams(
-            max_tokens=self.policy.max_summary_tokens, temperature=0.0
-        )
+        params = self.summary_params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
         try:
             self.engine.add_request(request_id, prompt, params, cache_salt=self.cache_salt,
                                     priority=PRIORITY_LOW)
@@ -153,9 +156,10 @@ class Conversation:
         if output.finished:
             self.pending_summary = None
             if output.finish_reason in ("stop", "length") and output.text is not None:
-                text = output.text.strip()
-                measured = self.builder.summary_state(self.system, text, ())
-                self.summary = merge_summary(self.summary, text, measured.num_tokens,
+                share = self.policy.summary_share_tokens(self.max_context_tokens)
+                measured = self.builder.summary_state(self.system, output.text.strip(), (),
+                                                      max_num_tokens=share)  # fmt: skip
+                self.summary = merge_summary(self.summary, measured.text, measured.num_tokens,
                                              pending.covers)
                 self.summaries.append(self.summary)
                 self.engine.record_history(self.session_id, HistoryStats(

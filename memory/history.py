@@ -24,6 +24,13 @@ The rules:
 - `summarize` places a running summary of the dropped messages after the system prompt. The
   caller generates it off the critical path and passes it back: the turn that drops uses the
   previous summary and lists the rest in `to_summarize`; a later turn gets the new one.
+- A summary is generated to at most its share of the budget (`summary_share_tokens`: a
+  quarter of max_context_tokens as placed, markup included; `summary_max_new_tokens` says how
+  many tokens to generate). One that does not fit beside the system prompt, the latest valid
+  start and max_tokens (the budget was lowered after it was made) is left out: the turn is
+  planned without it, trimming as usual, and the next summary, generated within the share,
+  replaces it. So under every policy but `none` a turn is refused only when the system prompt,
+  the latest valid start and max_tokens alone do not fit.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ from itertools import accumulate
 from types import MappingProxyType
 
 POLICIES = ("summarize", "drop", "drop_oldest", "none")
+# The running summary's share of max_context_tokens, as placed (markup included): a quarter,
+# as much as the service's default reply reserve (budget // 4). It stays well under the
+# window, and beside a full summary and a default reserve half the window is left for the
+# system prompt and the newest messages, whatever the budget.
+SUMMARY_SHARE = 0.25
 ROLES = ("user", "assistant", "tool")
 # Smallest tool-result cap: room for the cut marker (about ten tokens in common tokenizers)
 # plus a head and a tail worth reading.
@@ -170,6 +182,11 @@ class HistoryPolicy:
         """A trim event cuts need back to at most this many tokens when it can."""
         return _fraction_of(self.low_watermark, max_context_tokens)
 
+    def summary_share_tokens(self, max_context_tokens: int) -> int:
+        """The most tokens a running summary takes in the prompt, markup included: the
+        SUMMARY_SHARE of the budget (max_summary_tokens bounds what is generated of it)."""
+        return _fraction_of(SUMMARY_SHARE, max_context_tokens)
+
 
 @dataclass(frozen=True)
 class SummaryState:
@@ -197,11 +214,20 @@ class ContextPlan:
     start_id: str | None  # first kept id: the trim point to pass back next turn
     dropped: tuple[str, ...]  # ids before the trim point
     summary: SummaryState | None  # placed after the system prompt (policy summarize only)
-    to_summarize: tuple[str, ...]  # summary.covers + to_summarize == dropped (summarize)
+    # The summary passed applies to the branch but did not fit beside the system prompt, the
+    # latest valid start and max_tokens: not placed (the budget was lowered after it was made).
+    summary_left_out: SummaryState | None
+    to_summarize: tuple[str, ...]  # running_summary.covers + to_summarize == dropped (summarize)
     capped: Mapping[str, int]  # kept tool message id -> content tokens it is cut to
-    num_prompt_tokens: int  # system + summary + kept (capped) + generation prompt
+    num_prompt_tokens: int  # system + placed summary + kept (capped) + generation prompt
     trimmed: bool  # this turn moved the trim point (a trim event)
     num_dropped_tokens: int  # prompt tokens newly dropped by this turn's trim event
+
+    @property
+    def running_summary(self) -> SummaryState | None:
+        """The summary the next one extends (placed or left out): it covers the dropped
+        messages before `to_summarize`."""
+        return self.summary if self.summary is not None else self.summary_left_out
 
 
 def units(messages: Sequence[HistoryMessage]) -> list[tuple[int, int]]:
@@ -249,9 +275,13 @@ def plan_context(
     generation_prompt_tokens: int = 0,
 ) -> ContextPlan:
     """Plan this turn's prompt from the branch (oldest first, no system prompt), the trim
-    point and summary planned before, and the budget. Raises ContextLengthExceeded when
-    even the smallest allowed prompt (the latest valid start) does not fit, and under
-    `none` when the prompt from the trim point does not fit."""
+    point and summary planned before, and the budget.
+
+    A summary that applies is placed only if it fits beside the system prompt, the latest
+    valid start and max_tokens; otherwise it is left out and the turn planned without it.
+    Raises ContextLengthExceeded when even the smallest allowed prompt (system prompt, latest
+    valid start, max_tokens; no summary) does not fit, and under `none` when the prompt from
+    the trim point does not fit."""
     _check_budget(system_tokens, max_context_tokens, max_tokens, generation_prompt_tokens)
     units(messages)  # validates the tool-call grouping
     ids = tuple(m.message_id for m in messages)
@@ -259,10 +289,16 @@ def plan_context(
     tail = list(accumulate(reversed(sizes), initial=0))[::-1]  # tail[s]: tokens from s on
     starts = _valid_starts(messages)
     previous = _previous_start(ids, starts, start_id)
-    applied = summary if policy.policy == "summarize" else None
-    if applied is not None and not _summary_applies(applied, ids, previous):
-        applied = None
+    running = summary if policy.policy == "summarize" else None
+    if running is not None and not _summary_applies(running, ids, previous):
+        running = None
     fixed = system_tokens + generation_prompt_tokens + max_tokens
+    # Placed only where it leaves room for the smallest allowed prompt: a summary the budget
+    # no longer holds must not lock the conversation out.
+    smallest = fixed + tail[starts[-1]]
+    applied = running
+    if running is not None and smallest + running.num_tokens > max_context_tokens:
+        applied = None
     fixed += applied.num_tokens if applied is not None else 0
 
     def need(start: int) -> int:
@@ -273,12 +309,13 @@ def plan_context(
         raise ContextLengthExceeded(need(start), max_context_tokens, max_tokens)
     cap = policy.max_tool_result_tokens
     capped = {m.message_id: cap for m in messages[start:] if cap is not None and _is_cut(m, cap)}
-    covered = len(applied.covers) if applied is not None else 0
+    covered = len(running.covers) if running is not None else 0
     return ContextPlan(
         kept=ids[start:],
         start_id=ids[start] if start < len(ids) else None,
         dropped=ids[:start],
         summary=applied,
+        summary_left_out=running if applied is None else None,
         to_summarize=ids[covered:start] if policy.policy == "summarize" else (),
         capped=MappingProxyType(capped),
         num_prompt_tokens=need(start) - max_tokens,
@@ -324,6 +361,19 @@ def summarization_messages(
         parts.append(f"Previous summary:\n{previous_summary}")
     parts.append(f"Messages to fold into the summary:\n{transcript}")
     return [("system", SUMMARY_INSTRUCTION), ("user", "\n\n".join(parts))]
+
+
+def summary_max_new_tokens(
+    policy: HistoryPolicy, max_context_tokens: int, markup_tokens: int
+) -> int:
+    """How many tokens to generate for a running summary: max_summary_tokens, bounded so the
+    summary as placed (its text plus `markup_tokens`, what placing it adds: the prefix and the
+    template's markup) stays within its share of the budget. 0 when the share cannot hold the
+    markup: no summary is made."""
+    if markup_tokens < 0:
+        raise InvalidHistoryError(f"markup_tokens must be >= 0, got {markup_tokens}", "markup")
+    room = policy.summary_share_tokens(max_context_tokens) - markup_tokens
+    return max(0, min(policy.max_summary_tokens, room))
 
 
 def merge_summary(

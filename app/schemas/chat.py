@@ -1,4 +1,7 @@
-"""OpenAI Chat Completions: the request, the response, the streamed chunk."""
+"""OpenAI Chat Completions: the request, the response, the streamed chunk.
+
+Integers have the ranges of app/schemas/ranges.py: token counts up to INT32_MAX, `seed`
+int64, OpenAI's own bounds where it gives them (`n`, `top_logprobs`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN, wrap_int64
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_N = 16
@@ -100,13 +105,16 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="vLLM's extension; 0 is off.")
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's extension; 0 is off.")
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past end-of-sequence.")
-    seed: int | None = None
+    seed: int | None = Field(
+        None, ge=INT64_MIN, le=INT64_MAX,
+        description="int64. With n > 1, choice i is sampled with seed + i (wrapping within int64).",
+    )
     stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -146,6 +154,11 @@ class SamplingFields(BaseModel):
     @property
     def reply_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def choice_seed(self, choice: int) -> int | None:
+        """The seed of the `choice`-th reply (0 for the first): seed + choice wrapped within
+        int64, so every accepted seed gives n seeds the generators take."""
+        return None if self.seed is None else wrap_int64(self.seed + choice)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -11,25 +11,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
 
 from app.schemas.chat import SamplingFields, TextPart, ToolCall
+from app.schemas.ranges import INT32_MAX
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 
 
 class SessionSettings(BaseModel):
     """Per-conversation budget and history policy; unset fields take the server defaults.
-
-    Each field is checked alone here; how they fit together (the watermarks' order), with what
-    a conversation already stores and with the defaults, by check_session_settings()."""
+    Token counts are at most INT32_MAX (the columns they are stored in are 32-bit). Each field
+    is checked alone here; how they fit together (the watermarks' order), with what a
+    conversation already stores and with the defaults, by check_session_settings()."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_context_tokens: int | None = Field(None, ge=16)
-    max_kv_tokens: int | None = Field(None, ge=0)
+    max_context_tokens: int | None = Field(None, ge=16, le=INT32_MAX)
+    max_kv_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     history_policy: str | None = Field(None, description=f"One of {', '.join(POLICIES)}.")
     high_watermark: float | None = Field(None, ge=0.0, le=1.0)
     low_watermark: float | None = Field(None, ge=0.0, le=1.0)
-    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS)
-    max_summary_tokens: int | None = Field(None, ge=1)
+    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS, le=INT32_MAX)
+    max_summary_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     @field_validator("history_policy")
     @classmethod

@@ -34,6 +34,8 @@ from app.ops import limits
 from app.turns.events import TurnEvent
 from app.turns.turn import Turn
 from app.schemas.chat import SamplingFields, TextPart
+from app.schemas.json_input import JSONInputError, parse_json
+from app.schemas.ranges import INT32_MAX
 from app.state import AppState, bearer_token
 from app.store import KeyRecord
 
@@ -72,7 +74,7 @@ class StopFrame(BaseModel):
 class ResumeFrame(BaseModel):
     type: Literal["resume"]
     message_id: str
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=INT32_MAX)
 
 
 class PingFrame(BaseModel):
@@ -176,7 +178,11 @@ class Socket:
 
     async def handle(self, text: str) -> None:
         try:
-            data = json.loads(text)
+            data = parse_json(text)
+        except JSONInputError as e:  # too deep or unreadable: invalid_json; bad text: by field
+            code = "invalid_request" if e.code == "invalid_unicode" else "invalid_json"
+            await self.send(error_frame(code, e.message, param=e.param))
+            return
         except json.JSONDecodeError as e:
             await self.send(error_frame("invalid_json", f"not JSON: {e.msg}"))
             return

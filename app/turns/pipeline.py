@@ -318,7 +318,12 @@ async def summarize(
 ) -> None:
     runtime = state.runtime
     prompt = runtime.builder.summarization_prompt(previous.text if previous else None, messages)
-    params = SamplingParams(max_tokens=policy.max_summary_tokens, temperature=0.0)
+    # Within its share of the budget, so the summary that lands fits beside the next turns.
+    budget = context_budget(state, conv)
+    max_tokens = runtime.builder.summary_max_tokens(conv.system_prompt, policy, budget)
+    if max_tokens < 1:
+        return  # the budget leaves no room for a summary
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     text, num_generated = "", 0
     async for out in runtime.async_engine.generate(
         f"summary-{uuid.uuid4().hex}", prompt, params, cache_salt=conv.owner,
@@ -327,10 +332,11 @@ async def summarize(
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
     covers = [*(previous.covers if previous else ()), *newly]
-    measured = runtime.builder.summary_state(conv.system_prompt, text, covers)
+    measured = runtime.builder.summary_state(conv.system_prompt, text, covers,
+                                             max_num_tokens=policy.summary_share_tokens(budget))
     try:
-        await state.store.add_summary(conv.id, text=text, num_tokens=measured.num_tokens,
-                                      covers=list(covers))
+        await state.store.add_summary(conv.id, text=measured.text,
+                                      num_tokens=measured.num_tokens, covers=list(covers))
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return

@@ -161,7 +161,7 @@ def sampling_params(
         temperature=1.0 if fields.temperature is None else fields.temperature,
         top_p=1.0 if fields.top_p is None else fields.top_p,
         top_k=fields.top_k or None,
-        seed=None if fields.seed is None else fields.seed + seed_offset,
+        seed=fields.choice_seed(seed_offset),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         logprobs=fields.logprobs,
         top_logprobs=fields.top_logprobs or 0,

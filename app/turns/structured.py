@@ -9,6 +9,10 @@ so what cannot be enforced is a 400 naming the field, never a silent unconstrain
 - `response_format` json_object: a JSON object; json_schema: JSON valid for the schema
   (enforced whether or not `strict` is set). With tool_choice required or named the reply is
   calls, which response_format does not apply to.
+
+A schema (response_format's or a tool's parameters) nests at most MAX_SCHEMA_DEPTH levels
+(JSON containers: `{"type": "object", "properties": {"a": {...}}}` is two per object level),
+checked before anything walks it recursively (jsonschema's own check, the grammar compiler).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from inference.grammar_compiler import GrammarCompiler, GrammarError
 
 from app.errors import APIError, invalid_request
 from app.schemas.chat import NamedToolChoice, SamplingFields
+from app.schemas.json_input import json_depth
+
+MAX_SCHEMA_DEPTH = 64
 
 
 def output_grammar(
@@ -94,7 +101,13 @@ def _content_grammar(fields: SamplingFields, content: dict[str, Any] | None) -> 
 
 
 def check_json_schema(schema: Mapping[str, Any], param: str) -> None:
-    """A 400 naming `param` unless `schema` is a valid JSON schema (by its own draft)."""
+    """A 400 naming `param` unless `schema` is a valid JSON schema (by its own draft), nested
+    at most MAX_SCHEMA_DEPTH levels."""
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise APIError(
+            400, f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep; flatten it "
+            "(or use $defs and $ref)", param=param, code="schema_too_deep",
+        )
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:

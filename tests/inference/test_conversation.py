@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference.chat_template import load_chat_template
 from inference.context_builder import SUMMARY_PREFIX, ContextBuilder
-from inference.conversation import Conversation
+from inference.conversation import Conversation, TurnResult
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.sampling_params import SamplingParams
@@ -19,8 +21,12 @@ from inference.scheduler import SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
 from memory.history import HistoryPolicy
 
-REPLY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-BUDGET = 512
+# A tight budget and short turns: the conversation is several times the budget after 48 turns
+# of ~21 tokens, `drop` trims about every 4 turns, and each turn is one prefill step (the
+# token budget holds a whole prompt) plus three decode steps.
+REPLY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+BUDGET = 256
+NUM_TURNS = 48
 WORDS = [
     "alpha",
     "beta",
@@ -43,6 +49,16 @@ WORDS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The model is tiny: one intra-op thread computes a step as fast as two on a quiet
+    machine, and on a busy one two threads wait on each other at every op (6x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from inference.dev_model import init_model
@@ -52,7 +68,7 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make_engine(path: Path, budget: int = 64) -> Engine:
+def make_engine(path: Path, budget: int = BUDGET) -> Engine:
     return Engine(
         EngineConfig(
             model=str(path),
@@ -78,43 +94,53 @@ def conversation(engine: Engine, policy: HistoryPolicy, session: str = "conv") -
     )
 
 
-def user_text(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 22)))
+def user_text(rng: random.Random, num_words: tuple[int, int] = (4, 10)) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(*num_words)))
 
 
-def run_60_turns(path: Path, policy: str) -> tuple[Conversation, list, int]:
+def run_turns(path: Path, policy: str) -> tuple[Conversation, list[TurnResult], int]:
     engine = make_engine(path)
     conv = conversation(engine, HistoryPolicy(policy=policy))
     rng = random.Random(0)
-    results = []
     computed_before = engine.stats.computed
-    for _ in range(60):
-        results.append(conv.turn(user_text(rng), REPLY))
+    results = [conv.turn(user_text(rng), REPLY) for _ in range(NUM_TURNS)]
     total_history = sum(c.num_tokens for c in conv.counts.values())
     assert total_history > 4 * BUDGET  # the conversation is several times the budget
     return conv, results, engine.stats.computed - computed_before
 
 
-def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
-    runs = {policy: run_60_turns(dev_model, policy) for policy in ("drop", "drop_oldest")}
+def test_watermarks_keep_the_cache_warm_over_many_trims(dev_model: Path) -> None:
+    runs = {policy: run_turns(dev_model, policy) for policy in ("drop", "drop_oldest")}
     prefill = {policy: computed for policy, (_, _, computed) in runs.items()}
     trims = {
         policy: sum(r.plan.trimmed for r in results) for policy, (_, results, _) in runs.items()
     }
     print(f"\nprefill tokens computed: {prefill}; trim events: {trims}")
+    # Every token the engine computed is one a turn's prompt did not find in the cache.
+    for _, results, computed in runs.values():
+        assert computed == sum(len(r.prompt_ids) - r.output.num_cached_tokens for r in results)
+    # drop_oldest moves the prefix nearly every turn once the window is full and prefills it
+    # again; the watermarks move it about once every four turns.
+    assert trims["drop"] >= 8
+    assert trims["drop_oldest"] >= 3 * trims["drop"]
     assert prefill["drop_oldest"] >= 3 * prefill["drop"]
 
     conv, results, _ = runs["drop"]
     counters = conv.engine.session_history("conv")
-    assert counters["trims"] == trims["drop"] > 0
+    assert counters["trims"] == trims["drop"]
     assert counters["dropped_tokens"] == sum(r.plan.num_dropped_tokens for r in results)
     assert conv.engine.memory_report()["history"]["trims"] == trims["drop"]
+    max_tokens = REPLY.max_tokens
+    assert max_tokens is not None
+    low = conv.policy.low_watermark_tokens(BUDGET)
     for before, after in itertools.pairwise(results):
-        assert after.plan.num_prompt_tokens + REPLY.max_tokens <= BUDGET  # type: ignore[operator]
+        assert after.plan.num_prompt_tokens + max_tokens <= BUDGET
         if after.plan.trimmed:
+            # A trim event cuts back to the low watermark, leaving room for the next turns.
+            assert after.plan.num_prompt_tokens + max_tokens <= low
             continue
         # Between trim events the prompt extends the last one: its prompt and every token it
-        # generated come from the session.
+        # generated come from the session; only the new message is prefilled.
         reused = len(before.prompt_ids) + len(before.output.output_token_ids)
         assert after.prompt_ids[:reused] == before.prompt_ids + before.output.output_token_ids
         assert after.output.num_cached_tokens == reused
@@ -186,3 +212,30 @@ def test_summary_runs_in_the_background_and_reaches_a_later_prompt(dev_model: Pa
     assert any(running for running, _, _ in steps_to_first_token)
     for _, steps, prefill in steps_to_first_token:
         assert steps <= -(-prefill // 48) + 1
+
+
+def test_summaries_are_made_within_their_share_of_the_budget(dev_model: Path) -> None:
+    # The default summary request (greedy, max_summary_tokens 512) is bounded so that the
+    # summary as placed takes at most a quarter of the budget: 64 of 256 tokens.
+    engine = make_engine(dev_model)
+    conv = conversation(engine, HistoryPolicy(policy="summarize"))
+    rng = random.Random(2)
+    for _ in range(40):
+        if conv.turn(user_text(rng), REPLY).summary_requested:
+            break
+    pending = conv.pending_summary
+    assert pending is not None, "no trim event asked for a summary"
+    markup = conv.builder.summary_state(conv.system, "", ()).num_tokens
+    for step in range(200):  # a safety net: it ends within max_tokens steps
+        for out in engine.step():
+            conv.on_output(out)
+        if step == 0:  # admitted by the first step
+            queued = [*engine.scheduler.waiting, *engine.scheduler.running]
+            request = next(s for s in queued if s.request_id == pending.request_id)
+            assert request.params.max_tokens == BUDGET // 4 - markup
+            assert request.params.max_tokens < conv.policy.max_summary_tokens
+        if conv.pending_summary is None:
+            break
+    # (Greedy, random weights write blank lines: what lands is the markup alone.)
+    assert conv.summary is not None and conv.summary.covers == pending.covers
+    assert conv.summary.num_tokens <= BUDGET // 4

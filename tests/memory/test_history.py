@@ -28,6 +28,7 @@ from memory.history import (
     merge_summary,
     plan_context,
     summarization_messages,
+    summary_max_new_tokens,
     tool_cap_split,
     units,
 )
@@ -135,12 +136,30 @@ class Reading:
     max_tokens: int
     starts: list[int]  # valid starts from the previous trim point on
     previous: int
-    summary: SummaryState | None  # the summary that applies, if any
-    fixed: int  # system + summary + generation prompt
+    running: SummaryState | None  # the summary that applies to the branch, placed or not
+    base: int  # system + generation prompt
+
+    def messages_from(self, start: int) -> int:
+        cap = self.policy.max_tool_result_tokens
+        return sum(prompt_size(m, cap) for m in self.messages[start:])
+
+    def smallest(self) -> int:
+        """need of the smallest allowed prompt: no summary, the latest valid start."""
+        return self.base + self.messages_from(self.starts[-1]) + self.max_tokens
+
+    @property
+    def summary(self) -> SummaryState | None:
+        """The running summary, placed only if it fits beside the smallest allowed prompt."""
+        running = self.running
+        fits = running is not None and self.smallest() + running.num_tokens <= self.limit
+        return running if fits else None
+
+    @property
+    def fixed(self) -> int:  # system + placed summary + generation prompt
+        return self.base + (self.summary.num_tokens if self.summary is not None else 0)
 
     def prompt(self, start: int) -> int:
-        cap = self.policy.max_tool_result_tokens
-        return self.fixed + sum(prompt_size(m, cap) for m in self.messages[start:])
+        return self.fixed + self.messages_from(start)
 
     def need(self, start: int) -> int:
         return self.prompt(start) + self.max_tokens
@@ -181,10 +200,9 @@ def read_rules(
         previous = 0
     k = len(summary.covers) if summary is not None else 0
     honoured = summary is not None and 0 < k <= previous and tuple(ids[:k]) == summary.covers
-    applied = summary if policy.policy == "summarize" and honoured else None
-    fixed = system + gen + (applied.num_tokens if applied is not None else 0)
+    running = summary if policy.policy == "summarize" and honoured else None
     starts = [s for s in valid if s >= previous]
-    return Reading(messages, policy, limit, max_tokens, starts, previous, applied, fixed)
+    return Reading(messages, policy, limit, max_tokens, starts, previous, running, system + gen)
 
 
 def check_plan(plan: ContextPlan, r: Reading) -> None:
@@ -215,14 +233,16 @@ def check_plan(plan: ContextPlan, r: Reading) -> None:
         if cap is not None and m.role == "tool" and m.content_tokens > cap
     }
     assert plan.summary == r.summary
-    if plan.summary is not None:
-        covers = plan.summary.covers
+    assert plan.summary_left_out == (r.running if r.summary is None else None)
+    assert plan.running_summary == r.running
+    if plan.running_summary is not None:
+        covers = plan.running_summary.covers
         assert covers and plan.dropped[: len(covers)] == covers
     if r.policy.policy == "summarize":
-        covered = plan.summary.covers if plan.summary is not None else ()
+        covered = plan.running_summary.covers if plan.running_summary is not None else ()
         assert covered + plan.to_summarize == plan.dropped
     else:
-        assert plan.summary is None and plan.to_summarize == ()
+        assert plan.running_summary is None and plan.to_summarize == ()
 
 
 def plan_or_refusal(r: Reading, **kwargs: object) -> ContextPlan | None:
@@ -242,9 +262,11 @@ def plan_or_refusal(r: Reading, **kwargs: object) -> ContextPlan | None:
 
 
 @st.composite
-def summaries(draw: st.DrawFn, ids: list[str], start_id: str | None) -> SummaryState | None:
+def summaries(
+    draw: st.DrawFn, ids: list[str], start_id: str | None, max_tokens: int = 150
+) -> SummaryState | None:
     """None, a summary of a leading run (often one before the trim point), or one whose
-    covers do not match the branch."""
+    covers do not match the branch; of 0 to `max_tokens` tokens."""
     kind = draw(st.sampled_from(["none", "leading", "leading", "other"]))
     if kind == "none" or not ids:
         return None
@@ -253,7 +275,7 @@ def summaries(draw: st.DrawFn, ids: list[str], start_id: str | None) -> SummaryS
         covers = tuple(ids[: draw(st.integers(1, max(1, before)) | st.integers(1, len(ids)))])
     else:
         covers = tuple(draw(st.lists(st.sampled_from([*ids, "gone"]), min_size=1, unique=True)))
-    return SummaryState("earlier: ...", draw(st.integers(0, 150)), covers)
+    return SummaryState("earlier: ...", draw(st.integers(0, max_tokens)), covers)
 
 
 def plan_with_random_budget(
@@ -268,12 +290,16 @@ def plan_with_random_budget(
     max_tokens = data.draw(st.integers(1, 200))
     r = read_rules(messages, policy, limit=0, max_tokens=max_tokens, system=system, gen=gen,
                    summary=summary, start_id=start_id)  # fmt: skip
-    # Budgets around the two edges that matter: the smallest allowed prompt (under it the
-    # turn is refused) and the prompt from the trim point (over it nothing needs dropping).
-    smallest, whole = r.need(r.starts[-1]), r.need(r.previous)
+    # Budgets around the edges that matter: the smallest allowed prompt (under it the turn is
+    # refused), the same with the summary (under it the summary is left out) and the prompt
+    # from the trim point with the summary (over it nothing needs dropping).
+    smallest = r.smallest()
+    with_summary = smallest + (r.running.num_tokens if r.running is not None else 0)
+    whole = with_summary + r.messages_from(r.previous) - r.messages_from(r.starts[-1])
     r.limit = limit = data.draw(
         st.one_of(
             st.integers(1, smallest + 1),
+            st.integers(max(1, with_summary - 1), with_summary + 1),
             st.integers(smallest, whole + 1),
             st.integers(max(1, whole - 1), 2 * whole),
         )
@@ -315,7 +341,51 @@ def test_summaries_that_apply_keep_the_rules(data: st.DataObject) -> None:
                            tuple(ids[: data.draw(st.integers(1, start))]))  # fmt: skip
     policy = data.draw(policies(["summarize"]))
     plan = plan_with_random_budget(data, conv.messages, policy, summary, ids[start])
-    assert plan is None or plan.summary == summary
+    assert plan is None or plan.running_summary == summary
+
+
+def smallest_need(
+    messages: Sequence[HistoryMessage], policy: HistoryPolicy, base: int, max_tokens: int
+) -> int:
+    """need of the smallest prompt a dropping policy may plan, read independently of the
+    planner: `base` (system + generation prompt), the newest user message on (the whole branch
+    when none follows the first message), max_tokens; no summary."""
+    last = max([0] + [i for i, m in enumerate(messages) if i > 0 and m.role == "user"])
+    cap = policy.max_tool_result_tokens
+    return base + sum(prompt_size(m, cap) for m in messages[last:]) + max_tokens
+
+
+@FAST
+@given(data=st.data())
+def test_a_turn_whose_smallest_prompt_fits_is_never_refused(data: st.DataObject) -> None:
+    # Summaries up to far past the budget, as one made before the budget was lowered (the
+    # report: 548 tokens in a budget of 256) or under the old unbounded max_summary_tokens.
+    messages = data.draw(conversations())
+    ids = [m.message_id for m in messages]
+    users = [m.message_id for m in messages[1:] if m.role == "user"]
+    start_id = data.draw(st.sampled_from([None, *ids, *users, *users]))
+    summary = data.draw(summaries(ids, start_id, max_tokens=1200))
+    policy = data.draw(policies(["summarize", "drop", "drop_oldest"]))
+    system, gen, max_tokens = data.draw(st.integers(0, 100)), data.draw(st.integers(0, 8)), \
+        data.draw(st.integers(1, 200))  # fmt: skip
+    smallest = smallest_need(messages, policy, system + gen, max_tokens)
+    limit = data.draw(st.integers(max(1, smallest - 3), smallest + 800))
+    args = dict(messages=messages, system_tokens=system, max_context_tokens=limit,
+                max_tokens=max_tokens, policy=policy, summary=summary, start_id=start_id,
+                generation_prompt_tokens=gen)  # fmt: skip
+    if smallest > limit:
+        with pytest.raises(ContextLengthExceeded) as refused:
+            plan_context(**args)  # type: ignore[arg-type]
+        assert refused.value.num_tokens == smallest  # a summary is never counted against it
+        return
+    p = plan_context(**args)  # type: ignore[arg-type]
+    assert p.num_prompt_tokens + max_tokens <= limit
+    placed = p.summary.num_tokens if p.summary is not None else 0
+    kept = [m for m in messages if m.message_id in p.kept]
+    cap = policy.max_tool_result_tokens
+    assert p.num_prompt_tokens == system + gen + placed + sum(prompt_size(m, cap) for m in kept)
+    if p.summary_left_out is not None:  # left out only when it does not fit
+        assert smallest + p.summary_left_out.num_tokens > limit
 
 
 # -- many turns: the prefix holds between trim events ---------------------------------------------
@@ -334,6 +404,7 @@ class Session:
     start_id: str | None = None
     summary: SummaryState | None = None
     pending: SummaryState | None = None
+    summary_tokens: int = 40  # each summary made, as placed
     plans: int = 0
     trims: int = 0
 
@@ -352,7 +423,8 @@ class Session:
         )  # fmt: skip
         check_plan(plan, r)
         if plan.to_summarize:
-            self.pending = merge_summary(plan.summary, "...", 40, plan.to_summarize)
+            self.pending = merge_summary(plan.running_summary, "...", self.summary_tokens,
+                                         plan.to_summarize)  # fmt: skip
         self.start_id = plan.start_id
         self.plans += 1
         self.trims += plan.trimmed
@@ -409,6 +481,44 @@ def test_prefix_holds_between_trim_events(
     # 64 + 128 reserved = 520 < 600, so no turn is refused and every turn is checked.
     session = Session(policy, limit, system=60, max_tokens=128, conv=Conversation())
     run_session(session, script)
+    assert session.plans >= len(script)
+
+
+@SIMULATIONS
+@given(
+    script=turns,
+    limit=st.integers(400, 2000),
+    lowered=st.integers(320, 2000),
+    at=st.integers(0, 40),
+    made_to=st.sampled_from(["share", "old default"]),
+)
+def test_summaries_never_lock_a_session_out(
+    script: list[tuple[int, int, int]], limit: int, lowered: int, at: int, made_to: str
+) -> None:
+    # Summaries made to their share of the budget of the moment (as the service generates
+    # them), or to 548 tokens (the old default of 512 generated, with its markup); from turn
+    # `at` the operator lowers the budget. The largest smallest prompt: system 20 + user 40 +
+    # call 60 + 3 results of 64 + 4 reserved = 316 < 320, so every turn must be planned.
+    policy = HistoryPolicy("summarize")
+    session = Session(policy, limit, system=20, max_tokens=4, conv=Conversation())
+    for turn, (user, reply, num_calls) in enumerate(script):
+        if turn == at:
+            session.limit = min(limit, lowered)
+        share = policy.summary_share_tokens(session.limit)
+        session.summary_tokens = share if made_to == "share" else 548
+        session.conv.user(user)
+        for round_ in range(2):
+            plan, r = session.turn()  # checked against the rules; a refusal fails the test
+            assert plan.num_prompt_tokens + 4 <= session.limit
+            if plan.summary is not None:
+                assert r.smallest() + plan.summary.num_tokens <= session.limit
+            elif r.running is not None:  # left out only when it does not fit
+                assert r.smallest() + r.running.num_tokens > session.limit
+            calls = session.conv.assistant(reply, num_calls if round_ == 0 else 0)
+            if not calls:
+                break
+            for call in calls:
+                session.conv.tool(call, reply + 4, reply)
     assert session.plans >= len(script)
 
 
@@ -646,6 +756,59 @@ def test_summarize_trim_keeps_the_previous_summary_and_lists_the_rest() -> None:
     p = plan(conv.messages, 600, start_id="m2", summary=summary, policy=HistoryPolicy("summarize"))
     assert p.kept == ("m4",) and p.summary == summary and p.to_summarize == ("m2", "m3")
     assert p.num_dropped_tokens == 200 and p.num_prompt_tokens == 50 + 50 + 100
+
+
+def five_messages(size: int) -> list[HistoryMessage]:
+    conv = Conversation()
+    for _ in range(5):
+        (conv.user if len(conv.messages) % 2 == 0 else conv.assistant)(size)
+    return conv.messages
+
+
+def test_a_summary_the_budget_no_longer_holds_is_left_out() -> None:
+    # The report: budget 256, max_tokens 4, a 548-token summary of m0, m1, trim point m2.
+    # Without it, need from m2 is 20 + 90 + 4 = 114 <= 0.8 x 256: nothing more is dropped.
+    summary = SummaryState("s", 548, ("m0", "m1"))
+    p = plan(five_messages(30), 256, system_tokens=20, max_tokens=4, start_id="m2",
+             summary=summary, policy=HistoryPolicy("summarize"))  # fmt: skip
+    assert p.summary is None and p.summary_left_out == summary and p.running_summary == summary
+    assert p.kept == ("m2", "m3", "m4") and not p.trimmed and p.to_summarize == ()
+    assert p.num_prompt_tokens == 20 + 90
+
+
+def test_a_summary_exactly_fitting_beside_the_newest_message_is_placed_one_over_is_not() -> None:
+    # smallest: 20 system + 30 (m4) + 4 = 54, so a summary of 202 just fits in 256.
+    args: dict[str, object] = dict(system_tokens=20, max_tokens=4, start_id="m2",
+                                   policy=HistoryPolicy("summarize"))  # fmt: skip
+    fits = SummaryState("s", 202, ("m0", "m1"))
+    p = plan(five_messages(30), 256, summary=fits, **args)
+    # with it, from m2: 316 > 204 (high); no start reaches 128 (low); m4 fits exactly.
+    assert p.summary == fits and p.summary_left_out is None and p.kept == ("m4",)
+    assert p.trimmed and p.to_summarize == ("m2", "m3") and p.num_prompt_tokens + 4 == 256
+    over = SummaryState("s", 203, ("m0", "m1"))
+    p = plan(five_messages(30), 256, summary=over, **args)
+    assert p.summary is None and p.summary_left_out == over and p.kept == ("m2", "m3", "m4")
+    # Refused only when the smallest prompt alone does not fit; its need counts no summary.
+    with pytest.raises(ContextLengthExceeded) as refused:
+        plan(five_messages(30), 53, summary=over, **args)
+    assert (refused.value.num_tokens, refused.value.limit) == (54, 53)
+    # A stale summary (not a leading run) is neither placed nor left out: it does not apply.
+    stale = plan(five_messages(30), 256, summary=SummaryState("s", 999, ("m1",)), **args)
+    assert stale.summary is None and stale.summary_left_out is None
+    assert stale.to_summarize == ("m0", "m1")
+
+
+def test_the_summary_share_bounds_what_is_generated() -> None:
+    policy = HistoryPolicy("summarize")  # max_summary_tokens 512
+    assert policy.summary_share_tokens(256) == 64 and policy.summary_share_tokens(4099) == 1024
+    assert summary_max_new_tokens(policy, 256, 12) == 52  # the share less the markup
+    assert summary_max_new_tokens(policy, 100_000, 12) == 512  # max_summary_tokens bounds it
+    assert summary_max_new_tokens(HistoryPolicy(max_summary_tokens=51), 256, 12) == 51
+    assert summary_max_new_tokens(policy, 56, 13) == 1  # share 14: one token of text
+    assert summary_max_new_tokens(policy, 55, 13) == 0  # share 13: no room for any text
+    assert summary_max_new_tokens(policy, 8, 13) == 0
+    with pytest.raises(InvalidHistoryError):
+        summary_max_new_tokens(policy, 256, -1)
 
 
 def test_none_keeps_the_trim_point_it_is_given() -> None:

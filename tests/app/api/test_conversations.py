@@ -3,6 +3,7 @@ the pinned KV across turns and branches, idempotent retries, one turn at a time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -466,3 +467,55 @@ def test_a_reply_that_cannot_be_stored_still_ends_the_turn(
     assert not [e for e in events if e["type"] == "done"]
     after = say(service, conv, "And now?")
     assert after.status_code == 200, after.text
+
+
+def settle_background(service: Service, timeout: float = 120.0) -> None:
+    """Wait until the background work the turns spawned (summaries) has finished; the
+    timeout is only a safety net."""
+
+    async def settle() -> None:
+        async with asyncio.timeout(timeout):
+            while service.state.background:
+                await asyncio.wait(list(service.state.background))
+
+    service.client.portal.call(settle)
+
+
+def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service) -> None:
+    # Budget 256 under summarize, with the default max_summary_tokens (512): the summary that
+    # lands must fit beside the next turns, even ones that reserve only 4 tokens.
+    conv = create(service, max_context_tokens=256, history_policy="summarize")["id"]
+    store = service.state.store
+    for turn in range(40):
+        r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3,
+                max_tokens=8)
+        assert r.status_code == 200, r.text
+        settle_background(service)
+        made = service.client.portal.call(store.latest_summary, conv)
+        if made is not None:
+            break
+    assert made is not None, "no summary landed"
+    assert made.text and made.num_tokens <= 256 // 4  # generated within its share
+    for turn in range(6):
+        r = say(service, conv, f"After the summary {turn}: a short one", max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] + 4 <= 256
+        settle_background(service)
+    made = service.client.portal.call(store.latest_summary, conv)
+    assert made is not None and made.num_tokens <= 256 // 4
+    # The owner lowers the budget to 64: that summary no longer fits beside a turn, so the
+    # turn goes on without it (later summaries are made to the new share, 16 tokens).
+    r = service.client.patch(f"/v1/conversations/{conv}", json={"max_context_tokens": 64},
+                             headers=service.headers())
+    assert r.status_code == 200, r.text
+    for turn in range(3):
+        r = say(service, conv, f"Lowered {turn}", max_tokens=4)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + 4 <= 64
+        if turn == 0:
+            assert usage["prompt_tokens"] < made.num_tokens  # the summary was left out
+        settle_background(service)
+    latest = service.client.portal.call(store.latest_summary, conv)
+    assert latest is not None and latest.num_tokens <= 64 // 4
+    assert service.state.runtime.engine.session_history(conv)["summaries"] >= 2
