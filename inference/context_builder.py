@@ -5,11 +5,18 @@ prompt, running summary, kept messages with tool results cut to their cap, gener
 
 Assistant messages that carry the ids the model generated are spliced in verbatim, so a turn's
 prompt is a token-exact extension of the previous one whenever the planner kept the prefix.
+
+Per-turn work is proportional to what is new: segments come from a SegmentRenderer (a message
+rendered once, or a conversation's last render extended), named by the caller's `state_key`
+(one for the conversation's branch as measured, one for its prompt); cut tool results are
+kept too. Safe to call from several threads (the service runs it off the event loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +31,8 @@ from memory.history import (
     tool_cap_split,
 )
 
-from .chat_template import ChatMessage, ChatTemplate
+from .chat_template import ChatMessage, ChatTemplate, MessageKey, message_key
+from .segment_renderer import SegmentRenderer
 from .tokenizer import Tokenizer
 
 SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
@@ -37,29 +45,59 @@ class MessageCounts:
     content_tokens: int  # its content alone, as plain text
 
 
+MAX_CUT_RESULTS = 4096  # tool results kept cut to their cap
+
+
 class ContextBuilder:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
         self.template = template
         self.tokenizer = tokenizer
+        self.renderer = SegmentRenderer(template)
+        self._cut: OrderedDict[tuple[MessageKey, int], ChatMessage] = OrderedDict()
+        self._cut_lock = threading.Lock()
 
     # -- measuring (once per message; the caller stores the counts) ------------------------------
 
     def count(
-        self, system: str | None, messages: Sequence[ChatMessage], tools: Tools = None
+        self,
+        system: str | None,
+        messages: Sequence[ChatMessage],
+        tools: Tools = None,
+        state_key: Hashable | None = None,
     ) -> list[MessageCounts]:
         """Counts of each of `messages` as rendered after the system prompt and each other."""
+        lengths = self._lengths(system, messages, tools, state_key)
+        return [MessageCounts(n, self.content_tokens(m)) for n, m in zip(lengths, messages)]
+
+    def count_last(
+        self,
+        system: str | None,
+        messages: Sequence[ChatMessage],
+        tools: Tools = None,
+        state_key: Hashable | None = None,
+    ) -> MessageCounts:
+        """The counts of the last of `messages` (a new one) as rendered after the others:
+        with the `state_key` of the conversation's branch, only the new message is
+        rendered and tokenized."""
+        lengths = self._lengths(system, messages, tools, state_key)
+        return MessageCounts(lengths[-1], self.content_tokens(messages[-1]))
+
+    def _lengths(
+        self,
+        system: str | None,
+        messages: Sequence[ChatMessage],
+        tools: Tools,
+        state_key: Hashable | None,
+    ) -> list[int]:
         head = [ChatMessage("system", system)] if system else []
-        segments = self.template.render_segments(
-            [*head, *messages], add_generation_prompt=False, tools=tools
+        segments = self.renderer.render_segments(
+            [*head, *messages], add_generation_prompt=False, tools=tools, state_key=state_key
         )
         lengths = [0] * (len(head) + len(messages))
         for segment in segments:
             if segment.message_index is not None:
                 lengths[segment.message_index] += len(segment.token_ids)
-        return [
-            MessageCounts(lengths[len(head) + i], self.content_tokens(m))
-            for i, m in enumerate(messages)
-        ]
+        return lengths[len(head):]
 
     def content_tokens(self, message: ChatMessage) -> int:
         if message.token_ids is not None:
@@ -131,8 +169,10 @@ class ContextBuilder:
         messages: Mapping[str, ChatMessage],
         plan: ContextPlan,
         tools: Tools = None,
+        state_key: Hashable | None = None,
     ) -> list[int]:
-        """The prompt's ids for a plan: `messages` maps the planned ids to their messages."""
+        """The prompt's ids for a plan: `messages` maps the planned ids to their messages.
+        `state_key` names the conversation's prompt (its last render is extended)."""
         chat: list[ChatMessage] = []
         if system:
             chat.append(ChatMessage("system", system))
@@ -142,11 +182,25 @@ class ContextBuilder:
             message = messages[message_id]
             cap = plan.capped.get(message_id)
             chat.append(self.cut_tool_result(message, cap) if cap is not None else message)
-        return self.template.render_ids(chat, add_generation_prompt=True, tools=tools)
+        return self.renderer.render_ids(chat, add_generation_prompt=True, tools=tools,
+                                        state_key=state_key)
 
     def cut_tool_result(self, message: ChatMessage, cap: int) -> ChatMessage:
         """A tool result shortened to about `cap` content tokens: its head, a marker saying
         how many tokens were cut, its tail. The stored message stays whole."""
+        key = (message_key(message), cap)
+        with self._cut_lock:
+            if key in self._cut:
+                self._cut.move_to_end(key)
+                return self._cut[key]
+        cut = self._cut_tool_result(message, cap)
+        with self._cut_lock:
+            self._cut[key] = cut
+            while len(self._cut) > MAX_CUT_RESULTS:
+                self._cut.popitem(last=False)
+        return cut
+
+    def _cut_tool_result(self, message: ChatMessage, cap: int) -> ChatMessage:
         ids = self.tokenizer.encode(message.content or "")
         marker_tokens = len(self.tokenizer.encode(TOOL_CUT_MARKER.format(n=len(ids))))
         head, tail = tool_cap_split(len(ids), cap, marker_tokens)

@@ -36,9 +36,10 @@ async def tokenize(body: TokenizeRequest, key: CurrentKey, state: StateDep) -> A
     tools = offered_tools(SamplingFields(tools=body.tools)) if body.tools else None
     names = {t.function.name for t in body.tools} if body.tools else None
     messages = chat_messages(body.messages, names)
-    template = state.runtime.template
-    segments = template.render_segments(
-        messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+    runtime = state.runtime
+    segments = await runtime.run_cpu(
+        runtime.builder.renderer.render_segments, messages,
+        add_generation_prompt=body.add_generation_prompt, tools=tools,
     )
     per_message = [0] * len(messages)
     for segment in segments:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from inference.sampling_params import SamplingParams
 from inference.tokenizer import Tokenizer
 
 from app.transports import sse
@@ -50,18 +51,8 @@ async def create(
 ) -> schema.ChatCompletion | StreamingResponse:
     runtime = state.runtime
     check_model(state, body.model)
-    tools = offered_tools(body)
-    tool_names = {t.function.name for t in body.tools} if body.tools else None
     skey = session_key(key.owner, session_header)
-    messages = chat_messages(body.messages, tool_names, state.generated, skey)
-    prompt = runtime.template.render_ids(messages, tools=tools)
-    fmt = runtime.template.tool_call_format if tools else None
-    grammar = output_grammar(body, fmt, runtime.grammars)
-    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
-              for i in range(body.n)]
-    # Against the session's budget too (an operator's max_context_tokens): a 400 now, not an
-    # error mid-stream.
-    runtime.engine.validate_prompt(prompt, params[0], skey)
+    prompt, params, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
     check_capacity(state)
     started = time.monotonic()
     generations = [
@@ -103,6 +94,27 @@ async def create(
         ],
         usage=_usage(results),
     )
+
+
+def _prepare(
+    state: AppState, body: schema.ChatCompletionRequest, skey: str | None
+) -> tuple[list[int], list[SamplingParams], str | None, set[str] | None]:
+    """The request's prompt ids, sampling parameters, tool-call format and tool names: the
+    CPU-bound part (templates, tokenizing, schema compiles), for a worker thread. A named
+    session's prompt extends its last render; any other reuses segments of messages seen."""
+    runtime = state.runtime
+    tools = offered_tools(body)
+    tool_names = {t.function.name for t in body.tools} if body.tools else None
+    messages = chat_messages(body.messages, tool_names, state.generated, skey)
+    prompt = runtime.builder.renderer.render_ids(messages, tools=tools, state_key=skey)
+    fmt = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(body, fmt, runtime.grammars)
+    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
+              for i in range(body.n)]
+    # Against the session's budget too (an operator's max_context_tokens): a 400 now, not an
+    # error mid-stream.
+    runtime.engine.validate_prompt(prompt, params[0], skey)
+    return prompt, params, fmt, tool_names
 
 
 def _spend(state: AppState, key_id: str) -> Callable[[Generated], None]:

@@ -177,13 +177,13 @@ async def prepare_turn(
 ) -> PreparedTurn:
     """Plan a turn (the caller holds the conversation's turn lock). `new_message` None
     regenerates the reply to `parent_id` (a user or tool message). Raises the request's
-    errors (APIError, the planner's and the engine's) before anything is stored."""
+    errors (APIError, the planner's and the engine's) before anything is stored.
+
+    The branch is read in one query; everything CPU-bound (tools and schemas, the new
+    message's segment, the plan, the prompt's ids, the engine's checks) runs on the runtime's
+    worker threads, never on the event loop."""
     runtime, store = state.runtime, state.store
     check_settings(state, conv)
-    tools = offered_tools(fields)
-    tool_names = {t.function.name for t in fields.tools} if fields.tools else None
-    tool_format = runtime.template.tool_call_format if tools else None
-    grammar = output_grammar(fields, tool_format, runtime.grammars)
     parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
                                                              else parent_id)
     stored, summary_record = await store.turn_context(conv.id, parent)
@@ -195,33 +195,68 @@ async def prepare_turn(
             "regenerating needs parent_id to name a user or tool message", "parent_id"
         )
     chat = [as_chat(m) for m in branch]
-    system = conv.system_prompt
-    builder = runtime.builder
-    counts = {m.id: m for m in branch if m.num_tokens is not None}
-    if len(counts) != len(branch):  # stored before counts existed: measure the branch once
-        measured = builder.count(system, chat, tools=tools)
+    if any(m.num_tokens is None for m in branch):  # stored before counts existed: once
+        tools = await runtime.run_cpu(offered_tools, fields)
+        measured = await runtime.run_cpu(runtime.builder.count, conv.system_prompt, chat,
+                                         tools, branch_key(conv.id))
         for m, c in zip(branch, measured):
-            await store.update_message(m.id, num_tokens=c.num_tokens,
-                                       content_tokens=c.content_tokens)
+            if m.num_tokens is None:
+                await store.update_message(m.id, num_tokens=c.num_tokens,
+                                           content_tokens=c.content_tokens)
         branch = [
             m if m.num_tokens is not None else _with_counts(m, c.num_tokens, c.content_tokens)
             for m, c in zip(branch, measured)
         ]
+    summary = (
+        SummaryState(summary_record.text, summary_record.num_tokens, tuple(summary_record.covers))
+        if summary_record is not None else None
+    )
+    prepared = await runtime.run_cpu(_plan, state, conv, fields, branch, chat, new_message,
+                                     summary, parent)
+    if runtime.num_waiting >= state.settings.max_queued_requests:
+        raise unavailable("The server is at capacity (too many queued requests).", 2)
+    return prepared
+
+
+def branch_key(conversation_id: str) -> tuple[str, str]:
+    """The renderer's state of a conversation's branch as measured (message counts)."""
+    return (conversation_id, "branch")
+
+
+def prompt_key(conversation_id: str) -> tuple[str, str]:
+    """The renderer's state of a conversation's prompt (its kept messages)."""
+    return (conversation_id, "prompt")
+
+
+def _plan(
+    state: AppState,
+    conv: ConversationRecord,
+    fields: SamplingFields,
+    branch: list[MessageRecord],
+    chat: list[ChatMessage],
+    new_message: ChatMessage | None,
+    summary: SummaryState | None,
+    parent: str | None,
+) -> PreparedTurn:
+    """The CPU-bound part of prepare_turn (a worker thread runs it)."""
+    runtime = state.runtime
+    tools = offered_tools(fields)
+    tool_names = {t.function.name for t in fields.tools} if fields.tools else None
+    tool_format = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(fields, tool_format, runtime.grammars)
+    system = conv.system_prompt
+    builder = runtime.builder
     history = [
         history_message(m.id, chat_m, _counts(m)) for m, chat_m in zip(branch, chat)
     ]
     new_counts = None
     if new_message is not None:
-        new_counts = builder.count(system, [*chat, new_message], tools=tools)[-1]
+        new_counts = builder.count_last(system, [*chat, new_message], tools,
+                                        branch_key(conv.id))
         history.append(history_message(NEW, new_message, new_counts))
-
     policy = history_policy(state, conv)
     budget = context_budget(state, conv)
     reply_budget = fields.reply_budget or min(state.settings.default_max_tokens, budget // 4)
-    summary = (
-        SummaryState(summary_record.text, summary_record.num_tokens, tuple(summary_record.covers))
-        if summary_record is not None else None
-    )
     plan = plan_context(
         messages=history,
         system_tokens=builder.system_tokens(system, tools=tools),
@@ -236,10 +271,8 @@ async def prepare_turn(
     by_id: dict[str, ChatMessage] = {m.id: c for m, c in zip(branch, chat)}
     if new_message is not None:
         by_id[NEW] = new_message
-    prompt = builder.build(system, by_id, plan, tools=tools)
+    prompt = builder.build(system, by_id, plan, tools=tools, state_key=prompt_key(conv.id))
     runtime.engine.validate_prompt(prompt, params)
-    if runtime.num_waiting >= state.settings.max_queued_requests:
-        raise unavailable("The server is at capacity (too many queued requests).", 2)
     user_fields = None
     if new_message is not None and new_counts is not None:
         user_fields = dict(
@@ -257,13 +290,19 @@ async def prepare_turn(
 
 
 def reply_counts(
-    state: AppState, prepared: PreparedTurn, token_ids: Sequence[int]
+    state: AppState,
+    prepared: PreparedTurn,
+    token_ids: Sequence[int],
+    tool_calls: Sequence[dict[str, Any]] | None,
 ) -> MessageCounts:
-    """The stored reply's token counts (its segment as the next turn renders it)."""
+    """The stored reply's token counts (its segment as the next turn renders it); CPU-bound,
+    for a worker thread. The reply is the message as_chat() will make of it next turn, so
+    the branch's kept render extends."""
     chat = [*prepared.chat, *([prepared.new_message] if prepared.new_message else [])]
-    reply = ChatMessage("assistant", None, token_ids=tuple(token_ids))
-    return state.runtime.builder.count(prepared.system, [*chat, reply],
-                                       tools=prepared.tools)[-1]
+    reply = ChatMessage("assistant", None, token_ids=tuple(token_ids),
+                        tool_calls=tuple(tool_calls) if tool_calls else None)
+    return state.runtime.builder.count_last(prepared.system, [*chat, reply], prepared.tools,
+                                            branch_key(prepared.conversation.id))
 
 
 def _with_counts(m: MessageRecord, num_tokens: int, content_tokens: int) -> MessageRecord:
@@ -317,10 +356,13 @@ async def summarize(
     messages: list[ChatMessage],
 ) -> None:
     runtime = state.runtime
-    prompt = runtime.builder.summarization_prompt(previous.text if previous else None, messages)
+    builder = runtime.builder
+    prompt = await runtime.run_cpu(builder.summarization_prompt,
+                                   previous.text if previous else None, messages)
     # Within its share of the budget, so the summary that lands fits beside the next turns.
     budget = context_budget(state, conv)
-    max_tokens = runtime.builder.summary_max_tokens(conv.system_prompt, policy, budget)
+    max_tokens = await runtime.run_cpu(builder.summary_max_tokens, conv.system_prompt, policy,
+                                       budget)
     if max_tokens < 1:
         return  # the budget leaves no room for a summary
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -332,8 +374,8 @@ async def summarize(
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
     covers = [*(previous.covers if previous else ()), *newly]
-    measured = runtime.builder.summary_state(conv.system_prompt, text, covers,
-                                             max_num_tokens=policy.summary_share_tokens(budget))
+    measured = await runtime.run_cpu(builder.summary_state, conv.system_prompt, text, covers,
+                                     max_num_tokens=policy.summary_share_tokens(budget))
     try:
         await state.store.add_summary(conv.id, text=measured.text,
                                       num_tokens=measured.num_tokens, covers=list(covers))

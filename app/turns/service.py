@@ -246,8 +246,13 @@ class TurnService:
         state = self.state
         try:
             await checkpoints.settle()
-            final = await state.store.update_message(
-                turn.message_id, **self._reply_fields(prepared, result, error))
+            fields = self._reply_fields(result, error)
+            if result.token_ids:
+                counts = await state.runtime.run_cpu(
+                    pipeline.reply_counts, state, prepared, result.token_ids,
+                    fields["tool_calls"])
+                fields.update(num_tokens=counts.num_tokens, content_tokens=counts.content_tokens)
+            final = await state.store.update_message(turn.message_id, **fields)
             turn.final = final
             if error is not None:
                 turn.publish(TurnFailed(final.id, "engine_error", str(error)))
@@ -285,9 +290,7 @@ class TurnService:
                 if job is not None:
                     state.spawn(job())
 
-    def _reply_fields(
-        self, prepared: pipeline.PreparedTurn, result: Generated, error: BaseException | None
-    ) -> dict[str, Any]:
+    def _reply_fields(self, result: Generated, error: BaseException | None) -> dict[str, Any]:
         fields: dict[str, Any] = dict(
             content=(result.content if result.content is not None else result.text)
             if result.token_ids else None,
@@ -310,9 +313,6 @@ class TurnService:
             fields["status"] = "interrupted" if result.abort_reason == "shutdown" else "cancelled"
         else:
             fields["status"] = "complete"
-        if result.token_ids:
-            counts = pipeline.reply_counts(self.state, prepared, result.token_ids)
-            fields.update(num_tokens=counts.num_tokens, content_tokens=counts.content_tokens)
         return fields
 
     # -- stop, resume, delete --------------------------------------------------------------------

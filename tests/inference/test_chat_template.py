@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from collections.abc import Sequence
@@ -21,7 +20,8 @@ from inference.chat_template import (
     load_chat_template,
 )
 from inference.tokenizer import Tokenizer
-from inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from tests.inference.conftest import LLAMA3_MERGES
+from inference.tokenizer_files import load_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 100264, 100265, 100257
 
@@ -34,7 +34,6 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
 )
-LLAMA3_MERGES = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
 N = 256 + len(LLAMA3_MERGES)  # first special id of the small Llama-3 vocabulary
 BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT = N, N + 6, N + 7, N + 9
 
@@ -52,33 +51,8 @@ CONVERSATIONS = st.lists(
 
 
 @pytest.fixture(scope="module")
-def dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model_dir = tmp_path_factory.mktemp("dev")
-    write_dev_tokenizer(model_dir)
-    return model_dir
-
-
-@pytest.fixture(scope="module")
-def dev_tokenizer(dev_dir: Path) -> Tokenizer:
-    tokenizer = load_tokenizer(dev_dir)
-    assert tokenizer is not None
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
 def chatml(dev_dir: Path, dev_tokenizer: Tokenizer) -> ChatTemplate:
     return load_chat_template(dev_dir, dev_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def llama3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    model_dir = tmp_path_factory.mktemp("llama3")
-    tokens = [bytes([b]) for b in range(256)] + LLAMA3_MERGES
-    lines = [f"{base64.b64encode(t).decode()} {rank}" for rank, t in enumerate(tokens)]
-    (model_dir / "tokenizer.model").write_text("\n".join(lines) + "\n")
-    tokenizer = load_tokenizer(model_dir)
-    assert tokenizer is not None
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

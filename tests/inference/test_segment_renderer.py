@@ -14,20 +14,18 @@ import pytest
 from inference.chat_template import CHATML_TEMPLATE, ChatMessage, ChatTemplate
 from inference.segment_renderer import SegmentRenderer
 from inference.tokenizer import Tokenizer
-from tests.inference.test_chat_template import (  # noqa: F401  (fixtures)
+from tests.inference.test_chat_template import (
     DEFAULT_SYSTEM_CHATML,
     HF_CHATML_TEMPLATE,
     LLAMA3_TEMPLATE,
     LLAMA31_TEMPLATE,
     QWEN25_TEMPLATE,
     TOOLS,
-    dev_dir,
-    dev_tokenizer,
-    llama3_tokenizer,
     tool_call,
 )
 
-WORDS = "the cat sat on a mat and said <|im_end|> hello 😀 world of tokens".split()
+
+WORDS = "the cat sat on a mat and said <|im_end|> hello 😀 world of tokens".split()  # noqa: SIM905
 
 TEMPLATES = [
     # (name, source, tokenizer fixture, tools, local)
@@ -99,8 +97,9 @@ def test_the_renderer_gives_exactly_render_segments_as_a_conversation_grows(
                 assert got == expected, (name, index, prompt)
 
 
-def test_a_branch_and_an_edit_reuse_nothing_stale(dev_tokenizer: Tokenizer,
-                                                  llama3_tokenizer: Tokenizer) -> None:
+def test_a_branch_and_an_edit_reuse_nothing_stale(
+    dev_tokenizer: Tokenizer, llama3_tokenizer: Tokenizer
+) -> None:
     for source, tokenizer in ((LLAMA3_TEMPLATE, llama3_tokenizer),
                               (CHATML_TEMPLATE, dev_tokenizer)):
         template = ChatTemplate(source, tokenizer)
