@@ -14,7 +14,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def machine_header(title: str, settings: dict[str, object]) -> str:
+def machine_header(
+    title: str,
+    settings: dict[str, object],
+    *,
+    load_start: tuple[float, float, float] | None = None,
+    load_end: tuple[float, float, float] | None = None,
+) -> str:
+    """The results file's header. Pass the load averages read when the run started (and
+    ended): read here, at the end of a run, they describe the run's own load."""
+    load = load_start if load_start is not None else os.getloadavg()
     lines = [
         f"# {title}",
         "",
@@ -24,9 +33,11 @@ def machine_header(title: str, settings: dict[str, object]) -> str:
         + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         # Other work on the machine shows in every timing: say how busy it was.
-        "- load average at start (1, 5, 15 min): "
-        + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "- load average at start (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in load),
     ]
+    if load_end is not None:
+        lines.append("- load average at end (1, 5, 15 min): "
+                     + ", ".join(f"{x:.2f}" for x in load_end))
     lines += [f"- {key}: {value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"
 
