@@ -36,7 +36,7 @@ test: $(STAMP)
 	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app inference kernels memory migrations tests bench
+	$(VENV)/bin/ruff check app history inference kernels memory migrations tests bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

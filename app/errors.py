@@ -129,7 +129,7 @@ def api_error(exc: BaseException) -> APIError:
     from inference.async_engine import EngineDeadError
     from inference.chat_template import ChatTemplateError
     from inference.errors import InvalidRequestError
-    from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 
     from app.store import StaleFence
 
@@ -186,7 +186,7 @@ def known_error_types() -> tuple[type[Exception], ...]:
     from inference.async_engine import EngineDeadError
     from inference.chat_template import ChatTemplateError
     from inference.errors import InvalidRequestError
-    from memory.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 
     from app.store import StaleFence
 

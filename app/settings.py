@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from memory.history import POLICIES, HistoryPolicy
+from history import POLICIES, HistoryPolicy
 
 if TYPE_CHECKING:
     from inference.engine_config import EngineConfig

@@ -1,6 +1,6 @@
 """Long conversations under a context budget far smaller than the conversation: the history
 policies side by side (drop with watermarks, drop_oldest, summarize), each turn planned by
-memory.history and run through inference.conversation on one engine.
+history and run through inference.conversation on one engine.
 
 Used by bench/multiturn.py (`--scenario long`); per turn it records TTFT and the prompt tokens
 the engine computed, and per policy the trim events, tokens dropped and summaries made."""
@@ -23,7 +23,7 @@ from inference.engine_config import EngineConfig
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
-from memory.history import HistoryPolicy
+from history import HistoryPolicy
 
 POLICIES = ("drop", "drop_oldest", "summarize")
 WORDS = [

@@ -1,5 +1,5 @@
 """Conversation: one chat kept in memory and run on a synchronous `Engine`, with history
-planned by `memory.history` on every turn. What the service does with its database and the
+planned by the `history` package on every turn. What the service does with its database and the
 async engine, for the command line, benchmarks and engine-level tests.
 
 A turn: append the user (or tool-result) message, plan the prompt under the session's budget,
@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memory.history import (
+from history import (
     ContextPlan,
     HistoryMessage,
     HistoryPolicy,

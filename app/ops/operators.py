@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from memory.config import SessionBudget
-from memory.history import HistoryPolicy
+from history import HistoryPolicy
 
 from app.errors import invalid_request, not_found
 from app.coord.leases import lease_name

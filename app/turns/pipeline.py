@@ -1,5 +1,5 @@
 """The planning step of a conversation's turn: the branch read from the store, the context
-planned under the conversation's budget and history policy (memory.history), the prompt's
+planned under the conversation's budget and history policy (the history package), the prompt's
 ids built (generated replies spliced back by their ids), the request checked. Nothing is
 stored or generated here: the turn service (app/turns/service.py) commits the turn and runs
 it. Under the `summarize` policy, what the plan dropped is folded into the running summary by
@@ -18,7 +18,7 @@ from inference.chat_template import ChatMessage
 from inference.context_builder import MessageCounts, history_message
 from inference.sampling_params import SamplingParams
 from inference.scheduler import PRIORITY_LOW
-from memory.history import (
+from history import (
     ContextPlan,
     HistoryPolicy,
     HistoryPolicyError,

@@ -19,7 +19,7 @@ from inference.engine_config import EngineConfig
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
-from memory.history import HistoryPolicy
+from history import HistoryPolicy
 
 # A tight budget and short turns: the conversation is several times the budget after 48 turns
 # of ~21 tokens, `drop` trims about every 4 turns, and each turn is one prefill step (the
