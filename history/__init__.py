@@ -1,31 +1,43 @@
 """History planning: which stored messages go into a turn's prompt under a token budget, the
 running summary of what was dropped, and the policies operators choose. Pure Python over token
 counts: imports no torch, no HTTP, no SQL (the service plans every turn with it cheaply).
-See history/planner.py for the rules."""
 
+- history.planner: plan_context and its rules (watermarks, units, tool-result caps);
+- history.policy: HistoryPolicy, and the one place context and reply budgets are resolved;
+- history.summaries: the running summary, its prompt, its share, what a new one folds in;
+- history.errors: what planning raises, each naming the field.
+"""
+
+from history.errors import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
 from history.planner import (
-    ContextLengthExceeded,
+    TOOL_CUT_MARKER,
     ContextPlan,
     HistoryMessage,
-    HistoryPolicy,
-    HistoryPolicyError,
-    InvalidHistoryError,
-    MIN_TOOL_RESULT_TOKENS,
-    POLICIES,
-    ROLES,
-    SUMMARY_INSTRUCTION,
-    SUMMARY_SHARE,
-    SummaryState,
-    TOOL_CUT_MARKER,
-    merge_summary,
     plan_context,
-    summarization_messages,
-    summary_max_new_tokens,
     tool_cap_split,
     units,
 )
+from history.policy import (
+    DEFAULT_REPLY_SHARE,
+    MIN_TOOL_RESULT_TOKENS,
+    POLICIES,
+    ROLES,
+    SUMMARY_SHARE,
+    HistoryPolicy,
+    context_budget,
+    reply_budget,
+)
+from history.summaries import (
+    SUMMARY_INSTRUCTION,
+    SummaryState,
+    merge_summary,
+    summarization_messages,
+    summary_max_new_tokens,
+    summary_targets,
+)
 
 __all__ = [
+    "DEFAULT_REPLY_SHARE",
     "MIN_TOOL_RESULT_TOKENS",
     "POLICIES",
     "ROLES",
@@ -39,10 +51,13 @@ __all__ = [
     "HistoryPolicyError",
     "InvalidHistoryError",
     "SummaryState",
+    "context_budget",
     "merge_summary",
     "plan_context",
+    "reply_budget",
     "summarization_messages",
     "summary_max_new_tokens",
+    "summary_targets",
     "tool_cap_split",
     "units",
 ]

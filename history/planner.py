@@ -35,77 +35,17 @@ The rules:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from types import MappingProxyType
 
-POLICIES = ("summarize", "drop", "drop_oldest", "none")
-# The running summary's share of max_context_tokens, as placed (markup included): a quarter,
-# as much as the service's default reply reserve (budget // 4). It stays well under the
-# window, and beside a full summary and a default reserve half the window is left for the
-# system prompt and the newest messages, whatever the budget.
-SUMMARY_SHARE = 0.25
-ROLES = ("user", "assistant", "tool")
-# Smallest tool-result cap: room for the cut marker (about ten tokens in common tokenizers)
-# plus a head and a tail worth reading.
-MIN_TOOL_RESULT_TOKENS = 32
+from history.errors import ContextLengthExceeded, InvalidHistoryError
+from history.policy import ROLES, HistoryPolicy
+from history.summaries import SummaryState
+
 # Filled in by the renderer between the head and tail of a capped tool result.
 TOOL_CUT_MARKER = "\n[... {n} tokens cut ...]\n"
-SUMMARY_INSTRUCTION = (
-    "You keep the running summary of a conversation between a user and an assistant. "
-    "The messages below are being removed from the conversation: your summary replaces "
-    "them, and the previous summary if there is one, and is all that will remain of them. "
-    "Write a concise summary that keeps the facts, names, numbers, decisions made and open "
-    "tasks or questions; leave out greetings and filler. Answer with the summary only."
-)
-
-
-class HistoryPolicyError(ValueError):
-    """A history setting is out of range; `field` names it."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class InvalidHistoryError(ValueError):
-    """Messages or planning arguments that break the rules (orphan tool result, negative
-    count, ...); `field` names the argument."""
-
-    def __init__(self, message: str, field: str = "messages") -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class ContextLengthExceeded(ValueError):
-    """Even the smallest allowed prompt does not fit; states both numbers, as OpenAI does.
-
-    num_tokens: the prompt's tokens plus the max_tokens reserve; limit: max_context_tokens.
-    """
-
-    code = "context_length_exceeded"
-    param = "messages"
-
-    def __init__(self, num_tokens: int, limit: int, max_tokens: int = 0) -> None:
-        self.num_tokens, self.limit, self.max_tokens = num_tokens, limit, max_tokens
-        head = f"This model's maximum context length is {limit} tokens. However, "
-        if max_tokens > 0:
-            tail = (
-                f"you requested {num_tokens} tokens ({num_tokens - max_tokens} in the "
-                f"messages, {max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            )
-        else:
-            tail = (
-                f"your messages resulted in {num_tokens} tokens. Please reduce the length "
-                "of the messages."
-            )
-        super().__init__(head + tail)
-
-    def __reduce__(self) -> tuple[type, tuple[int, int, int]]:
-        return (type(self), (self.num_tokens, self.limit, self.max_tokens))
 
 
 @dataclass(frozen=True)
@@ -138,72 +78,6 @@ class HistoryMessage:
             raise InvalidHistoryError(f"{who} repeats a tool call id: {self.tool_call_ids}")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise InvalidHistoryError(f"{who}: tool messages, and only they, need tool_call_id")
-
-
-@dataclass(frozen=True)
-class HistoryPolicy:
-    """Per-session history settings. Watermarks are fractions of max_context_tokens
-    (defaults after MemGPT: act at 0.75-0.8 of the window, cut back to about 0.5)."""
-
-    policy: str = "drop"  # one of POLICIES
-    high_watermark: float = 0.8
-    low_watermark: float = 0.5
-    max_tool_result_tokens: int | None = None  # None: tool results are never cut
-    max_summary_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise HistoryPolicyError(
-                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}", "policy"
-            )
-        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise HistoryPolicyError(
-                "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, got "
-                f"{self.low_watermark} and {self.high_watermark}",
-                "low_watermark" if self.low_watermark < 0.0 else "high_watermark",
-            )
-        cap = self.max_tool_result_tokens
-        if cap is not None and cap < MIN_TOOL_RESULT_TOKENS:
-            raise HistoryPolicyError(
-                f"max_tool_result_tokens must be >= {MIN_TOOL_RESULT_TOKENS} or unset, got {cap}",
-                "max_tool_result_tokens",
-            )
-        if self.max_summary_tokens < 1:
-            raise HistoryPolicyError(
-                f"max_summary_tokens must be >= 1, got {self.max_summary_tokens}",
-                "max_summary_tokens",
-            )
-
-    def high_watermark_tokens(self, max_context_tokens: int) -> int:
-        """need above this many tokens is a trim event (watermark policies)."""
-        return _fraction_of(self.high_watermark, max_context_tokens)
-
-    def low_watermark_tokens(self, max_context_tokens: int) -> int:
-        """A trim event cuts need back to at most this many tokens when it can."""
-        return _fraction_of(self.low_watermark, max_context_tokens)
-
-    def summary_share_tokens(self, max_context_tokens: int) -> int:
-        """The most tokens a running summary takes in the prompt, markup included: the
-        SUMMARY_SHARE of the budget (max_summary_tokens bounds what is generated of it)."""
-        return _fraction_of(SUMMARY_SHARE, max_context_tokens)
-
-
-@dataclass(frozen=True)
-class SummaryState:
-    """The running summary of dropped messages, placed right after the system prompt."""
-
-    text: str
-    num_tokens: int  # its segment length as placed in the prompt
-    covers: tuple[str, ...]  # ids of the messages it summarizes, oldest first
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "covers", tuple(self.covers))
-        if self.num_tokens < 0:
-            raise InvalidHistoryError(
-                f"summary num_tokens must be >= 0, got {self.num_tokens}", "summary"
-            )
-        if len(set(self.covers)) != len(self.covers):
-            raise InvalidHistoryError("summary covers a message id twice", "summary")
 
 
 @dataclass(frozen=True)
@@ -345,52 +219,6 @@ def tool_cap_split(num_content_tokens: int, cap: int, marker_tokens: int) -> tup
     return (room + 1) // 2, room // 2
 
 
-def summarization_messages(
-    previous_summary: str | None, dropped: Sequence[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """The (role, content) prompt that folds newly dropped messages into the summary:
-    the instruction, then the previous summary and the messages as a transcript."""
-    if not dropped:
-        raise InvalidHistoryError("nothing to summarize: no dropped messages", "dropped")
-    for role, _ in dropped:
-        if role not in ROLES:
-            raise InvalidHistoryError(f"dropped message has role {role!r}", "dropped")
-    transcript = "\n\n".join(f"{role}: {content}" for role, content in dropped)
-    parts = []
-    if previous_summary:
-        parts.append(f"Previous summary:\n{previous_summary}")
-    parts.append(f"Messages to fold into the summary:\n{transcript}")
-    return [("system", SUMMARY_INSTRUCTION), ("user", "\n\n".join(parts))]
-
-
-def summary_max_new_tokens(
-    policy: HistoryPolicy, max_context_tokens: int, markup_tokens: int
-) -> int:
-    """How many tokens to generate for a running summary: max_summary_tokens, bounded so the
-    summary as placed (its text plus `markup_tokens`, what placing it adds: the prefix and the
-    template's markup) stays within its share of the budget. 0 when the share cannot hold the
-    markup: no summary is made."""
-    if markup_tokens < 0:
-        raise InvalidHistoryError(f"markup_tokens must be >= 0, got {markup_tokens}", "markup")
-    room = policy.summary_share_tokens(max_context_tokens) - markup_tokens
-    return max(0, min(policy.max_summary_tokens, room))
-
-
-def merge_summary(
-    previous: SummaryState | None, text: str, num_tokens: int, newly_covered: Sequence[str]
-) -> SummaryState:
-    """The new running summary: `text` (generated from the previous summary and the newly
-    dropped messages) covering the previous summary's messages and then `newly_covered`."""
-    before = previous.covers if previous is not None else ()
-    if not newly_covered:
-        raise InvalidHistoryError("a new summary must cover new messages", "newly_covered")
-    if set(before) & set(newly_covered):
-        raise InvalidHistoryError(
-            "newly_covered repeats messages the previous summary covers", "newly_covered"
-        )
-    return SummaryState(text=text, num_tokens=num_tokens, covers=before + tuple(newly_covered))
-
-
 def _choose_start(
     policy: HistoryPolicy, need: Callable[[int], int], starts: list[int], limit: int
 ) -> int:
@@ -444,11 +272,6 @@ def _prompt_size(message: HistoryMessage, cap: int | None) -> int:
     if cap is not None and _is_cut(message, cap):
         return message.num_tokens - message.content_tokens + cap
     return message.num_tokens
-
-
-def _fraction_of(fraction: float, limit: int) -> int:
-    """floor(fraction x limit), rounded first so 0.29 x 100 gives 29, not 28."""
-    return math.floor(round(fraction * limit, 6))
 
 
 def _check_budget(
