@@ -1,6 +1,7 @@
-"""Conversation: one chat kept in memory and run on a synchronous `Engine`, with history
-planned by the `history` package on every turn. What the service does with its database and the
-async engine, for the command line, benchmarks and engine-level tests.
+"""Conversation: one chat kept in memory and run on a synchronous `Engine`, each turn planned
+by the same step as the service's (inference.turn_planner: the history package's planner and
+budgets, the context builder's prompt). What the service does with its database and the async
+engine, for the command line, benchmarks and engine-level tests.
 
 A turn: append the user (or tool-result) message, plan the prompt under the session's budget,
 build its ids, run it in the conversation's session (so its KV stays pinned), store the reply
@@ -20,13 +21,15 @@ from history import (
     HistoryMessage,
     HistoryPolicy,
     SummaryState,
+    context_budget,
     merge_summary,
-    plan_context,
+    summary_targets,
 )
 from memory.stats import HistoryStats
 
 from .chat_template import ChatMessage
 from .context_builder import ContextBuilder, MessageCounts, history_message
+from .turn_planner import branch_key, plan_turn
 from .engine import Engine
 from .errors import InvalidRequestError
 from .request_output import RequestOutput
@@ -75,7 +78,8 @@ class Conversation:
         self.messages[message_id] = message
         self.order.append(message_id)
         branch = [self.messages[i] for i in self.order]
-        self.counts[message_id] = self.builder.count(self.system, branch)[-1]
+        self.counts[message_id] = self.builder.count_last(self.system, branch, None,
+                                                          branch_key(self.session_id))
         return message_id
 
     def history(self) -> list[HistoryMessage]:
@@ -84,36 +88,32 @@ class Conversation:
     @property
     def max_context_tokens(self) -> int:
         budget = self.engine.sessions.budget(self.session_id).max_context_tokens
-        return min(budget, self.engine.max_model_len) if budget else self.engine.max_model_len
+        return context_budget(budget, self.engine.max_model_len)
 
     # -- a turn ---------------------------------------------------------------------------------
 
     def submit(self, content: str, params: SamplingParams, role: str = "user") -> tuple[
         str, ContextPlan, list[int]
     ]:
-        """Append the message, plan and build the prompt, add the request (not run)."""
+        """Append the message, plan the turn (the service's planning step), add the request
+        (not run)."""
         self.append(ChatMessage(role, content))
-        max_tokens = params.max_tokens or max(1, self.max_context_tokens // 4)
-        plan = plan_context(
-            messages=self.history(),
-            system_tokens=self.builder.system_tokens(self.system),
-            max_context_tokens=self.max_context_tokens,
-            max_tokens=max_tokens,
-            policy=self.policy,
-            summary=self.summary,
-            start_id=self.start_id,
+        planned = plan_turn(
+            self.builder, system=self.system,
+            branch=[(i, self.messages[i], self.counts[i]) for i in self.order],
+            new_message=None, tools=None, policy=self.policy,
+            max_context_tokens=self.max_context_tokens, requested_max_tokens=params.max_tokens,
+            default_max_tokens=None, summary=self.summary, start_id=self.start_id,
             generation_prompt_tokens=self.builder.generation_prompt_tokens(),
+            conversation=self.session_id,
         )
-        prompt = self.builder.build(self.system, self.messages, plan)
+        plan = planned.plan
         request_id = f"{self.session_id}-turn{next(_ids)}"
-        self.engine.add_request(request_id, prompt, params, session_id=self.session_id,
-                                cache_salt=self.cache_salt)
+        self.engine.add_request(request_id, planned.prompt_ids, params,
+                                session_id=self.session_id, cache_salt=self.cache_salt)
         self.start_id = plan.start_id
-        self.engine.record_history(self.session_id, HistoryStats(
-            trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
-            tool_results_capped=len(plan.capped),
-        ))
-        return request_id, plan, prompt
+        self.engine.record_history(self.session_id, planned.history_stats)
+        return request_id, plan, planned.prompt_ids
 
     def finish_turn(self, output: RequestOutput) -> None:
         """Store the reply with the ids the model generated."""
@@ -122,22 +122,19 @@ class Conversation:
 
     def maybe_summarize(self, plan: ContextPlan) -> bool:
         """Start a background summary of what the plan dropped and no summary covers yet
-        (the summary may have grown since the plan was made)."""
-        if not plan.to_summarize or self.pending_summary is not None:
+        (history.summary_targets, as the service decides it)."""
+        if self.pending_summary is not None:
             return False
-        covered = self.summary.covers if self.summary is not None else ()
-        if plan.dropped[: len(covered)] != covered:
-            return False  # the summary belongs to another branch
-        newly = plan.dropped[len(covered) :]
-        if not newly:
-            return False
+        previous, newly = summary_targets(plan)
+        if not newly or previous != self.summary:
+            return False  # nothing new, or the summary grew since the plan was made
         # Within its share of the budget, so the summary fits beside the next turns.
         max_tokens = self.builder.summary_max_tokens(self.system, self.policy,
                                                      self.max_context_tokens)  # fmt: skip
         if max_tokens < 1:
             return False  # the budget leaves no room for a summary
-        previous = self.summary.text if self.summary is not None else None
-        prompt = self.builder.summarization_prompt(previous, [self.messages[i] for i in newly])
+        text = previous.text if previous is not None else None
+        prompt = self.builder.summarization_prompt(text, [self.messages[i] for i in newly])
         request_id = f"{self.session_id}-summary{next(_ids)}"
         params = self.summary_params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
         try:

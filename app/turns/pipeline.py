@@ -14,17 +14,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.chat_template import ChatMessage
-from inference.context_builder import MessageCounts, history_message
-from inference.sampling_params import SamplingParams
-from inference.scheduler import PRIORITY_LOW
 from history import (
     ContextPlan,
     HistoryPolicy,
     HistoryPolicyError,
     SummaryState,
-    plan_context,
+    merge_summary,
+    summary_targets,
 )
+from history import context_budget as resolve_context_budget
+from inference.chat_template import ChatMessage
+from inference.context_builder import MessageCounts
+from inference.sampling_params import SamplingParams
+from inference.scheduler import PRIORITY_LOW
+from inference.turn_planner import NEW, branch_key, plan_turn
 from memory.config import SessionBudget
 from memory.stats import HistoryStats
 
@@ -44,7 +47,6 @@ from app.store import NEW_USER, ConversationRecord, MessageRecord
 
 log = logging.getLogger(__name__)
 
-NEW = "__new__"  # the planner's id for the message being added
 USABLE = ("complete", "cancelled")  # assistant replies that count as history
 
 
@@ -57,7 +59,6 @@ class PreparedTurn:
     params: SamplingParams
     plan: ContextPlan
     policy: HistoryPolicy
-    summary: SummaryState | None
     branch: list[MessageRecord]  # the usable history, oldest first
     chat: list[ChatMessage]  # the branch as the template renders it
     new_message: ChatMessage | None  # None: a regenerate
@@ -122,9 +123,8 @@ def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
 
 
 def context_budget(state: AppState, conv: ConversationRecord) -> int:
-    limit = state.runtime.max_model_len
-    budget = _setting(state, conv, "max_context_tokens")
-    return min(limit, budget) if budget else limit
+    return resolve_context_budget(_setting(state, conv, "max_context_tokens"),
+                                  state.runtime.max_model_len)
 
 
 def session_budget(state: AppState, conv: ConversationRecord) -> SessionBudget:
@@ -218,16 +218,6 @@ async def prepare_turn(
     return prepared
 
 
-def branch_key(conversation_id: str) -> tuple[str, str]:
-    """The renderer's state of a conversation's branch as measured (message counts)."""
-    return (conversation_id, "branch")
-
-
-def prompt_key(conversation_id: str) -> tuple[str, str]:
-    """The renderer's state of a conversation's prompt (its kept messages)."""
-    return (conversation_id, "prompt")
-
-
 def _plan(
     state: AppState,
     conv: ConversationRecord,
@@ -238,42 +228,28 @@ def _plan(
     summary: SummaryState | None,
     parent: str | None,
 ) -> PreparedTurn:
-    """The CPU-bound part of prepare_turn (a worker thread runs it)."""
+    """The CPU-bound part of prepare_turn (a worker thread runs it): the request's tools and
+    schema, then the one planning step (inference.turn_planner), then the engine's checks."""
     runtime = state.runtime
     tools = offered_tools(fields)
     tool_names = {t.function.name for t in fields.tools} if fields.tools else None
     tool_format = runtime.template.tool_call_format if tools else None
     grammar = output_grammar(fields, tool_format, runtime.grammars)
-    system = conv.system_prompt
-    builder = runtime.builder
-    history = [
-        history_message(m.id, chat_m, _counts(m)) for m, chat_m in zip(branch, chat)
-    ]
-    new_counts = None
-    if new_message is not None:
-        new_counts = builder.count_last(system, [*chat, new_message], tools,
-                                        branch_key(conv.id))
-        history.append(history_message(NEW, new_message, new_counts))
     policy = history_policy(state, conv)
-    budget = context_budget(state, conv)
-    reply_budget = fields.reply_budget or min(state.settings.default_max_tokens, budget // 4)
-    plan = plan_context(
-        messages=history,
-        system_tokens=builder.system_tokens(system, tools=tools),
-        max_context_tokens=budget,
-        max_tokens=reply_budget,
-        policy=policy,
-        summary=summary,
-        start_id=conv.trim_start_id,
-        generation_prompt_tokens=runtime.generation_prompt_tokens,
+    planned = plan_turn(
+        runtime.builder, system=conv.system_prompt,
+        branch=[(m.id, c, _counts(m)) for m, c in zip(branch, chat)],
+        new_message=new_message, tools=tools, policy=policy,
+        max_context_tokens=context_budget(state, conv),
+        requested_max_tokens=fields.reply_budget,
+        default_max_tokens=state.settings.default_max_tokens, summary=summary,
+        start_id=conv.trim_start_id, generation_prompt_tokens=runtime.generation_prompt_tokens,
+        conversation=conv.id,
     )
-    params = sampling_params(fields, max_tokens=reply_budget, grammar=grammar)
-    by_id: dict[str, ChatMessage] = {m.id: c for m, c in zip(branch, chat)}
-    if new_message is not None:
-        by_id[NEW] = new_message
-    prompt = builder.build(system, by_id, plan, tools=tools, state_key=prompt_key(conv.id))
-    runtime.engine.validate_prompt(prompt, params)
+    params = sampling_params(fields, max_tokens=planned.max_tokens, grammar=grammar)
+    runtime.engine.validate_prompt(planned.prompt_ids, params)
     user_fields = None
+    new_counts = planned.new_counts
     if new_message is not None and new_counts is not None:
         user_fields = dict(
             role=new_message.role, content=new_message.content, name=new_message.name,
@@ -281,8 +257,8 @@ def _plan(
             content_tokens=new_counts.content_tokens,
         )
     return PreparedTurn(
-        conversation=conv, prompt_ids=prompt, params=params, plan=plan, policy=policy,
-        summary=summary, branch=branch, chat=chat, new_message=new_message,
+        conversation=conv, prompt_ids=planned.prompt_ids, params=params, plan=planned.plan,
+        policy=policy, branch=branch, chat=chat, new_message=new_message,
         user_fields=user_fields,
         reply_parent_id=parent if user_fields is not None else branch[-1].id,
         tools=tools, tool_format=tool_format, tool_names=tool_names,
@@ -322,15 +298,14 @@ def summary_job(
     plan: ContextPlan,
     branch: list[MessageRecord],
     chat: list[ChatMessage],
-    summary: SummaryState | None,
 ) -> Any:
-    """What to run after the turn when the plan dropped messages no summary covers yet."""
-    if policy.policy != "summarize" or not plan.to_summarize:
+    """What to run after the turn when the plan dropped messages no summary covers yet
+    (history.summary_targets decides which)."""
+    if policy.policy != "summarize":
         return None
-    covered = summary.covers if summary is not None else ()
+    previous, newly = summary_targets(plan)
     by_id = {m.id: c for m, c in zip(branch, chat)}
-    newly = [i for i in plan.to_summarize if i in by_id]
-    if not newly or plan.dropped[: len(covered)] != covered:
+    if not newly or any(i not in by_id for i in newly):
         return None
 
     async def job() -> None:
@@ -338,7 +313,8 @@ def summary_job(
         if not isinstance(held, HeldLock):
             return  # a summary of this conversation is already being made
         try:
-            await summarize(state, conv, policy, summary, newly, [by_id[i] for i in newly])
+            await summarize(state, conv, policy, previous, list(newly),
+                            [by_id[i] for i in newly])
         except Exception:
             log.exception("summary of %s failed", conv.id)
         finally:
@@ -373,12 +349,12 @@ async def summarize(
     ):
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
-    covers = [*(previous.covers if previous else ()), *newly]
-    measured = await runtime.run_cpu(builder.summary_state, conv.system_prompt, text, covers,
+    measured = await runtime.run_cpu(builder.summary_state, conv.system_prompt, text, (),
                                      max_num_tokens=policy.summary_share_tokens(budget))
+    merged = merge_summary(previous, measured.text, measured.num_tokens, newly)
     try:
-        await state.store.add_summary(conv.id, text=measured.text,
-                                      num_tokens=measured.num_tokens, covers=list(covers))
+        await state.store.add_summary(conv.id, text=merged.text, num_tokens=merged.num_tokens,
+                                      covers=list(merged.covers))
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return

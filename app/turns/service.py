@@ -285,8 +285,7 @@ class TurnService:
                 log.exception("taking the lease of %s failed", turn.conversation_id)
             if turn.final is not None and error is None:
                 job = pipeline.summary_job(state, prepared.conversation, prepared.policy,
-                                           prepared.plan, prepared.branch, prepared.chat,
-                                           prepared.summary)
+                                           prepared.plan, prepared.branch, prepared.chat)
                 if job is not None:
                     state.spawn(job())
 
