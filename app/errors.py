@@ -122,6 +122,11 @@ def conversation_gone(conversation_id: str) -> APIError:
                     code="conversation_not_found")
 
 
+def engine_failure(exc: BaseException) -> APIError:
+    """A generation that failed after it started streaming (its client already has a 200)."""
+    return APIError(500, f"The generation failed: {exc}", code="engine_error")
+
+
 def api_error(exc: BaseException) -> APIError:
     """The API error a request's failure is answered with: HTTP responses, SSE error chunks
     and WebSocket error frames all come from here. What a client caused is a 4xx naming the

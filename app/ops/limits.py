@@ -5,14 +5,18 @@ an error frame `rate_limited` with `retry_after` on the WebSocket."""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
 from app.coord import RateDecision
-from app.errors import APIError
+from app.errors import APIError, unavailable
 from app.state import AppState, CurrentKey, StateDep
 from app.store import KeyRecord
+
+if TYPE_CHECKING:
+    from app.turns.generation import Generated
 
 WINDOW_S = 60.0
 
@@ -58,6 +62,22 @@ async def admit(state: AppState, key: KeyRecord) -> dict[str, str]:
 async def spend_tokens(state: AppState, key_id: str, tokens: int) -> None:
     if state.settings.rate_limit_tokens and tokens > 0:
         await state.coord.rate_add(f"tokens:{key_id}", WINDOW_S, tokens)
+
+
+def spend_on_finish(state: AppState, key_id: str) -> Callable[[Generated], None]:
+    """A generation's on_finish: count its tokens against its key's tokens-per-minute limit."""
+
+    def finished(result: Generated) -> None:
+        state.spawn(spend_tokens(state, key_id, result.prompt_tokens + result.completion_tokens))
+
+    return finished
+
+
+def check_capacity(state: AppState) -> None:
+    """503 with Retry-After while the engine has more queued requests than the setting
+    allows (every transport's admission control)."""
+    if state.runtime.num_waiting >= state.settings.max_queued_requests:
+        raise unavailable("The server is at capacity (too many queued requests).", 2)
 
 
 def rate_limit_frame(error: APIError) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,8 +18,8 @@ from inference.sampling_params import SamplingParams
 from inference.tokenizer import Tokenizer
 
 from app.transports import sse
-from app.errors import APIError, unavailable
-from app.ops.limits import spend_tokens
+from app.errors import APIError, engine_failure
+from app.ops.limits import check_capacity, spend_on_finish
 from app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
 from app.turns.prompting import chat_messages, offered_tools, sampling_params, session_key
 from app.schemas import chat as schema
@@ -35,11 +35,6 @@ def check_model(state: AppState, model: str) -> None:
             f"'{state.runtime.model_name}'; see GET /v1/models).",
             param="model", code="model_not_found",
         )
-
-
-def check_capacity(state: AppState) -> None:
-    if state.runtime.num_waiting >= state.settings.max_queued_requests:
-        raise unavailable("The server is at capacity (too many queued requests).", 2)
 
 
 async def create(
@@ -58,7 +53,7 @@ async def create(
     generations = [
         Generation(runtime, prompt, p, session_id=skey if i == 0 else None,
                    cache_salt=key.owner, tool_format=fmt, tool_names=tool_names,
-                   started_at=started, on_finish=_spend(state, key.id))
+                   started_at=started, on_finish=spend_on_finish(state, key.id))
         for i, p in enumerate(params)
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -115,13 +110,6 @@ def _prepare(
     # error mid-stream.
     runtime.engine.validate_prompt(prompt, params[0], skey)
     return prompt, params, fmt, tool_names
-
-
-def _spend(state: AppState, key_id: str) -> Callable[[Generated], None]:
-    def finished(result: Generated) -> None:
-        state.spawn(spend_tokens(state, key_id, result.prompt_tokens + result.completion_tokens))
-
-    return finished
 
 
 async def _drain(generation: Generation) -> Generated:
@@ -212,7 +200,7 @@ async def _stream(
         while len(results) < len(generations):
             index, item = await queue.get()
             if isinstance(item, Exception):
-                error = APIError(500, f"The generation failed: {item}", code="engine_error")
+                error = engine_failure(item)
                 yield sse.event(error.body())
                 yield sse.DONE
                 return

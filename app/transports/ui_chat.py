@@ -27,6 +27,7 @@ from app.schemas.conversations import ROOT
 from app.schemas.ui_chat import UIChatRequest, UIMessage
 from app.state import AppState
 from app.store import ConversationRecord, KeyRecord, MessageRecord
+from app.turns.service import regenerated_parent
 from app.turns.turn import Turn
 
 DERIVED_PREFIX = "conv_ui_"
@@ -138,10 +139,7 @@ async def place(
     by_id = {m.id: m for m in stored}
 
     if request.trigger == "regenerate-message" and request.message_id in by_id:
-        target = by_id[request.message_id]
-        if target.role != "assistant" or target.parent_id is None:
-            raise invalid_request("messageId must name an assistant reply", "messageId")
-        return Placement(target.parent_id, None, ())
+        return Placement(regenerated_parent(by_id[request.message_id], "messageId"), None, ())
 
     chat = ui[first:]
     if request.trigger == "submit-message":

@@ -32,7 +32,8 @@ from memory.config import SessionBudget
 from memory.stats import HistoryStats
 
 from app.coord.locks import HeldLock
-from app.errors import invalid_request, not_found, unavailable
+from app.errors import invalid_request, not_found
+from app.ops.limits import check_capacity
 from app.turns.prompting import offered_tools, sampling_params
 from app.turns.structured import output_grammar
 from app.schemas.chat import SamplingFields
@@ -213,8 +214,7 @@ async def prepare_turn(
     )
     prepared = await runtime.run_cpu(_plan, state, conv, fields, branch, chat, new_message,
                                      summary, parent)
-    if runtime.num_waiting >= state.settings.max_queued_requests:
-        raise unavailable("The server is at capacity (too many queued requests).", 2)
+    check_capacity(state)
     return prepared
 
 

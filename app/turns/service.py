@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING, Any
 from inference.chat_template import ChatMessage
 
 from app.coord.locks import HeldLock, Locks
-from app.errors import APIError, busy, conversation_gone, invalid_request, not_found
+from app.errors import (
+    APIError,
+    busy,
+    conversation_gone,
+    engine_failure,
+    invalid_request,
+    not_found,
+)
+from app.ops.limits import spend_on_finish
 from app.schemas.chat import SamplingFields
 from app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
 from app.turns import pipeline
@@ -59,6 +67,14 @@ EVENTS_TTL = 3600.0  # how long a reply's buffered events stay (resume from anot
 BUSY = "A reply is already being generated in this conversation; wait for it or stop it."
 
 EndHook = Callable[[Turn], Awaitable[None]]
+
+
+def regenerated_parent(reply: MessageRecord | None, param: str) -> str:
+    """The message a regenerated `reply` answers (its parent); 400 naming `param` unless it
+    is an assistant reply that answers one."""
+    if reply is None or reply.role != "assistant" or reply.parent_id is None:
+        raise invalid_request(f"{param} must name an assistant reply", param)
+    return reply.parent_id
 
 
 def lock_key(conversation_id: str) -> str:
@@ -110,9 +126,7 @@ class TurnService:
         conv = await self.conversation(owner, conversation_id)
         target = message_id or conv.current_leaf_id
         message = await self.state.store.get_message(conv.id, target) if target else None
-        if message is None or message.role != "assistant" or message.parent_id is None:
-            raise invalid_request("message_id must name an assistant reply", "message_id")
-        return message.parent_id
+        return regenerated_parent(message, "message_id")
 
     # -- starting a turn -------------------------------------------------------------------------
 
@@ -157,7 +171,7 @@ class TurnService:
                 state.runtime, prepared.prompt_ids, prepared.params, session_id=conv.id,
                 cache_salt=key.owner, tool_format=prepared.tool_format,
                 tool_names=prepared.tool_names, request_id=f"turn-{reply.id}",
-                on_finish=spend_tokens(state, key.id),
+                on_finish=spend_on_finish(state, key.id),
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
             if state.coord.name != "local":
@@ -255,7 +269,9 @@ class TurnService:
             final = await state.store.update_message(turn.message_id, **fields)
             turn.final = final
             if error is not None:
-                turn.publish(TurnFailed(final.id, "engine_error", str(error)))
+                failure = engine_failure(error)
+                turn.publish(TurnFailed(final.id, failure.code or "engine_error",
+                                        failure.message))
             else:
                 turn.publish(TurnDone.of(final))
         except LookupError:  # the conversation was deleted under the turn
@@ -440,17 +456,6 @@ class Checkpoints:
     async def settle(self) -> None:
         if self.task is not None:
             await self.task
-
-
-def spend_tokens(state: AppState, key_id: str) -> Callable[[Generated], None]:
-    """Count a finished generation's tokens against its key's tokens-per-minute limit."""
-
-    def finished(result: Generated) -> None:
-        from app.ops.limits import spend_tokens as spend
-
-        state.spawn(spend(state, key_id, result.prompt_tokens + result.completion_tokens))
-
-    return finished
 
 
 async def _iterate(events: list[TurnEvent]) -> AsyncIterator[TurnEvent]:

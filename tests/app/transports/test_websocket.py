@@ -319,3 +319,51 @@ def test_a_revoked_key_closes_its_open_socket_at_the_next_message(ws_service: Se
     # nothing was stored for the refused message
     messages = ws_service.get(f"/v1/conversations/{conv}/messages").json()["data"]
     assert [m["content"] for m in messages if m["role"] == "user"] == ["Before"]
+
+
+def _faults() -> list[tuple[BaseException, str]]:
+    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from inference.async_engine import EngineDeadError
+    from inference.chat_template import ChatTemplateError
+    from inference.errors import InvalidRequestError
+
+    from app.store import StaleFence
+
+    return [
+        (ChatTemplateError("the template refused it"), "invalid_request"),
+        (EngineDeadError("the engine stopped"), "service_unavailable"),
+        (InvalidRequestError("max_tokens too big", "max_tokens"), "invalid_request"),
+        (ContextLengthExceeded(900, 512, 4), "context_length_exceeded"),
+        (InvalidHistoryError("an orphan tool result"), "invalid_request"),
+        (HistoryPolicyError("bad watermark", "low_watermark"), "invalid_request"),
+        (StaleFence("taken over"), "busy"),
+        (RuntimeError("something unexpected"), "internal_error"),
+    ]
+
+
+def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
+    ws_service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Injected faults: planning a turn raises each error the service knows (and one it does
+    not); each is answered with its error frame, the socket answers ping afterwards, the
+    conversation's lock is free and nothing was stored."""
+    from app.turns import pipeline
+
+    conv = conversation(ws_service)
+    real = pipeline.prepare_turn
+    with socket(ws_service, conv) as ws:
+        for fault, code in _faults():
+            async def failing(*args: Any, error: BaseException = fault, **kwargs: Any) -> Any:
+                raise error
+
+            monkeypatch.setattr(pipeline, "prepare_turn", failing)
+            ws.send_json({"type": "message", "content": "Hello", "max_tokens": 3})
+            frame = ws.receive_json()
+            assert frame["type"] == "error" and frame["code"] == code, (fault, frame)
+            ws.send_json({"type": "ping"})
+            assert ws.receive_json() == {"type": "pong"}
+        monkeypatch.setattr(pipeline, "prepare_turn", real)
+        ws.send_json({"type": "message", "content": "And now for real", "max_tokens": 3})
+        assert until(ws, "done")[-1]["status"] == "complete"
+    assert [m["content"] for m in stored(ws_service, conv) if m["role"] == "user"] == [
+        "And now for real"]
