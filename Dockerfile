@@ -10,6 +10,7 @@ COPY app app
 COPY inference inference
 COPY kernels kernels
 COPY memory memory
+COPY history history
 COPY migrations migrations
 COPY bench bench
 RUN pip install --no-cache-dir -e .
