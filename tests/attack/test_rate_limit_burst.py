@@ -1,0 +1,59 @@
+"""A burst against the per-key rate limit through the server, on a real Redis: with
+`KVCHAT_RATE_LIMIT_REQUESTS=5`, 30 requests sent at once admit exactly 5; the others get 429
+in OpenAI's shape with `Retry-After`."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.attack.servers import assert_openai_error, create_key, database_of, started_server
+from tests.service import Server
+
+LIMIT = 5
+BURST = 30
+
+
+@pytest.fixture(scope="module")
+def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    env = {"KVCHAT_RATE_LIMIT_REQUESTS": str(LIMIT)}
+    with started_server(dev_model, tmp_path_factory.mktemp("data"), "postgres+redis",
+                        env) as server:
+        yield server
+
+
+@pytest.mark.parametrize("route", ["chat completions", "conversation turns"])
+def test_a_burst_admits_exactly_the_limit(server: Server, route: str) -> None:
+    key = create_key(database_of(server), f"burst-{uuid.uuid4().hex[:8]}")  # a fresh window
+    headers = server.headers(key)
+    convs = [httpx.post(f"{server.url}/v1/conversations", headers=headers, json={},
+                        timeout=60).json()["id"] for _ in range(BURST)]
+
+    def request(client: httpx.AsyncClient, i: int) -> httpx.Request:
+        if route == "chat completions":
+            return client.build_request("POST", "/v1/chat/completions", json={
+                "model": "dev", "max_tokens": 1,
+                "messages": [{"role": "user", "content": f"burst {i}"}]})
+        return client.build_request("POST", f"/v1/conversations/{convs[i]}/messages",
+                                    json={"content": f"burst {i}", "max_tokens": 1})
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120,
+                                     limits=limits) as client:
+            requests = [request(client, i) for i in range(BURST)]
+            return list(await asyncio.gather(*(client.send(r) for r in requests)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) == LIMIT, statuses
+    assert statuses.count(429) == BURST - LIMIT, statuses
+    for r in responses:
+        if r.status_code == 429:
+            assert assert_openai_error(r.json())["code"] == "rate_limit_exceeded"
+            assert int(r.headers["retry-after"]) >= 1
