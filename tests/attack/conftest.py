@@ -9,8 +9,7 @@ import pytest
 
 # The dev preset, as the service tests make it (one copy per test session).
 from tests.app.conftest import dev_model  # noqa: F401
-
-REQUESTS_PROPERTY = "schemathesis_requests"
+from tests.attack.servers import REQUESTS_PROPERTY
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -18,6 +18,8 @@ from tests.service import Server, postgres_database
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BACKENDS = ("sqlite", "postgres+redis")
+# The user property the schema fuzzing records (backend, requests sent) per operation.
+REQUESTS_PROPERTY = "schemathesis_requests"
 
 T = TypeVar("T")
 
@@ -142,14 +144,6 @@ def idle_memory(server: Server, timeout: float = 120.0) -> dict[str, Any]:
     return wait_until(idle, "the engine went idle", timeout)
 
 
-def pool_matches_sessions(report: dict[str, Any]) -> tuple[int, int]:
-    """(used blocks of the KV pool, blocks the live sessions hold). Equal when nothing
-    leaked, as long as the sessions share no blocks (the attacks give every conversation
-    its own first message, so no prefix-cache block is shared)."""
-    held = sum(int(s["device_blocks"]) for s in report["sessions"])
-    return int(report["pool"]["used_blocks"]), held
-
-
 def assert_openai_error(body: Any, context: str = "") -> dict[str, Any]:
     """`body` is OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     assert isinstance(body, dict) and set(body) == {"error"}, f"{context}: {body!r}"
@@ -166,14 +160,6 @@ def assert_openai_error(body: Any, context: str = "") -> dict[str, Any]:
 def open_fds(pid: int) -> int:
     """File descriptors the process holds (Linux /proc)."""
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of the process (Linux /proc/<pid>/status, VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def metric(server: Server, name: str) -> float:

@@ -13,13 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.attack.servers import (
-    BACKENDS,
-    assert_openai_error,
-    idle_memory,
-    pool_matches_sessions,
-    started_server,
-)
+from bench.soak import pool_use
+from tests.attack.servers import BACKENDS, assert_openai_error, idle_memory, started_server
 from tests.service import Server
 
 TRIES = 60
@@ -97,5 +92,5 @@ def test_deleting_a_conversation_during_its_turn(server: Server) -> None:
     assert not [c for c in listed if (c["title"] or "").startswith("race ")]  # all deleted
     live = {c["id"] for c in listed}
     assert {s["conversation_id"] for s in report["sessions"]} <= live
-    used, held = pool_matches_sessions(report)
+    used, held = pool_use(report)
     assert used == held, f"the pool has {used} blocks in use; live sessions hold {held}"

@@ -57,8 +57,7 @@ from schemathesis.checks import (
 from schemathesis.config import SchemathesisConfig
 
 from app.turns.prompting import SESSION_ID_PATTERN
-from tests.attack.conftest import REQUESTS_PROPERTY
-from tests.attack.servers import BACKENDS, assert_openai_error, started_server
+from tests.attack.servers import BACKENDS, REQUESTS_PROPERTY, assert_openai_error, started_server
 from tests.service import Server
 
 EXAMPLES = int(os.environ.get("KVCHAT_ATTACK_EXAMPLES", "10"))
