@@ -120,11 +120,11 @@ class Client:
     async def run(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             kind = self.rng.choices(KINDS, [w for _, w in MIX])[0]
-            if self.turns == 0 and kind in ("regenerate", "stop"):
-                kind = "rest turn"  # there is nothing to regenerate yet
             try:
                 if self.conversation is None or self.turns >= TURNS_PER_CONVERSATION:
-                    await self.rotate()
+                    await self.rotate()  # its errors count under the kind drawn
+                if self.turns == 0 and kind == "regenerate":
+                    kind = "rest turn"  # there is nothing to regenerate yet
                 await getattr(self, kind.replace(" ", "_"))()
             except (httpx.TimeoutException, TimeoutError):
                 self.soak.errors.append(f"{kind}: no answer within {REQUEST_TIMEOUT_S:.0f} s")

@@ -103,7 +103,7 @@ def test_the_killed_request_retried_with_its_key_gets_a_clear_answer(crash: Cras
     within the window (a 409 while the first request's leftovers clear is retried)."""
     server = crash.server
     started = time.monotonic()
-    answers = []
+    answers: list[Any] = []  # the 409s met on the way
     while True:
         left = WINDOW_S - (time.monotonic() - started)
         assert left > 0, f"no clear answer within {WINDOW_S:.0f} s: {answers}"
