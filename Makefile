@@ -1,6 +1,8 @@
 # kvchat — the two commands the README names:
 #   make serve   set up and run the service on the embedded defaults
 #   make test    set up and run the test suite
+# and the attack campaign CI runs after it:
+#   make attack  fuzz, abuse and crash started servers (tests/attack)
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
@@ -9,7 +11,7 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test attack lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +31,20 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 serve: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvchat serve --model $(MODEL_DIR)
 
+# tests/attack is `make attack`: it drives started servers from outside, so it runs once,
+# not a second time under python -O.
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 --ignore=tests/attack $(PYTEST_ARGS)
 	# Once more with assert statements compiled out (python -O, inherited by the xdist
 	# workers): no behaviour of the library may live inside an assert.
-	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning $(PYTEST_ARGS)
+	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning --ignore=tests/attack $(PYTEST_ARGS)
+
+# The attack campaign against started `kvchat serve` processes, on SQLite and on Postgres +
+# Redis: schemathesis over /openapi.json, WebSocket abuse, SIGKILL mid-stream, a delete racing
+# its turn, a rate-limit burst, the hand fuzzing of REST, a short soak. One module per worker
+# (each shares its servers). KVCHAT_ATTACK_EXAMPLES=100 make attack: a bigger fuzzing run.
+attack: $(STAMP)
+	$(PY) -m pytest tests/attack -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check app history inference kernels memory migrations tests bench
