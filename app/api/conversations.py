@@ -147,13 +147,14 @@ async def list_messages(
     )
 
 
-@router.post(
-    "/{conversation_id}/messages",
-    response_model=MessageOut,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "The stored assistant "
-                     "message (JSON), or with stream=true its events (SSE: start, delta, "
-                     "tool_call, done)."}},
-)
+TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "The stored assistant message "
+          "(JSON), or with stream=true its events (SSE: start, delta, tool_call, done)."},
+}
+
+
+@router.post("/{conversation_id}/messages", response_model=MessageOut,
+             responses=TURN_RESPONSES)
 async def post_message(
     conversation_id: str,
     body: PostMessage,
@@ -185,7 +186,8 @@ async def post_message(
     return await _respond(state, request, result, body.stream)
 
 
-@router.post("/{conversation_id}/regenerate", response_model=MessageOut)
+@router.post("/{conversation_id}/regenerate", response_model=MessageOut,
+             responses=TURN_RESPONSES)
 async def regenerate(
     conversation_id: str,
     body: Regenerate,
