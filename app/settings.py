@@ -93,8 +93,8 @@ class Settings(BaseSettings):
         "body passes it.")
 
     # -- limits (per API key; unset: none) ------------------------------------------------------
-    rate_limit_requests: int | None = Field(None, description="Requests per minute per key.")
-    rate_limit_tokens: int | None = Field(None, description="Tokens per minute per key.")
+    rate_limit_requests: int | None = Field(None, ge=1, description="Requests per minute per key.")
+    rate_limit_tokens: int | None = Field(None, ge=1, description="Tokens per minute per key.")
 
     # -- WebSocket -------------------------------------------------------------------------------
     ws_grace_period: float = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 import os
 import secrets
 import socket
@@ -38,13 +39,17 @@ class IdempotencyRecord:
 
 @dataclass(frozen=True)
 class RateDecision:
-    """A sliding-window rate limit's answer: whether `cost` more fits in the window now."""
+    """A sliding-window rate limit's answer: whether `cost` more fits in the window now.
+
+    `remaining` and `reset_s` describe the window after this decision (with `cost` counted
+    when it was allowed); both wait times assume nothing else is counted meanwhile and are
+    `math.inf` when the wait never ends (a cost above the limit)."""
 
     allowed: bool
     limit: int
-    remaining: int
-    reset_s: float  # until the window has room for one more unit
-    retry_after: float  # 0 when allowed
+    remaining: int  # whole units that still fit
+    reset_s: float  # until one more unit fits (0 while remaining >= 1)
+    retry_after: float  # until `cost` fits; 0 when allowed
 
 
 StopHandler = Callable[[str], Awaitable[None] | None]
@@ -138,12 +143,56 @@ class LockHolder:
                    host=str(record["host"]), pid=int(record["pid"]),
                    instance=str(record["instance"]), fence=int(record["fence"]),
                    purpose=str(record["purpose"]), data=data if isinstance(data, dict) else {})
+def window_ms(window_s: float) -> int:
+    """A rate-limit window's length in whole milliseconds, the unit windows are counted in."""
+    assert window_s >= 0.001, window_s
+    return round(window_s * 1000)
 
 
 def sliding_window_count(previous: float, current: float, elapsed_fraction: float) -> float:
     """The sliding-window estimate from two fixed windows (the previous one weighted by how
     much of it still overlaps the sliding window), as Cloudflare's rate limiter does."""
     return previous * (1.0 - elapsed_fraction) + current
+
+
+def sliding_window_wait(
+    previous: float, current: float, elapsed_fraction: float, window_s: float, limit: int,
+    need: float,
+) -> float:
+    """Seconds until `need` more units fit under `limit` if nothing else is counted: the
+    previous window's weight shrinks through this window; once this window ends its count is
+    the previous one and shrinks through the next. So a window spent to its limit goes on
+    refusing past its own end, until enough of it has slid out."""
+    if sliding_window_count(previous, current, elapsed_fraction) + need <= limit:
+        return 0.0
+    if need > limit:
+        return math.inf
+    if current + need <= limit:  # in this window, once enough of the previous one slid out
+        fits_at = 1.0 - (limit - current - need) / previous
+        return max(0.0, fits_at - elapsed_fraction) * window_s
+    fits_at = 1.0 - (limit - need) / current  # in the next window, this one's count sliding out
+    return (1.0 - elapsed_fraction + fits_at) * window_s
+
+
+def sliding_window_decision(
+    previous: float, current: float, elapsed_fraction: float, window_s: float, limit: int,
+    cost: int,
+) -> RateDecision:
+    """Whether `cost` more fits on top of the counts of the previous and the current fixed
+    window, `elapsed_fraction` into the current one; what every back end decides (the Redis
+    one in its script, with the same arithmetic)."""
+    used = sliding_window_count(previous, current, elapsed_fraction)
+    allowed = used + cost <= limit  # the script's test, term for term
+    after = current + cost if allowed else current
+    used_after = sliding_window_count(previous, after, elapsed_fraction)
+    return RateDecision(
+        allowed=allowed,
+        limit=limit,
+        remaining=max(0, math.floor(limit - used_after)),
+        reset_s=sliding_window_wait(previous, after, elapsed_fraction, window_s, limit, 1),
+        retry_after=0.0 if allowed else sliding_window_wait(
+            previous, current, elapsed_fraction, window_s, limit, cost),
+    )
 
 
 class Coordinator(abc.ABC):
@@ -251,11 +300,14 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     async def rate_check(self, key: str, limit: int, window_s: float, cost: int) -> RateDecision:
         """Whether `cost` more units fit under `limit` per sliding `window_s`; counts them when
-        they do (pass cost 0 to only look)."""
+        they do (pass cost 0 to only look). Deciding and counting are one step: concurrent
+        checks, from any number of processes sharing the back end, never admit past the
+        limit. See `sliding_window_decision` for the arithmetic."""
 
     @abc.abstractmethod
     async def rate_add(self, key: str, window_s: float, cost: int) -> None:
-        """Count `cost` units that were used (tokens, known after the fact)."""
+        """Count `cost` units that were used (tokens, known after the fact), in one step with
+        what concurrent checks count."""
 
     # -- session ownership leases ------------------------------------------------------------
 

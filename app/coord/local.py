@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.coord.base import (
@@ -18,10 +17,39 @@ from app.coord.base import (
     ProcessIdentity,
     RateDecision,
     StopHandler,
-    sliding_window_count,
+    sliding_window_decision,
+    window_ms,
 )
 
 END_EVENTS = ("done", "error")
+
+
+@dataclass
+class RateCounts:
+    """One key's two fixed windows: what the Redis back end keeps in a hash (fields w, p, c)
+    and its script rolls forward the same way."""
+
+    window_ms: int
+    index: int  # the fixed window `current` counts: now_ms // window_ms when last rolled
+    previous: int  # units counted in window index - 1
+    current: int
+
+    def roll(self, now_ms: int) -> int:
+        """Move to the window `now_ms` falls in; returns how far (ms) into it that is. A
+        clock that stepped back stays in the newest window seen, as if at its start (the
+        previous window then weighs fully: never fewer units than were counted)."""
+        index = now_ms // self.window_ms
+        if index < self.index:
+            return 0
+        if index > self.index:
+            self.previous = self.current if index == self.index + 1 else 0
+            self.current = 0
+            self.index = index
+        return now_ms - index * self.window_ms
+
+    def is_stale(self, now_ms: int) -> bool:
+        """Both windows have slid out: nothing counted weighs any more."""
+        return now_ms // self.window_ms > self.index + 1
 
 
 class LocalCoordinator(Coordinator):
@@ -30,13 +58,18 @@ class LocalCoordinator(Coordinator):
 
     name = "local"
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        rate_clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.clock = clock  # monotonic seconds: when locks, leases and records expire
+        self.rate_clock = rate_clock  # the wall clock (ns) rate-limit windows are aligned to
         self._locks: dict[str, tuple[LockHolder, float]] = {}  # key -> (holder, expires at)
         self._fence = 0
         self._idempotency: dict[str, tuple[IdempotencyRecord, float]] = {}
         self._stop_handlers: dict[str, list[StopHandler]] = {}
-        self._windows: dict[tuple[str, int], float] = {}  # (key, window index) -> units
+        self._rates: dict[str, RateCounts] = {}
         self._leases: dict[str, tuple[str, float]] = {}
         self._events: dict[str, tuple[list[dict[str, Any]], float]] = {}
         self._event_added = asyncio.Event()
@@ -199,41 +232,25 @@ class LocalCoordinator(Coordinator):
     # -- rate limits -------------------------------------------------------------------------------
 
     async def rate_check(self, key: str, limit: int, window_s: float, cost: int) -> RateDecision:
-        now = time.time()
-        index = math.floor(now / window_s)
-        elapsed = now / window_s - index
-        self._expire_windows(index)
-        used = sliding_window_count(
-            self._windows.get((key, index - 1), 0.0),
-            self._windows.get((key, index), 0.0),
-            elapsed,
+        counts, elapsed_ms = self._rate_counts(key, window_s)
+        decision = sliding_window_decision(
+            counts.previous, counts.current, elapsed_ms / counts.window_ms, window_s, limit, cost
         )
-        return self._decide(key, index, used, limit, window_s, elapsed, cost)
-
-    def _decide(
-        self,
-        key: str,
-        index: int,
-        used: float,
-        limit: int,
-        window_s: float,
-        elapsed: float,
-        cost: int,
-    ) -> RateDecision:
-        reset = (1.0 - elapsed) * window_s
-        if used + cost > limit:
-            return RateDecision(False, limit, max(0, int(limit - used)), reset, max(reset, 1.0))
-        if cost:
-            self._windows[(key, index)] = self._windows.get((key, index), 0.0) + cost
-        return RateDecision(True, limit, max(0, int(limit - used - cost)), reset, 0.0)
+        if decision.allowed:
+            counts.current += cost
+        return decision
 
     async def rate_add(self, key: str, window_s: float, cost: int) -> None:
-        index = math.floor(time.time() / window_s)
-        self._windows[(key, index)] = self._windows.get((key, index), 0.0) + cost
+        counts, _ = self._rate_counts(key, window_s)
+        counts.current += cost
 
-    def _expire_windows(self, index: int) -> None:
-        for stale in [k for k in self._windows if k[1] < index - 1]:
-            del self._windows[stale]
+    def _rate_counts(self, key: str, window_s: float) -> tuple[RateCounts, int]:
+        """`key`'s counts rolled forward to now, and how far (ms) now is into their window."""
+        now_ms = self.rate_clock() // 1_000_000
+        for stale in [k for k, c in self._rates.items() if c.is_stale(now_ms)]:
+            del self._rates[stale]
+        counts = self._rates.setdefault(key, RateCounts(window_ms(window_s), 0, 0, 0))
+        return counts, counts.roll(now_ms)
 
     # -- leases ------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Redis coordination (redis-py asyncio): what spans processes and replicas. Locks and leases
 are SET NX PX with token-checked release, idempotency records JSON with a TTL, stop signals
-pub/sub, rate limits two fixed windows weighted into a sliding one, a reply's events a Redis
-Stream.
+pub/sub, rate limits two fixed windows weighted into a sliding one (checked and counted in one
+script, on Redis's clock), a reply's events a Redis Stream.
 
 When Redis goes away the service keeps serving: every operation falls back to the in-process
 coordinator (rate limits and stops then hold per process only), the change is logged once,
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -31,7 +30,8 @@ from app.coord.base import (
     ProcessIdentity,
     RateDecision,
     StopHandler,
-    sliding_window_count,
+    sliding_window_decision,
+    window_ms,
 )
 from app.coord.local import END_EVENTS, LocalCoordinator
 
@@ -112,6 +112,42 @@ end
 return 0
 """
 
+# Check-and-count a sliding-window rate limit in one step (sliding_window_decision's
+# arithmetic, on the key's two fixed windows; LocalCoordinator's RateCounts rolls them the
+# same way). KEYS[1]: a hash, w = the window index c counts, p = units in window w - 1,
+# c = units in window w. ARGV: limit (COUNT_ANYWAY '': count whatever it comes to), window ms,
+# cost, now ms ('': Redis's own clock). Returns {allowed, previous, current before the cost,
+# ms elapsed into the current window}. The hash expires when both windows have slid out, on
+# the clock they follow.
+RATE = """
+local limit, window, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = tonumber(ARGV[4])
+if now == nil then
+  local clock = redis.call('TIME')  -- {seconds, microseconds}
+  now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+local index = math.floor(now / window)
+local elapsed = now - index * window
+local held = redis.call('HMGET', KEYS[1], 'w', 'p', 'c')
+local w = tonumber(held[1])
+local previous, current = 0, 0
+if w ~= nil and w > index then
+  index, elapsed = w, 0  -- the clock stepped back: stay in the newest window, at its start
+end
+if w == index then
+  previous, current = tonumber(held[2]), tonumber(held[3])
+elseif w == index - 1 then
+  previous = tonumber(held[3])
+end
+local allowed = limit == nil or previous * (1 - elapsed / window) + current + cost <= limit
+if allowed and cost > 0 then
+  redis.call('HSET', KEYS[1], 'w', index, 'p', previous, 'c', current + cost)
+  redis.call('PEXPIREAT', KEYS[1], (index + 2) * window)
+end
+return {allowed and 1 or 0, previous, current, elapsed}
+"""
+COUNT_ANYWAY = ""
+
 
 class RedisCoordinator(Coordinator):
     name = "redis"
@@ -123,6 +159,7 @@ class RedisCoordinator(Coordinator):
         prefix: str = "kvchat:",
         probe_interval: float = 1.0,
         timeout: float = 2.0,
+        clock: Callable[[], int] | None = None,
     ) -> None:
         self.url = url
         self.prefix = prefix  # every key and channel (several deployments can share a Redis)
@@ -134,7 +171,12 @@ class RedisCoordinator(Coordinator):
             socket_connect_timeout=timeout,
             health_check_interval=0,
         )
-        self.local = LocalCoordinator()
+        # Rate windows follow Redis's clock (replicas whose clocks disagree share one window)
+        # unless a clock is given (ns, as time.time_ns): tests pin the time with it. Windows
+        # expire at their end on that clock, so a pinned one must not run behind Redis's.
+        self.clock = clock
+        self._rate_script = self.redis.register_script(RATE)
+        self.local = LocalCoordinator(rate_clock=clock or time.time_ns)
         self.probe_interval = probe_interval
         self._up = True
         self._tasks: list[asyncio.Task[None]] = []
@@ -150,11 +192,13 @@ class RedisCoordinator(Coordinator):
         self._tasks = [asyncio.create_task(self._probe()), asyncio.create_task(self._listen())]
 
     async def close(self) -> None:
+        # A task cancelled while redis-py is still subscribing can swallow the cancellation
+        # (it stays inside pubsub.listen()): cancel again until it is done.
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            while not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(task), 1.0)
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 
@@ -356,34 +400,32 @@ class RedisCoordinator(Coordinator):
     # -- rate limits -------------------------------------------------------------------------------
 
     async def rate_check(self, key: str, limit: int, window_s: float, cost: int) -> RateDecision:
+        assert cost >= 0, cost
+
         async def work() -> RateDecision:
-            now = time.time()
-            index = math.floor(now / window_s)
-            elapsed = now / window_s - index
-            names = [f"{self.prefix}rate:{key}:{index - 1}", f"{self.prefix}rate:{key}:{index}"]
-            previous, current = await self.redis.mget(names)
-            used = sliding_window_count(float(previous or 0), float(current or 0), elapsed)
-            reset = (1.0 - elapsed) * window_s
-            if used + cost > limit:
-                return RateDecision(False, limit, max(0, int(limit - used)), reset, max(reset, 1.0))
-            if cost:
-                await self._count(names[1], window_s, cost)
-            return RateDecision(True, limit, max(0, int(limit - used - cost)), reset, 0.0)
+            allowed, previous, current, elapsed_ms = await self._rate(key, limit, window_s, cost)
+            decision = sliding_window_decision(
+                previous, current, elapsed_ms / window_ms(window_s), window_s, limit, cost
+            )
+            assert decision.allowed == bool(allowed), "the script decides as the Python does"
+            return decision
 
         return await self._call(work, lambda: self.local.rate_check(key, limit, window_s, cost))
 
     async def rate_add(self, key: str, window_s: float, cost: int) -> None:
         async def work() -> None:
-            index = math.floor(time.time() / window_s)
-            await self._count(f"{self.prefix}rate:{key}:{index}", window_s, cost)
+            await self._rate(key, COUNT_ANYWAY, window_s, cost)
 
         await self._call(work, lambda: self.local.rate_add(key, window_s, cost))
 
-    async def _count(self, name: str, window_s: float, cost: int) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.incrby(name, cost)
-            pipe.pexpire(name, int(2 * window_s * 1000) + 1000)
-            await pipe.execute()
+    async def _rate(self, key: str, limit: int | str, window_s: float, cost: int) -> list[int]:
+        """Run RATE on `key`'s windows: [allowed, previous, current (before this cost),
+        elapsed ms into the current window]."""
+        now_ms = "" if self.clock is None else str(self.clock() // 1_000_000)
+        reply = await self._rate_script(
+            keys=[f"{self.prefix}rate:{key}"], args=[limit, window_ms(window_s), cost, now_ms]
+        )
+        return [int(value) for value in reply]
 
     # -- leases ------------------------------------------------------------------------------------
 

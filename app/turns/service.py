@@ -391,6 +391,7 @@ class TurnService:
             if not await state.store.delete_conversation(owner, conv.id):
                 raise not_found(f"conversation {conversation_id!r}")
             state.runtime.engine.close_session(conv.id)
+            state.runtime.notify()  # an idle engine applies the close now
             if state.leases is not None:
                 await state.leases.release(conv.id)
         finally:

@@ -49,14 +49,15 @@ def database_of(server: Server) -> str:
     return server.env.get("KVCHAT_DATABASE_URL") or default_database_url(server.data_dir)
 
 
-def create_key(database_url: str, name: str, admin: bool = False) -> str:
+def create_key(database_url: str, name: str, admin: bool = False,
+               owner: str | None = None) -> str:
     """A new API key in the database (as `kvchat keys create` makes one)."""
     from app.store import Store
 
     async def create() -> str:
         store = await Store.open(database_url)
         try:
-            _, plaintext = await store.create_key(name, admin=admin)
+            _, plaintext = await store.create_key(name, admin=admin, owner=owner)
             return plaintext
         finally:
             await store.close()

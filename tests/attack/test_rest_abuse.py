@@ -186,15 +186,19 @@ def test_a_lone_surrogate_is_refused_or_served_and_what_is_stored_reads_back(
 def test_settings_valid_alone_but_not_together_are_refused_and_the_conversation_still_works(
     api: Server,
 ) -> None:
+    # The campaign's case: each value fits the server's defaults (high 0.8), not together.
     conv = new_conversation(api)
-    r = send(api, "PATCH", f"/v1/conversations/{conv}", {"low_watermark": 0.9})
+    r = send(api, "PATCH", f"/v1/conversations/{conv}", {"low_watermark": 0.6})
     assert r.status_code == 200, r.text
-    r = send(api, "PATCH", f"/v1/conversations/{conv}", {"high_watermark": 0.5})
+    r = send(api, "PATCH", f"/v1/conversations/{conv}", {"high_watermark": 0.3})
     assert r.status_code == 400, r.text[:300]
     assert assert_openai_error(r.json())["param"] in ("high_watermark", "low_watermark")
+    # A value that does not fit the defaults is refused when it is sent alone too.
+    r = send(api, "PATCH", f"/v1/conversations/{conv}", {"low_watermark": 0.9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "low_watermark", r.text[:300]
     # Nothing was written: the conversation keeps its settings and takes turns.
     got = send(api, "GET", f"/v1/conversations/{conv}").json()
-    assert (got["low_watermark"], got["high_watermark"]) == (0.9, None)
+    assert (got["low_watermark"], got["high_watermark"]) == (0.6, None)
     r = send(api, "POST", f"/v1/conversations/{conv}/messages", TURN)
     assert r.status_code == 200, r.text[:300]
 

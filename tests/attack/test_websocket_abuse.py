@@ -55,9 +55,9 @@ def new_conversation(server: Server, key: str | None = None) -> str:
     return str(r.json()["id"])
 
 
-def stored(server: Server, conv: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers(),
-                  timeout=60)
+def stored(server: Server, conv: str, key: str | None = None) -> list[dict[str, Any]]:
+    r = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
+                  headers=server.headers(key), timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["data"]  # type: ignore[no-any-return]
 
@@ -97,7 +97,8 @@ BAD_FRAMES: list[tuple[str, str | bytes, set[str]]] = [
     # (name, frame, the error codes that may answer it)
     ("malformed json", "{nope", {"invalid_json"}),
     ("binary frame", b"\x00\x01\x02 not text", {"invalid_json"}),
-    ("oversized frame", message("x" * (4 * FRAME_LIMIT)), {"frame_too_large"}),
+    # Over the app's limit but under the protocol's (4x): an error frame, the socket stays.
+    ("oversized frame", message("x" * (2 * FRAME_LIMIT)), {"frame_too_large"}),
     ("one byte over the limit", message("x" * (FRAME_LIMIT - len(message("")) + 1)),
      {"frame_too_large"}),
     ("50,000 deep array", "[" * DEEP + "]" * DEEP, {"invalid_json", "invalid_request"}),
@@ -108,7 +109,7 @@ BAD_FRAMES: list[tuple[str, str | bytes, set[str]]] = [
     ("unknown type", json.dumps({"type": "dance"}), {"unknown_type"}),
     ("no type", json.dumps({"content": "hello"}), {"unknown_type"}),
     ("not an object", "42", {"unknown_type"}),
-    ("lone surrogate as the type", '{"type": "\\udc00"}', {"unknown_type"}),
+    ("lone surrogate as the type", '{"type": "\\udc00"}', {"unknown_type", "invalid_request"}),
     ("offset past 64 bits", json.dumps({"type": "resume", "message_id": "msg_x",
                                         "offset": 2**64}), {"invalid_request", "not_found"}),
 ]
@@ -263,6 +264,8 @@ def test_an_idle_socket_is_closed_by_the_server(server: Server) -> None:
 def test_a_socket_stops_working_when_its_key_is_revoked(server: Server) -> None:
     name = f"revoked-{uuid.uuid4().hex[:8]}"
     key = create_key(database_of(server), name)
+    # Another key of the same owner, to read the conversation once `key` is revoked.
+    reader = create_key(database_of(server), f"{name}-reader", owner=name)
     conv = new_conversation(server, key)
 
     async def attack() -> dict[str, Any] | int | None:
@@ -282,4 +285,29 @@ def test_a_socket_stops_working_when_its_key_is_revoked(server: Server) -> None:
         assert answer["type"] == "error" and answer["code"] != "busy", answer
     else:
         assert answer == 4401, answer
-    assert stored(server, conv) == []  # no turn ran on the revoked key
+    assert stored(server, conv, reader) == []  # no turn ran on the revoked key
+
+
+def test_a_frame_past_the_protocol_limit_is_closed_1009_and_the_server_serves_on(
+    server: Server,
+) -> None:
+    """Past four times the frame limit uvicorn refuses to buffer the frame at all: the socket
+    is closed with 1009 (message too big), as the README says, and the server serves on."""
+    conv = new_conversation(server)
+
+    async def attack() -> int | None:
+        async with connect(server, conv) as ws:
+            await ws.send(message("x" * (5 * FRAME_LIMIT)))
+            try:
+                await receive(ws)
+            except websockets.ConnectionClosed as closed:
+                return closed.rcvd.code if closed.rcvd else None
+        return None
+
+    assert asyncio.run(attack()) == 1009
+
+    async def after() -> None:
+        async with connect(server, conv) as ws:
+            await ping(ws)
+
+    asyncio.run(after())

@@ -201,7 +201,8 @@ async def test_sliding_window_rate_limit(coord: Coordinator) -> None:
     decisions = [await coord.rate_check("req:key", 3, 60, 1) for _ in range(4)]
     assert [d.allowed for d in decisions] == [True, True, True, False]
     assert [d.remaining for d in decisions[:3]] == [2, 1, 0]
-    assert 1 <= decisions[-1].retry_after <= 60
+    # 3 counted in this window weigh fully until it ends, then one fits 1/3 into the next.
+    assert 20 < decisions[-1].retry_after <= 80
     await coord.rate_add("tok:key", 60, 500)
     assert (await coord.rate_check("tok:key", 400, 60, 0)).remaining == 0
 
