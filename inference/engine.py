@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import cast
 
 import llguidance
@@ -24,8 +23,10 @@ import torch
 from kernels import get_attention_ops
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
-from memory.kv_cache import KVCache, KVCacheSpec
+from memory.kv_cache import KVCache
+from memory.kv_spec import KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
+from memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
 from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats, HistoryStats
 
@@ -48,7 +49,6 @@ from .weights import load_weights
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # Masks computed before sampling and expected to take at least this long are computed beside
 # the forward even when it has every core (see Engine._start_masks).
 MASK_WORKER_MIN_SECONDS = 0.002
@@ -105,15 +105,6 @@ class _StepGrammars:
             for row in rows:
                 words[row] = self._words[row]
         return self._grammars.logit_offsets(words, self._device)
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What start-up measured: how many blocks the pools got."""
-
-    num_blocks: int
-    num_host_blocks: int
-    bytes_per_block: int
 
 
 class Engine:
@@ -199,25 +190,18 @@ class Engine:
         return mask.to(self.device)
 
     def _plan_kv_cache(self) -> KVCacheLayout:
-        cache = self.config.cache
-        per_block = self.kv_spec.bytes_per_block
-        if cache.num_blocks_override is not None:
-            num_blocks = cache.num_blocks_override
-        elif cache.kv_cache_bytes is not None:
-            num_blocks = cache.kv_cache_bytes // per_block
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_blocks(per_block)
-        else:
-            num_blocks = CPU_DEFAULT_KV_CACHE_BYTES // per_block
-        if num_blocks < 1:
+        measure = self._profile_cuda_memory if self.device.type == "cuda" else None
+        layout = plan_kv_layout(self.config.cache, self.kv_spec.bytes_per_block, measure)
+        if layout.num_blocks < 1:
             raise ModelLoadError(
-                f"the KV cache budget holds no block of {per_block} bytes; raise kv_cache_bytes"
+                f"the KV cache budget holds no block of {layout.bytes_per_block} bytes; raise "
+                "kv_cache_bytes"
             )
-        return KVCacheLayout(num_blocks, cache.host_cache_bytes // per_block, per_block)
+        return layout
 
-    def _profile_cuda_blocks(self, per_block: int) -> int:
-        """As vLLM does: run the largest step once, then give the KV pool what is left of
-        `gpu_memory_utilization x total` after the peak."""
+    def _profile_cuda_memory(self) -> DeviceMemory:
+        """As vLLM does: run the largest step once, and measure its peak (what the KV pool
+        must leave free)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
@@ -234,8 +218,7 @@ class Engine:
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
         del scratch, runner
         torch.cuda.empty_cache()
-        budget = self.config.cache.gpu_memory_utilization * total - peak - non_torch
-        return int(budget // per_block)
+        return DeviceMemory(total_bytes=total, peak_bytes=peak, non_torch_bytes=non_torch)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -26,7 +26,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from memory.kv_cache_manager import KVCacheManager, cdiv
+from memory.kv_cache_manager import KVCacheManager
+from memory.kv_spec import cdiv
 from memory.sessions import SessionStore
 from memory.stats import CacheStats
 

@@ -269,7 +269,7 @@ def memory_plan(
     from inference.engine_config import DTYPES
     from inference.model_config import ModelConfig
     from memory.config import CacheConfig
-    from memory.kv_cache import KVCacheSpec
+    from memory.kv_spec import KVCacheSpec
     from memory.planner import MemoryPlan, parse_bytes
 
     if (model is None) == (config is None):

@@ -30,7 +30,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from inference.tool_calls import HERMES
 from memory.config import CacheConfig
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
 
 BLOCK = 16
 # Bounded, so a random model closes every structure within a few dozen tokens.

@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from memory.block_pool import BlockPool
 from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache import KVCache, KVCacheSpec
+from memory.kv_cache import KVCache
+from memory.kv_spec import KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState, cdiv
 from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats

@@ -15,7 +15,7 @@ from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
 from tests.inference.test_engine import random_prompt
 
 BLOCK = 16
