@@ -7,104 +7,41 @@ the next step, so an abort takes effect within one step."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import cast
-
-import llguidance
-import torch
 
 from kernels import get_attention_ops
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
 from memory.kv_cache import KVCache
-from memory.kv_spec import KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
-from memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
 from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats, HistoryStats
 
 from .engine_config import EngineConfig
-from .errors import InvalidRequestError, ModelLoadError
-from .grammar_compiler import GrammarCompiler, GrammarError
+from .engine_setup import invalid_token_mask, kv_spec_for, size_kv_pools
+from .errors import InvalidRequestError
+from .grammar_compiler import GrammarCompiler
 from .host_memory import keep_freed_memory
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .request_checks import RequestChecker
 from .request_output import RequestOutput
-from .sampler import Sampler, masks_first
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
+from .scheduler import PRIORITY_NORMAL, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .structured_output import StructuredOutputManager
 from .tokenizer import Tokenizer
 from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
-
-# Masks computed before sampling and expected to take at least this long are computed beside
-# the forward even when it has every core (see Engine._start_masks).
-MASK_WORKER_MIN_SECONDS = 0.002
-MASK_TIME_DECAY = 0.9  # per step, of a row's remembered mask time
-# A constrained row whose checked draws were all rejected takes its mask first for the next
-# 1, 2, 4, ... steps (doubling with each rejection, one less after each pass, up to this),
-# then is checked again (see Engine._note_checks).
-MAX_MASK_FIRST_STEPS = 16
-
-
-def _compute_masks(
-    grammars: GrammarCompiler, seqs: list[tuple[int, Sequence]]
-) -> dict[int, torch.Tensor]:
-    """key -> the fill_bitmask words [mask_words] of the sequence's next token, for (key,
-    sequence) pairs of constrained sequences; each one's mask time goes into its forecast."""
-    seconds: list[float] = []
-    bitmask = grammars.fill_bitmask(
-        [(k, cast(llguidance.LLMatcher, seq.matcher)) for k, (_, seq) in enumerate(seqs)],
-        len(seqs), seconds,
-    )
-    for (_, seq), took in zip(seqs, seconds):
-        # Up at once, down slowly: one cheap mask among costly ones is no forecast.
-        seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
-    return {key: bitmask[k] for k, (key, _) in enumerate(seqs)}
-
-
-class _StepGrammars:
-    """One step's constrained rows as the sampler asks about them (sampler.RowGrammars):
-    the rows whose masks were computed before sampling take them first; the others' draws
-    are checked by their matchers, and a mask asked for then is computed on the engine
-    thread."""
-
-    def __init__(self, grammars: GrammarCompiler, seqs: list[Sequence],
-                 ready: dict[int, torch.Tensor], device: torch.device) -> None:
-        self._grammars = grammars
-        self._seqs = seqs
-        self._words = dict(ready)  # logits row -> mask words
-        self._device = device
-        self.rows = [j for j, seq in enumerate(seqs) if seq.matcher is not None]
-        self.mask_first = frozenset(ready)
-
-    def allows(self, row: int, token: int) -> bool:
-        return self._grammars.allows(cast(llguidance.LLMatcher, self._seqs[row].matcher), token)
-
-    def offsets(self, rows: list[int], num_rows: int | None = None) -> torch.Tensor:
-        missing = [row for row in rows if row not in self._words]
-        if missing:
-            self._words.update(_compute_masks(
-                self._grammars, [(row, self._seqs[row]) for row in missing]))
-        if num_rows is None:
-            words = torch.stack([self._words[row] for row in rows])
-        else:  # other rows allow every token
-            words = torch.full((num_rows, self._grammars.mask_words), -1, dtype=torch.int32)
-            for row in rows:
-                words[row] = self._words[row]
-        return self._grammars.logit_offsets(words, self._device)
 
 
 class Engine:
@@ -125,15 +62,11 @@ class Engine:
         self.ops = get_attention_ops(config.attention_backend, self.device)
 
         cache = config.cache
-        self.kv_spec = KVCacheSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=cache.block_size,
-            model_dtype=self.dtype,
-            kv_cache_dtype=cache.kv_cache_dtype,
+        self.kv_spec = kv_spec_for(mc, cache, self.dtype)
+        self.layout = size_kv_pools(
+            cache, self.kv_spec, self.model, self.ops,
+            min(config.scheduler.max_num_batched_tokens, self.max_model_len), self.device,
         )
-        self.layout = self._plan_kv_cache()
         self.kv_cache = KVCache(
             self.kv_spec, self.layout.num_blocks, self.device, self.layout.num_host_blocks
         )
@@ -147,16 +80,23 @@ class Engine:
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
-        self.sampler = Sampler(config.seed, self._invalid_token_mask())
+        self.sampler = Sampler(
+            config.seed, invalid_token_mask(self.tokenizer, mc.vocab_size, self.device)
+        )
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self._grammars: GrammarCompiler | None = None  # built on first use
-        self._grammars_lock = threading.Lock()
-        self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
-        # Whether the forward leaves a core to the mask worker (see _start_masks).
-        self._spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device,
+            checks_first=config.grammar_checks_first,
+        )
+        self.checker = RequestChecker(
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.layout.num_blocks * cache.block_size,
+            has_tokenizer=self.tokenizer is not None, structured=self.structured_output,
+            budget_of=self.sessions.budget,
+        )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
@@ -168,72 +108,10 @@ class Engine:
         self._session_history: dict[str, HistoryStats] = {}
         self._history_lock = threading.Lock()
 
-    # -- start-up --------------------------------------------------------------------------------
-
-    def _invalid_token_mask(self) -> torch.Tensor | None:
-        """[vocab] bool, True for output rows that are no token of the tokenizer: padding rows
-        (checkpoints pad `vocab_size` past the tokenizer, e.g. to a multiple of 64) and gaps in
-        the tokenizer's id range. They are never sampled: an id the tokenizer cannot decode
-        must not reach the output processor. None when every row is a token."""
-        if self.tokenizer is None:
-            return None
-        vocab = self.model_config.vocab_size
-        unknown = [i for i in range(vocab) if not self.tokenizer.is_known_id(i)]
-        if not unknown:
-            return None
-        if len(unknown) == vocab:
-            raise ModelLoadError(
-                f"the tokenizer knows none of the model's {vocab} output ids; wrong tokenizer?"
-            )
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[unknown] = True
-        return mask.to(self.device)
-
-    def _plan_kv_cache(self) -> KVCacheLayout:
-        measure = self._profile_cuda_memory if self.device.type == "cuda" else None
-        layout = plan_kv_layout(self.config.cache, self.kv_spec.bytes_per_block, measure)
-        if layout.num_blocks < 1:
-            raise ModelLoadError(
-                f"the KV cache budget holds no block of {layout.bytes_per_block} bytes; raise "
-                "kv_cache_bytes"
-            )
-        return layout
-
-    def _profile_cuda_memory(self) -> DeviceMemory:
-        """As vLLM does: run the largest step once, and measure its peak (what the KV pool
-        must leave free)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free_before) - torch.cuda.memory_reserved(self.device)
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        scratch_blocks = -(-n // self.config.cache.block_size)
-        scratch = KVCache(self.kv_spec, scratch_blocks, self.device)
-        runner = ModelRunner(self.model, scratch, self.ops, self.config.cache.block_size)
-        seq = Sequence("profile", [0] * n, SamplingParams(max_tokens=1), n + 1)
-        seq.kv = KVState(block_ids=list(range(scratch_blocks)))
-        runner.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[n], num_decode=0))
-        torch.cuda.synchronize(self.device)
-        scratch_bytes = scratch.kv.numel() * scratch.kv.element_size()
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
-        del scratch, runner
-        torch.cuda.empty_cache()
-        return DeviceMemory(total_bytes=total, peak_bytes=peak, non_torch_bytes=non_torch)
-
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model's tokenizer (built on first use, any thread)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError(
-                        "structured output needs a tokenizer; this model directory has none",
-                        field="grammar",
-                    )
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
-                )
-            return self._grammars
+        return self.structured_output.grammars
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -245,60 +123,7 @@ class Engine:
     ) -> int:
         """Check a prompt against the model (and its session's context budget); returns the cap
         on prompt + generated tokens."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", field="prompt")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(
-                f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
-                field="prompt",
-            )
-        n = len(prompt_token_ids)
-        limit, what = self.max_model_len, "This model's maximum context length"
-        if session_id is not None:
-            budget = self.sessions.budget(session_id).max_context_tokens
-            if budget is not None and budget < limit:
-                limit, what = budget, "This session's context budget (max_context_tokens)"
-        if n >= limit:
-            raise InvalidRequestError(
-                f"{what} is {limit} tokens. However, your prompt has {n} tokens, leaving no "
-                "room to generate. Please reduce the length of the prompt.",
-                field="prompt",
-                code="context_length_exceeded",
-            )
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"{what} is {limit} tokens. However, you requested {n + params.max_tokens} "
-                f"tokens ({n} in the prompt, {params.max_tokens} in the completion). Please "
-                "reduce the length of the prompt or completion.",
-                field="max_tokens",
-                code="context_length_exceeded",
-            )
-        capacity = self.layout.num_blocks * self.config.cache.block_size
-        if n + 1 > capacity:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but the KV cache holds only {capacity}",
-                field="prompt",
-                code="context_length_exceeded",
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                "stop strings need a tokenizer; this model directory has none", field="stop"
-            )
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise InvalidRequestError(
-                    f"stop token id {t} is outside the vocabulary", field="stop_token_ids"
-                )
-        if params.grammar is not None:
-            try:
-                self.grammars.compile(params.grammar)  # cached: the request's own use is a hit
-            except GrammarError as e:
-                raise InvalidRequestError(str(e), field="grammar") from e
-        if params.max_tokens is not None:
-            limit = min(limit, n + params.max_tokens)
-        return limit
+        return self.checker.check(prompt_token_ids, params, session_id)
 
     def add_request(
         self,
@@ -341,7 +166,8 @@ class Engine:
             session_id=session_id,
             kv=KVState(salt=cache_salt),
             window=window,
-            matcher=None if params.grammar is None else self.grammars.new_matcher(params.grammar),
+            matcher=(None if params.grammar is None
+                     else self.structured_output.new_matcher(params.grammar)),
         )
 
     def _window_for(self, session_id: str | None, max_total_tokens: int) -> KVWindow | None:
@@ -419,7 +245,7 @@ class Engine:
             outputs.append(self.output_processor.finish(seq, "length"))
         if batch.is_empty:
             return outputs
-        masks = self._start_masks(batch)
+        masks = self.structured_output.start_masks(batch)
         try:
             logits, sampled = self.runner.execute(batch)
         finally:
@@ -438,24 +264,19 @@ class Engine:
             logits, sampled = logits[rows], [sampled[j] for j in rows]
         if sampled:
             sampling_seqs = [batch.seqs[i] for i in sampled]
-            grammar = None
-            if any(s.matcher is not None for s in sampling_seqs):
-                row_of = {i: j for j, i in enumerate(sampled)}  # batch row -> logits row
-                grammar = _StepGrammars(
-                    self.grammars, sampling_seqs,
-                    {row_of[i]: words for i, words in ready.items() if i in row_of}, self.device,
-                )
+            grammar = self.structured_output.step_grammars(sampling_seqs, sampled, ready)
             result = self.sampler(
                 logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
                 grammar=grammar,
             )
             if grammar is not None:
-                self._note_checks(sampling_seqs, grammar, result.fell_back)
+                self.structured_output.note_checks(sampling_seqs, grammar, result.fell_back)
             for j, seq in enumerate(sampling_seqs):
                 token_id = result.token_ids[j]
                 logprob = result.logprobs[j] if result.logprobs is not None else None
                 top = result.top_logprobs[j] if result.top_logprobs is not None else None
-                grammar_done = seq.matcher is not None and self._advance_grammar(seq, token_id)
+                grammar_done = (seq.matcher is not None
+                                and self.structured_output.advance(seq, token_id))
                 out = self.output_processor.append_token(
                     seq, token_id, logprob, top, grammar_done=grammar_done
                 )
@@ -463,71 +284,6 @@ class Engine:
                     self._release(seq)
                 outputs.append(out)
         return outputs
-
-    def _start_masks(
-        self, batch: ScheduledBatch
-    ) -> Callable[[], dict[int, torch.Tensor]] | None:
-        """Starts computing the masks of the constrained rows that take theirs first (top-k/p,
-        logprobs, or checks rejected lately: Sequence.mask_first_steps); the other
-        constrained rows are checked after sampling and get a mask only if all their draws
-        are rejected. Returns what gives the masks (batch row -> its fill_bitmask words) once
-        the forward is done; None when no row takes its mask first. The matchers are not
-        touched again until sampling, so costly masks are computed by the mask worker while
-        the forward runs (llguidance drops the GIL); cheap ones, when the forward already has
-        every core, right after it: beside a forward that fills the cores, work still costs
-        about half its time, and a thread's memory traffic slows the forward's threads. A
-        row's cost is forecast from its own last masks."""
-        first = [
-            (i, seq) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
-            and seq.num_computed_tokens + n == seq.num_tokens  # it samples (its prompt is in)
-            and (masks_first(seq.params) or seq.mask_first_steps > 0
-                 or not self.config.grammar_checks_first)
-        ]
-        if not first:
-            return None
-        compute = functools.partial(_compute_masks, self.grammars, first)
-        expected = sum(seq.mask_seconds for _, seq in first)
-        if (self.device.type == "cpu" and not self._spare_core
-                and expected < MASK_WORKER_MIN_SECONDS):
-            return compute
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
-        return self._mask_worker.submit(compute).result
-
-    @staticmethod
-    def _note_checks(seqs: list[Sequence], grammar: _StepGrammars,
-                     fell_back: tuple[int, ...]) -> None:
-        """After sampling: a checked row whose draws were all rejected takes its mask first
-        for the next 1, 2, 4, ... steps (MAX_MASK_FIRST_STEPS at most); one whose check
-        passed is checked again next step, and its next rejection backs off one step less
-        far. So a row is mostly checked only while its checks pass about 4 times in 5: a
-        rejected check costs a mask on the engine thread after the forward, where a mask
-        taken first is computed beside it. Decided by the row's own past only, so a seeded
-        request samples the same way alone or batched."""
-        for j in grammar.rows:
-            seq = seqs[j]
-            if masks_first(seq.params):
-                continue
-            if j in grammar.mask_first:
-                seq.mask_first_steps -= 1
-            elif j in fell_back:
-                seq.mask_first_backoff = min(max(1, 2 * seq.mask_first_backoff),
-                                             MAX_MASK_FIRST_STEPS)
-                seq.mask_first_steps = seq.mask_first_backoff
-            else:
-                seq.mask_first_backoff = max(0, seq.mask_first_backoff - 1)
-
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
-        """Feed a sampled token to the request's grammar; True when the grammar is complete
-        (it accepts nothing more), which ends the request."""
-        matcher = seq.matcher
-        assert matcher is not None
-        if not matcher.consume_token(token_id):
-            log.warning("request %s: grammar rejected token %d (%s); ending it",
-                        seq.request_id, token_id, matcher.get_error())
-            return True
-        return matcher.is_stopped()
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""
