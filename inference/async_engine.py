@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .engine import Engine
 from .errors import InvalidRequestError
 from .request_output import RequestOutput
-from .sampling_params import SamplingParams
+from .request_checks import CheckedRequest
 from .scheduler import PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
@@ -111,16 +111,15 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        request: CheckedRequest,
         *,
-        session_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = PRIORITY_NORMAL,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; the last is finished.
-        Validation errors (and a request id in use) raise before anything is yielded;
-        `EngineDeadError` when the engine is not running or stops before the request ends."""
+        `request` comes from `engine.check_request` (whose errors are the caller's to answer);
+        a request id in use raises before anything is yielded; `EngineDeadError` when the
+        engine is not running or stops before the request ends."""
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:
@@ -133,9 +132,8 @@ class AsyncEngine:
                 )
             self._streams[request_id] = stream
         try:
-            self.engine.add_request(
-                request_id, prompt_token_ids, params, session_id=session_id,
-                cache_salt=cache_salt, priority=priority,
+            self.engine.add_checked_request(
+                request_id, request, cache_salt=cache_salt, priority=priority
             )
         except BaseException:
             self._remove(stream)

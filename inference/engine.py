@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence as Seq
 from typing import cast
 
 from kernels import get_attention_ops
@@ -30,7 +31,7 @@ from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
-from .request_checks import RequestChecker
+from .request_checks import CheckedRequest, RequestChecker
 from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -115,69 +116,80 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def validate_prompt(
+    def check_request(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Seq[int],
         params: SamplingParams,
+        *,
         session_id: str | None = None,
-    ) -> int:
-        """Check a prompt against the model (and its session's context budget); returns the cap
-        on prompt + generated tokens."""
-        return self.checker.check(prompt_token_ids, params, session_id)
+        budget: SessionBudget | None = None,
+    ) -> CheckedRequest:
+        """The one check of a request (any thread; see inference.request_checks): errors go to
+        the caller as InvalidRequestError. A request in a session is held to the session's
+        `max_context_tokens` (`budget` when the caller owns it, else the engine's): prompt
+        plus `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded`
+        error; the history planner trims to the budget before it gets here), and without
+        `max_tokens` generation stops at the budget."""
+        return self.checker.check(prompt_token_ids, params, session_id, budget)
 
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Seq[int],
         params: SamplingParams,
         *,
         session_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = PRIORITY_NORMAL,
     ) -> None:
-        """Validate now (errors go to the caller), enqueue for the next step (any thread).
-        `priority` above PRIORITY_NORMAL makes it background work (see the scheduler).
+        """Check now (errors go to the caller) and enqueue for the next step (any thread)."""
+        request = self.check_request(prompt_token_ids, params, session_id=session_id)
+        self.add_checked_request(request_id, request, cache_salt=cache_salt, priority=priority)
 
-        A request in a session is held to the session's `max_context_tokens`: prompt plus
-        `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded` error; the
-        history planner trims to the budget before it gets here), and without `max_tokens`
-        generation stops at the budget."""
-        seq = self._make_sequence(request_id, prompt_token_ids, params, session_id, cache_salt)
+    def add_checked_request(
+        self,
+        request_id: str,
+        request: CheckedRequest,
+        *,
+        cache_salt: str | None = None,
+        priority: int = PRIORITY_NORMAL,
+    ) -> None:
+        """Enqueue a request checked before (by check_request) for the next step (any thread);
+        only its id can still be refused (in use). `priority` above PRIORITY_NORMAL makes it
+        background work (see the scheduler)."""
+        seq = self._make_sequence(request_id, request, cache_salt)
         seq.priority = priority
         self._enqueue([seq])
 
     def _make_sequence(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        session_id: str | None,
-        cache_salt: str | None,
+        self, request_id: str, request: CheckedRequest, cache_salt: str | None
     ) -> Sequence:
-        limit = self.validate_prompt(prompt_token_ids, params, session_id)
-        window = self._window_for(session_id, limit)
-        if window is not None and len(prompt_token_ids) >= window.start:
+        params = request.params
+        window = self._window_for(request)
+        if window is not None and request.num_prompt_tokens >= window.start:
             window = None  # the prompt alone is over the budget: computed whole, pinned in part
         return Sequence(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(request.prompt_token_ids),
             params=params,
-            max_total_tokens=limit,
-            session_id=session_id,
+            max_total_tokens=request.max_total_tokens,
+            session_id=request.session_id,
             kv=KVState(salt=cache_salt),
             window=window,
             matcher=(None if params.grammar is None
                      else self.structured_output.new_matcher(params.grammar)),
         )
 
-    def _window_for(self, session_id: str | None, max_total_tokens: int) -> KVWindow | None:
+    def _window_for(self, request: CheckedRequest) -> KVWindow | None:
         """Sink + window attention for a turn whose own generation could take it past its
         session's max_kv_tokens (the prompt fits), so its KV stays within that budget; models
         with their own sliding window keep it."""
-        if session_id is None or any(w is not None for w in self.model_config.sliding_windows):
+        if request.session_id is None or any(
+            w is not None for w in self.model_config.sliding_windows
+        ):
             return None
-        budget = self.sessions.budget(session_id).max_kv_tokens
-        if budget is None or max_total_tokens <= budget:
+        budget = request.max_kv_tokens
+        if budget is None or request.max_total_tokens <= budget:
             return None
         return KVWindow.for_budget(budget, self.config.cache.block_size,
                                    self.config.cache.window_sink_tokens)
@@ -399,9 +411,10 @@ class Engine:
         """Run prompts to completion together; final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        # Validate every prompt before queueing any: a bad one leaves nothing behind.
+        # Check every prompt before queueing any: a bad one leaves nothing behind.
         seqs = [
-            self._make_sequence(rid, p, sp, None, None) for rid, p, sp in zip(ids, prompts, plist)
+            self._make_sequence(rid, self.check_request(p, sp), None)
+            for rid, p, sp in zip(ids, prompts, plist)
         ]
         self._enqueue(seqs)
         finals: dict[str, RequestOutput] = {}

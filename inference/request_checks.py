@@ -1,10 +1,13 @@
-"""Request checks: everything about a request that can be wrong is found here, before it is
-queued, and answered with an InvalidRequestError naming the field (the service turns it into
-a 400). Nothing in the step loop checks a request again."""
+"""Request checks: everything about a request that can be wrong is found here, once, before it
+is queued, and answered with an InvalidRequestError naming the field (the service turns it
+into a 400). What passes is a CheckedRequest, the only thing the engine queues: the service
+checks a turn before it stores anything and hands the checked request on, so nothing checks
+it a second time (and a caller cannot queue a request that skipped the checks)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from memory.config import SessionBudget
 
@@ -12,6 +15,26 @@ from .errors import InvalidRequestError
 from .grammar_compiler import GrammarError
 from .sampling_params import SamplingParams
 from .structured_output import StructuredOutputManager
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed every check (made by RequestChecker.check only).
+
+    max_total_tokens: the cap on prompt + generated tokens (the model's context, the session's
+        max_context_tokens, prompt + max_tokens: the least of them).
+    max_kv_tokens: the session's KV budget it was checked under (a turn that could outgrow it
+        runs with sink + window attention); None without a session or a cap."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    session_id: str | None
+    max_total_tokens: int
+    max_kv_tokens: int | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class RequestChecker:
@@ -37,12 +60,17 @@ class RequestChecker:
 
     def check(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         params: SamplingParams,
         session_id: str | None = None,
-    ) -> int:
-        """Check a prompt against the model (and its session's context budget); returns the cap
-        on prompt + generated tokens."""
+        budget: SessionBudget | None = None,
+    ) -> CheckedRequest:
+        """Check a prompt against the model and, in a session, its budget: `budget` when the
+        caller owns it (the service, which sets it on the engine before the turn runs), else
+        the one the engine holds for the session."""
+        assert session_id is not None or budget is None, "a budget belongs to a session"
+        if session_id is not None and budget is None:
+            budget = self.budget_of(session_id)
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", field="prompt")
         vocab = self.vocab_size
@@ -54,10 +82,9 @@ class RequestChecker:
             )
         n = len(prompt_token_ids)
         limit, what = self.max_model_len, "This model's maximum context length"
-        if session_id is not None:
-            budget = self.budget_of(session_id).max_context_tokens
-            if budget is not None and budget < limit:
-                limit, what = budget, "This session's context budget (max_context_tokens)"
+        context_budget = None if budget is None else budget.max_context_tokens
+        if context_budget is not None and context_budget < limit:
+            limit, what = context_budget, "This session's context budget (max_context_tokens)"
         if n >= limit:
             raise InvalidRequestError(
                 f"{what} is {limit} tokens. However, your prompt has {n} tokens, leaving no "
@@ -97,4 +124,8 @@ class RequestChecker:
                 raise InvalidRequestError(str(e), field="grammar") from e
         if params.max_tokens is not None:
             limit = min(limit, n + params.max_tokens)
-        return limit
+        return CheckedRequest(
+            prompt_token_ids=tuple(prompt_token_ids), params=params, session_id=session_id,
+            max_total_tokens=limit,
+            max_kv_tokens=None if budget is None else budget.max_kv_tokens,
+        )

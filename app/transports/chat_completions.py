@@ -59,16 +59,16 @@ async def create(
     grammar = output_grammar(body, fmt, runtime.grammars)
     params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
               for i in range(body.n)]
-    # Against the session's budget too (an operator's max_context_tokens): a 400 now, not an
-    # error mid-stream.
-    runtime.engine.validate_prompt(prompt, params[0], skey)
+    # The first choice runs in the session, against its budget too (an operator's
+    # max_context_tokens): a 400 now, not an error mid-stream.
+    requests = [runtime.engine.check_request(prompt, p, session_id=skey if i == 0 else None)
+                for i, p in enumerate(params)]
     check_capacity(state)
     started = time.monotonic()
     generations = [
-        Generation(runtime, prompt, p, session_id=skey if i == 0 else None,
-                   cache_salt=key.owner, tool_format=fmt, tool_names=tool_names,
-                   started_at=started, on_finish=_spend(state, key.id))
-        for i, p in enumerate(params)
+        Generation(runtime, request, cache_salt=key.owner, tool_format=fmt,
+                   tool_names=tool_names, started_at=started, on_finish=_spend(state, key.id))
+        for request in requests
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

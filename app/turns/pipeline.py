@@ -16,6 +16,7 @@ from typing import Any
 
 from inference.chat_template import ChatMessage
 from inference.context_builder import MessageCounts, history_message
+from inference.request_checks import CheckedRequest
 from inference.sampling_params import SamplingParams
 from inference.scheduler import PRIORITY_LOW
 from memory.history import (
@@ -53,8 +54,7 @@ class PreparedTurn:
     """A planned turn, ready to be committed and run."""
 
     conversation: ConversationRecord
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: CheckedRequest  # the prompt and its sampling, checked once (engine.check_request)
     plan: ContextPlan
     policy: HistoryPolicy
     summary: SummaryState | None
@@ -237,7 +237,8 @@ async def prepare_turn(
     if new_message is not None:
         by_id[NEW] = new_message
     prompt = builder.build(system, by_id, plan, tools=tools)
-    runtime.engine.validate_prompt(prompt, params)
+    request = runtime.engine.check_request(prompt, params, session_id=conv.id,
+                                           budget=session_budget(state, conv))
     if runtime.num_waiting >= state.settings.max_queued_requests:
         raise unavailable("The server is at capacity (too many queued requests).", 2)
     user_fields = None
@@ -248,7 +249,7 @@ async def prepare_turn(
             content_tokens=new_counts.content_tokens,
         )
     return PreparedTurn(
-        conversation=conv, prompt_ids=prompt, params=params, plan=plan, policy=policy,
+        conversation=conv, request=request, plan=plan, policy=policy,
         summary=summary, branch=branch, chat=chat, new_message=new_message,
         user_fields=user_fields,
         reply_parent_id=parent if user_fields is not None else branch[-1].id,
@@ -321,8 +322,8 @@ async def summarize(
     params = SamplingParams(max_tokens=policy.max_summary_tokens, temperature=0.0)
     text, num_generated = "", 0
     async for out in runtime.async_engine.generate(
-        f"summary-{uuid.uuid4().hex}", prompt, params, cache_salt=conv.owner,
-        priority=PRIORITY_LOW,
+        f"summary-{uuid.uuid4().hex}", runtime.engine.check_request(prompt, params),
+        cache_salt=conv.owner, priority=PRIORITY_LOW,
     ):
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens

@@ -154,10 +154,9 @@ class TurnService:
                 raise busy(BUSY) from None
             state.runtime.engine.record_history(conv.id, prepared.history_stats)
             generation = Generation(
-                state.runtime, prepared.prompt_ids, prepared.params, session_id=conv.id,
-                cache_salt=key.owner, tool_format=prepared.tool_format,
-                tool_names=prepared.tool_names, request_id=f"turn-{reply.id}",
-                on_finish=spend_tokens(state, key.id),
+                state.runtime, prepared.request, cache_salt=key.owner,
+                tool_format=prepared.tool_format, tool_names=prepared.tool_names,
+                request_id=f"turn-{reply.id}", on_finish=spend_tokens(state, key.id),
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
             if state.coord.name != "local":

@@ -225,6 +225,29 @@ def test_bad_conversation_requests(service: Service) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_context_tokens"
 
 
+def test_a_turn_is_checked_once_under_its_conversation_budget(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's request is checked when it is planned, against the budget the conversation
+    stores, and that checked request is what runs: no second check when it is queued."""
+    checker = service.state.runtime.engine.checker
+    real = checker.check
+    calls: list[tuple[Any, ...]] = []
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(checker, "check", counting)
+    conv = create(service, max_context_tokens=300, max_kv_tokens=64)
+    r = say(service, conv["id"], "Hello there.")
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1
+    _, _, session_id, budget = calls[0]
+    assert session_id == conv["id"]
+    assert (budget.max_context_tokens, budget.max_kv_tokens) == (300, 64)
+
+
 @pytest.mark.parametrize("policy", ["drop", "summarize"])
 def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy: str) -> None:
     conv = create(service, max_context_tokens=200, history_policy=policy,
