@@ -1,6 +1,7 @@
 """Runtime: the engine side of the service, built once at start-up: the async engine (its
-thread owned by the app's lifespan), the tokenizer, the chat template and the context builder.
-The service reaches the model only through this object."""
+thread owned by the app's lifespan), the tokenizer, the chat template, the context builder,
+the history counters and the metrics. The service reaches the model only through this
+object."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from inference.engine import Engine
 from inference.errors import ModelLoadError
 from inference.tokenizer import Tokenizer
 
+from app.ops.history_counters import HistoryCounters
 from app.ops.metrics import Metrics
 from app.settings import Settings
 
@@ -36,7 +38,8 @@ class Runtime:
         self.grammars = self.engine.grammars  # built now, not on a first structured request
         self.async_engine = AsyncEngine(self.engine)
         self.model_name = settings.model_name
-        self.metrics = Metrics(self.engine)
+        self.history = HistoryCounters()
+        self.metrics = Metrics(lambda: self.async_engine.stats, self.history)
 
     def start(self) -> None:
         self.async_engine.start()
@@ -44,10 +47,6 @@ class Runtime:
     async def shutdown(self, drain_timeout: float) -> None:
         """Finish or abort in-flight requests (their callers store them), stop the thread."""
         await asyncio.to_thread(self.async_engine.shutdown, drain_timeout)
-
-    def notify(self) -> None:
-        """Wake the engine thread for queued operator work (an eviction) when it is idle."""
-        self.async_engine.notify()
 
     @property
     def is_running(self) -> bool:
@@ -59,9 +58,9 @@ class Runtime:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued in the engine, not yet running (read from another thread: a
-        snapshot, good enough for admission control)."""
-        return len(self.engine.scheduler.waiting)
+        """Requests queued in the engine, not yet running, as of its latest step (the stats it
+        publishes: good enough for admission control, and what the metrics show)."""
+        return self.async_engine.stats.num_waiting
 
     @cached_property
     def generation_prompt_tokens(self) -> int:

@@ -66,6 +66,9 @@ class Conversation:
     pending_summary: _PendingSummary | None = None
     summaries: list[SummaryState] = field(default_factory=list)  # every summary made, in order
     summary_params: SamplingParams | None = None  # default: greedy, max_summary_tokens
+    # What history planning did for this conversation (the service keeps these per session
+    # in app.ops.history_counters; the engine counts none).
+    history_stats: HistoryStats = field(default_factory=HistoryStats)
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -109,15 +112,18 @@ class Conversation:
         self.engine.add_request(request_id, prompt, params, session_id=self.session_id,
                                 cache_salt=self.cache_salt)
         self.start_id = plan.start_id
-        self.engine.record_history(self.session_id, HistoryStats(
+        self.history_stats.add(HistoryStats(
             trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
             tool_results_capped=len(plan.capped),
         ))
         return request_id, plan, prompt
 
     def finish_turn(self, output: RequestOutput) -> None:
-        """Store the reply with the ids the model generated."""
+        """Store the reply with the ids the model generated (and count a turn that ran in sink
+        + window mode)."""
         assert output.finished and output.output_token_ids is not None
+        if output.window_applied:
+            self.history_stats.add(HistoryStats(window_turns=1))
         self.append(ChatMessage("assistant", output.text, token_ids=tuple(output.output_token_ids)))
 
     def maybe_summarize(self, plan: ContextPlan) -> bool:
@@ -158,7 +164,7 @@ class Conversation:
                 self.summary = merge_summary(self.summary, text, measured.num_tokens,
                                              pending.covers)
                 self.summaries.append(self.summary)
-                self.engine.record_history(self.session_id, HistoryStats(
+                self.history_stats.add(HistoryStats(
                     summaries=1, summary_tokens=output.num_output_tokens,
                 ))
         return True

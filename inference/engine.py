@@ -1,28 +1,49 @@
-"""Engine: the synchronous core. Each `step()` reads schedule -> run -> process outputs: the
-scheduler decides what runs and where its KV lives, the model runner computes logits, the
-sampler picks tokens, and the output processor turns them into text and stop decisions.
+"""Engine: the synchronous core, one step at a time. Each `step()` reads schedule -> run ->
+postprocess (as nano-vllm's): the scheduler decides what runs and where its KV lives, the model
+runner computes logits, the sampler picks tokens (the structured-output manager masks or
+checks constrained rows), and the output processor turns them into text and stop decisions.
 
-Requests and aborts may come from any thread: they are queued and taken in at the start of
-the next step, so an abort takes effect within one step."""
+Other modules hold the other jobs: start-up and KV sizing (engine_setup, memory.kv_layout),
+request checks (request_checks), grammar masks (structured_output), reports
+(engine_reports), the inbox other threads write to (engine_inbox).
+
+Threads: requests, aborts and operator commands may come from any thread; they are queued and
+taken in at the start of the next step, so an abort takes effect within one step; commands
+run at the end of that step (after its outputs are made) and their futures resolve there.
+Everything else (the sequences, the scheduler's queues, the pools, the sessions) is touched
+by the stepping thread only; other threads read `published_stats`, which each step replaces
+whole."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import cast
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
 
 from kernels import get_attention_ops
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
 from memory.kv_cache import KVCache
 from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
-from memory.sessions import SessionState, SessionStore
-from memory.stats import CacheStats, HistoryStats
+from memory.sessions import SessionStore
+from memory.stats import CacheStats
 
+from . import engine_reports
 from .engine_config import EngineConfig
+from .engine_inbox import AbortRequest, AddRequest, Call, EngineInbox
+from .engine_reports import (
+    EngineStats,
+    KVSlotUsage,
+    MemoryReport,
+    SessionEviction,
+    SessionInfo,
+)
 from .engine_setup import invalid_token_mask, kv_spec_for, size_kv_pools
 from .errors import InvalidRequestError
 from .grammar_compiler import GrammarCompiler
@@ -35,7 +56,7 @@ from .request_checks import CheckedRequest, RequestChecker
 from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_NORMAL, Scheduler
+from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .structured_output import StructuredOutputManager
 from .tokenizer import Tokenizer
@@ -43,6 +64,8 @@ from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -98,16 +121,13 @@ class Engine:
             has_tokenizer=self.tokenizer is not None, structured=self.structured_output,
             budget_of=self.sessions.budget,
         )
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.inbox = EngineInbox()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
         # called from other threads than the one stepping.
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
-        # History counters, written by whoever plans prompts (the service, any thread).
-        self.history_stats = HistoryStats()
-        self._session_history: dict[str, HistoryStats] = {}
-        self._history_lock = threading.Lock()
+        self.published_stats: EngineStats = self._stats()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -205,64 +225,83 @@ class Engine:
                 )
             self._live_ids.update(ids)
         for seq in seqs:
-            self._inbox.put(("add", seq))
+            self.inbox.add(seq)
 
     def abort_request(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request at the next step; its final output has finish_reason "abort" and
         `abort_reason` = reason."""
-        self._inbox.put(("abort", (request_id, reason)))
+        self.inbox.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or finished ones whose last step is still to run."""
-        return bool(self._seqs) or not self._inbox.empty() or bool(self.scheduler.finishing)
+        """Requests not finished, finished ones whose last step is still to run, or queued
+        work (stepping thread only)."""
+        return bool(self._seqs) or not self.inbox.empty() or bool(self.scheduler.finishing)
 
     @property
     def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not finished (any thread)."""
         with self._ids_lock:
             return list(self._live_ids)
-
-    def _drain_inbox(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return outputs
-            if kind == "add":
-                assert isinstance(item, Sequence)
-                self._seqs[item.request_id] = item
-                self.output_processor.add(item)
-                self.scheduler.add(item)
-            elif kind == "abort":
-                request_id, reason = cast(tuple[str, str], item)
-                seq = self._seqs.get(request_id)
-                if seq is not None:
-                    self._release(seq)
-                    outputs.append(
-                        self.output_processor.finish(seq, "abort", abort_reason=reason)
-                    )
-            elif kind == "evict":
-                session_id, offload = cast(tuple[str, bool], item)
-                self.sessions.evict(session_id, offload=offload)
-            elif kind == "close":
-                self.sessions.close(str(item))
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox()
+        """Take in what was queued; schedule -> run -> postprocess; run the queued calls, which
+        so see what the step left (a finished turn's last token pinned); publish the stats."""
+        outputs, calls = self._take_inbox()
         batch = self.scheduler.schedule()
         for seq in batch.out_of_memory:
             self._release(seq)
             outputs.append(self.output_processor.finish(seq, "length"))
-        if batch.is_empty:
-            return outputs
+        if not batch.is_empty:
+            logits, sampled, ready = self._run(batch)
+            outputs += self._postprocess(batch, logits, sampled, ready)
+        for call in calls:
+            call.run()
+        self.published_stats = self._stats()
+        return outputs
+
+    def _take_inbox(self) -> tuple[list[RequestOutput], list[Call[Any]]]:
+        """New requests and aborts, applied in the order they were queued; the calls queued
+        with them, to run at the end of the step."""
+        outputs: list[RequestOutput] = []
+        calls: list[Call[Any]] = []
+        for item in self.inbox.take():
+            if isinstance(item, AddRequest):
+                seq = item.seq
+                self._seqs[seq.request_id] = seq
+                self.output_processor.add(seq)
+                self.scheduler.add(seq)
+            elif isinstance(item, AbortRequest):
+                aborted = self._seqs.get(item.request_id)
+                if aborted is not None:
+                    self._release(aborted)
+                    outputs.append(
+                        self.output_processor.finish(aborted, "abort", abort_reason=item.reason)
+                    )
+            else:
+                calls.append(item)
+        return outputs, calls
+
+    def _run(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+        """The forward, with the masks taken first computed beside it. Returns the logits
+        [num_sampled, vocab], the batch rows they belong to, and the ready masks by batch
+        row."""
         masks = self.structured_output.start_masks(batch)
         try:
             logits, sampled = self.runner.execute(batch)
         finally:
             # Waited for even when the forward fails: a worker may be using the matchers.
             ready = masks() if masks is not None else {}
+        return logits, sampled, ready
+
+    def _postprocess(
+        self, batch: ScheduledBatch, logits: torch.Tensor, sampled: list[int],
+        ready: dict[int, torch.Tensor],
+    ) -> list[RequestOutput]:
+        """Commit the step's KV, pin finished session turns, sample and append the tokens."""
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -274,134 +313,101 @@ class Engine:
         if any(finishing[i] for i in sampled):  # they sample nothing
             rows = [j for j, i in enumerate(sampled) if not finishing[i]]
             logits, sampled = logits[rows], [sampled[j] for j in rows]
-        if sampled:
-            sampling_seqs = [batch.seqs[i] for i in sampled]
-            grammar = self.structured_output.step_grammars(sampling_seqs, sampled, ready)
-            result = self.sampler(
-                logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                grammar=grammar,
+        if not sampled:
+            return []
+        outputs = []
+        sampling_seqs = [batch.seqs[i] for i in sampled]
+        grammar = self.structured_output.step_grammars(sampling_seqs, sampled, ready)
+        result = self.sampler(
+            logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
+            grammar=grammar,
+        )
+        if grammar is not None:
+            self.structured_output.note_checks(sampling_seqs, grammar, result.fell_back)
+        for j, seq in enumerate(sampling_seqs):
+            token_id = result.token_ids[j]
+            logprob = result.logprobs[j] if result.logprobs is not None else None
+            top = result.top_logprobs[j] if result.top_logprobs is not None else None
+            grammar_done = (seq.matcher is not None
+                            and self.structured_output.advance(seq, token_id))
+            out = self.output_processor.append_token(
+                seq, token_id, logprob, top, grammar_done=grammar_done
             )
-            if grammar is not None:
-                self.structured_output.note_checks(sampling_seqs, grammar, result.fell_back)
-            for j, seq in enumerate(sampling_seqs):
-                token_id = result.token_ids[j]
-                logprob = result.logprobs[j] if result.logprobs is not None else None
-                top = result.top_logprobs[j] if result.top_logprobs is not None else None
-                grammar_done = (seq.matcher is not None
-                                and self.structured_output.advance(seq, token_id))
-                out = self.output_processor.append_token(
-                    seq, token_id, logprob, top, grammar_done=grammar_done
-                )
-                if out.finished:
-                    self._release(seq)
-                outputs.append(out)
+            if out.finished:
+                self._release(seq)
+            outputs.append(out)
         return outputs
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""
-        if seq.window_applied and seq.session_id is not None:
-            self.record_history(seq.session_id, HistoryStats(window_turns=1))
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         with self._ids_lock:
             self._live_ids.discard(seq.request_id)
 
-    # -- sessions and memory (operator API) ------------------------------------------------------
+    # -- commands (any thread): applied by the next step, answered by a future ------------------
 
-    def set_session_budget(self, session_id: str, budget: SessionBudget) -> None:
-        """Change a session's budget; it takes effect at the session's next turn."""
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the stepping thread at the end of the next step; the future gives its
+        result (or its exception) once it has run."""
+        return self.inbox.call(fn)
+
+    def evict_session(self, session_id: str, *, offload: bool = True) -> Future[SessionEviction]:
+        """Move an idle session's KV out of the device pool: to the host pool when `offload`
+        and there is room, else drop it (its next turn restores or recomputes it; a running
+        turn's session is left alone). The future gives the session just before and just
+        after."""
+
+        def evict() -> SessionEviction:
+            before = self.session_info(session_id)
+            self.sessions.evict(session_id, offload=offload)
+            return SessionEviction(before, self.session_info(session_id))
+
+        return self.submit(evict)
+
+    def set_session_budget(
+        self, session_id: str, budget: SessionBudget
+    ) -> Future[SessionInfo | None]:
+        """Change a session's budget. It is recorded at once (the session store's budgets are
+        thread-safe), so a request checked from now on is held to it; the session's KV is
+        held to it from its next turn on. A caller that queues a turn of the session next
+        need not wait. The future gives the session as the next step finds it."""
         self.sessions.set_budget(session_id, budget)
+        return self.submit(lambda: self.session_info(session_id))
 
-    def evict_session(self, session_id: str, *, offload: bool = True) -> None:
-        """Move an idle session's KV out of the pool (to host, or dropped), at the next step."""
-        self._inbox.put(("evict", (session_id, offload)))
+    def close_session(self, session_id: str) -> Future[None]:
+        """Forget a session and free its KV (a running turn of it keeps running; its KV is
+        freed when it ends)."""
+        return self.submit(lambda: self.sessions.close(session_id))
 
-    def close_session(self, session_id: str) -> None:
-        """Forget a session and free its KV, at the next step."""
-        self._inbox.put(("close", session_id))
-        with self._history_lock:
-            self._session_history.pop(session_id, None)
+    # -- reports (stepping thread; other threads submit them, or read published_stats) --------
 
-    def record_history(self, session_id: str, event: HistoryStats) -> None:
-        """Count what history planning did for a session's turn (trims, dropped tokens, tool
-        results capped, summaries generated); shows per session and in memory_report()."""
-        with self._history_lock:
-            self._session_history.setdefault(session_id, HistoryStats()).add(event)
-            self.history_stats.add(event)
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        return engine_reports.session_info(self.sessions, session_id)
 
-    def session_history(self, session_id: str) -> dict[str, int]:
-        with self._history_lock:
-            return self._session_history.get(session_id, HistoryStats()).snapshot()
+    def kv_slot_usage(self) -> KVSlotUsage:
+        return engine_reports.kv_slot_usage(
+            self.scheduler, self.sessions, self.block_pool, self.config.cache.block_size
+        )
 
-    def session_info(self, session_id: str) -> dict[str, object] | None:
-        """A session as an operator sees it (any thread: a snapshot)."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return None
-        budget = self.sessions.budget(session_id)
-        return {
-            "session_id": session_id,
-            "state": session.state.value,
-            "tokens": session.num_tokens,
-            "device_blocks": len(session.kv.held_block_ids),
-            "host_blocks": len(session.kv.host_block_ids),
-            "turns": session.num_turns,
-            "idle_seconds": (
-                None if session.state is SessionState.ACTIVE
-                else round(time.monotonic() - session.last_used, 3)
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport(
+            block_size=self.config.cache.block_size,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            bytes_per_token=self.kv_spec.bytes_per_token,
+            bytes_per_block=self.layout.bytes_per_block,
+            stats=self._stats(),
+            slots=self.kv_slot_usage(),
+            sessions=tuple(
+                info for info in map(self.session_info, list(self.sessions.sessions))
+                if info is not None
             ),
-            "max_kv_tokens": budget.max_kv_tokens,
-            "max_context_tokens": budget.max_context_tokens,
-            "history": self.session_history(session_id),
-        }
+        )
 
-    def session_ids(self) -> list[str]:
-        """Every session the engine knows (any thread: a snapshot)."""
-        return list(self.sessions.sessions)
-
-    def kv_slot_usage(self) -> tuple[int, int]:
-        """(allocated, filled) KV slots: allocated = slots of every block in use; filled = slots
-        holding a token's KV for some holder (running or waiting sequence, pinned session),
-        each physical block counted once. allocated - filled is the waste of paging."""
-        bs = self.config.cache.block_size
-        holders = [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.running)]
-        holders += [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.waiting)]
-        holders += [
-            (s.kv.block_ids, s.kv.num_computed_tokens)
-            for s in list(self.sessions.sessions.values())
-        ]
-        filled: dict[int, int] = {}
-        for blocks, num_tokens in holders:
-            for i, block_id in enumerate(blocks):
-                n = min(bs, max(0, num_tokens - i * bs))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        return self.block_pool.num_used_blocks * bs, sum(filled.values())
-
-    def memory_report(self) -> dict[str, object]:
-        pool = self.block_pool
-        return {
-            "block_size": self.config.cache.block_size,
-            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
-            "bytes_per_token": self.kv_spec.bytes_per_token,
-            "num_blocks": pool.num_blocks,
-            "used_blocks": pool.num_used_blocks,
-            "free_blocks": pool.num_free_blocks,
-            "cached_blocks": pool.num_cached_blocks,
-            "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
-            "num_host_blocks": self.host_pool.num_blocks,
-            "used_host_blocks": self.host_pool.num_used_blocks,
-            "pinned_sessions": self.sessions.num_resident,
-            "pinned_blocks": self.sessions.num_pinned_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "stats": self.stats.snapshot(),
-            "history": self._history_snapshot(),
-        }
-
-    def _history_snapshot(self) -> dict[str, int]:
-        with self._history_lock:
-            return self.history_stats.snapshot()
+    def _stats(self) -> EngineStats:
+        return engine_reports.engine_stats(
+            self.scheduler, self.sessions, self.block_pool, self.host_pool, self.stats
+        )
 
     # -- convenience ------------------------------------------------------------------------------
 

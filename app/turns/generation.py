@@ -10,14 +10,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from inference.request_output import RequestOutput
 from inference.request_checks import CheckedRequest
+from inference.request_output import RequestOutput
 from inference.tool_calls import (
     ContentDelta,
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
 )
+from memory.stats import HistoryStats
 
 from app.runtime import Runtime
 
@@ -135,6 +136,9 @@ class Generation:
                         yield _event(event)
             if out.finished:
                 self._finish(out, parser)
+                session_id = self.request.session_id
+                if out.window_applied and session_id is not None:
+                    self.runtime.history.record(session_id, HistoryStats(window_turns=1))
                 metrics.finished(
                     ttft_s=None if result.ttft_ms is None else result.ttft_ms / 1e3,
                     e2e_s=result.total_ms / 1e3, queue_s=out.queue_time,

@@ -335,5 +335,4 @@ async def summarize(
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return
-    runtime.engine.record_history(conv.id, HistoryStats(summaries=1,
-                                                        summary_tokens=num_generated))
+    runtime.history.record(conv.id, HistoryStats(summaries=1, summary_tokens=num_generated))

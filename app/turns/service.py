@@ -152,7 +152,7 @@ class TurnService:
                 raise conversation_gone(conv.id) from None
             except StaleFence:
                 raise busy(BUSY) from None
-            state.runtime.engine.record_history(conv.id, prepared.history_stats)
+            state.runtime.history.record(conv.id, prepared.history_stats)
             generation = Generation(
                 state.runtime, prepared.request, cache_salt=key.owner,
                 tool_format=prepared.tool_format, tool_names=prepared.tool_names,
@@ -374,7 +374,8 @@ class TurnService:
         try:
             if not await state.store.delete_conversation(owner, conv.id):
                 raise not_found(f"conversation {conversation_id!r}")
-            state.runtime.engine.close_session(conv.id)
+            state.runtime.engine.close_session(conv.id)  # applied at its next step
+            state.runtime.history.forget(conv.id)
             if state.leases is not None:
                 await state.leases.release(conv.id)
         finally:

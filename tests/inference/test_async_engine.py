@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from inference.async_engine import AsyncEngine, EngineDeadError
 from inference.errors import InvalidRequestError
 from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
+from memory.sessions import SessionState
 from tests.inference.test_engine import GREEDY, make_engine, random_prompt
 
 
@@ -236,3 +238,75 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
     assert isinstance(engine.error, RuntimeError)
     assert not engine.is_running
     engine.shutdown(0.0)
+
+
+# --- operator commands: awaited, answered by the engine thread --------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_evict_answers_with_the_session_right_after_the_eviction(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    from tests.memory.test_sessions_engine import make_engine as make_session_engine
+
+    core = make_session_engine(tiny_llama[0], host_blocks=16)
+    engine = AsyncEngine(core)
+    engine.start()
+
+    async def main() -> tuple[Any, ...]:
+        request = core.check_request(random_prompt(40, seed=9), GREEDY, session_id="conv")
+        outs = await drain(engine.generate("turn", request))
+        # Right after the reply: the call runs after the step that pins its last token.
+        offloaded = await engine.evict_session("conv")
+        dropped = await engine.evict_session("conv", offload=False)
+        info = await engine.session_info("conv")
+        report = await engine.memory_report()
+        return outs[-1], offloaded, dropped, info, report
+
+    try:
+        final, offloaded, dropped, info, report = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    pinned = final.num_prompt_tokens + final.num_output_tokens
+    assert offloaded.before.state is SessionState.RESIDENT
+    assert offloaded.before.num_tokens == pinned
+    assert offloaded.after.state is SessionState.OFFLOADED
+    assert offloaded.after.num_device_blocks == 0
+    assert offloaded.after.num_host_blocks == offloaded.before.num_device_blocks == -(-pinned // 16)
+    # Each answer is the session at its own step (idle time aside, which grows).
+    assert replace(dropped.before, idle_seconds=0) == replace(offloaded.after, idle_seconds=0)
+    assert dropped.after.state is SessionState.EMPTY and dropped.after.num_host_blocks == 0
+    assert replace(info, idle_seconds=0) == replace(dropped.after, idle_seconds=0)
+    assert (report.stats.cache.session_offloads, report.stats.cache.session_drops) == (1, 1)
+    assert [s.session_id for s in report.sessions] == ["conv"]
+    assert report.stats.num_used_blocks == report.stats.num_used_host_blocks == 0
+    # What other threads read: the stats the engine published after its last step.
+    assert engine.stats.cache.session_drops == 1 and engine.stats.num_waiting == 0
+
+
+@pytest.mark.timeout(60)
+def test_commands_to_an_engine_that_is_not_running_raise_instead_of_waiting(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama[0]))
+
+    async def ask() -> Any:
+        return await engine.session_info("conv")
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(ask())  # not started
+    engine.start()
+    assert asyncio.run(ask()) is None  # running: the engine knows no such session
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(ask())
+
+
+def test_a_call_queued_when_the_engine_stops_is_failed_not_left_waiting(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    core = make_engine(tiny_llama[0])
+    queued = core.submit(lambda: "never run")
+    AsyncEngine(core).shutdown()  # never started: nothing will step it
+    with pytest.raises(EngineDeadError):
+        queued.result(timeout=0)

@@ -105,10 +105,9 @@ def test_watermarks_keep_the_cache_warm_over_60_turns(dev_model: Path) -> None:
     assert prefill["drop_oldest"] >= 3 * prefill["drop"]
 
     conv, results, _ = runs["drop"]
-    counters = conv.engine.session_history("conv")
-    assert counters["trims"] == trims["drop"] > 0
-    assert counters["dropped_tokens"] == sum(r.plan.num_dropped_tokens for r in results)
-    assert conv.engine.memory_report()["history"]["trims"] == trims["drop"]
+    counters = conv.history_stats
+    assert counters.trims == trims["drop"] > 0
+    assert counters.dropped_tokens == sum(r.plan.num_dropped_tokens for r in results)
     for before, after in itertools.pairwise(results):
         assert after.plan.num_prompt_tokens + REPLY.max_tokens <= BUDGET  # type: ignore[operator]
         if after.plan.trimmed:
@@ -178,7 +177,7 @@ def test_summary_runs_in_the_background_and_reaches_a_later_prompt(dev_model: Pa
     assert later[0].summary.covers[: len(first.covers)] == first.covers
     assert engine.tokenizer is not None
     assert SUMMARY_PREFIX + later[0].summary.text in engine.tokenizer.decode(later[1])
-    assert engine.session_history("conv")["summaries"] == len(conv.summaries)
+    assert conv.history_stats.summaries == len(conv.summaries)
     # A user's turn never waits for the summary: its first token comes as many steps after
     # it is sent as the normal requests' prefill needs (token budget 48; +1 for the decode
     # step of the other turn), with a summary in flight or not.

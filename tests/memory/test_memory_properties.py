@@ -163,6 +163,14 @@ class MemoryMachine(RuleBasedStateMachine):
         assert [b.ref_count for b in self.host.blocks] == host_holders
 
     @invariant()
+    def the_tally_counts_what_a_full_pass_counts(self) -> None:
+        states = [s.state for s in self.sessions.sessions.values()]
+        tally = self.sessions.tally()
+        assert tally.num_resident == states.count(SessionState.RESIDENT)
+        assert tally.num_offloaded == states.count(SessionState.OFFLOADED)
+        assert tally.num_pinned_blocks == self.sessions.num_pinned_blocks
+
+    @invariant()
     def resident_sessions_hold_their_tokens_kv(self) -> None:
         for s in self.sessions.sessions.values():
             if s.state is SessionState.RESIDENT:
