@@ -9,12 +9,15 @@ import asyncio
 import logging
 from functools import cached_property
 
-from inference.async_engine import AsyncEngine
-from inference.chat_template import ChatTemplate, load_chat_template
-from inference.context_builder import ContextBuilder
-from inference.engine import Engine
-from inference.errors import ModelLoadError
-from inference.tokenizer import Tokenizer
+from inference import (
+    AsyncEngine,
+    ChatTemplate,
+    ContextBuilder,
+    Engine,
+    ModelLoadError,
+    Tokenizer,
+    load_chat_template,
+)
 
 from app.ops.history_counters import HistoryCounters
 from app.ops.metrics import Metrics

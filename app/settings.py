@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from memory.history import POLICIES, HistoryPolicy
+from memory import POLICIES, HistoryPolicy
 
 if TYPE_CHECKING:
-    from inference.engine_config import EngineConfig
+    from inference import EngineConfig
 
 DEFAULT_MODEL_DIR = Path("models/dev")
 
@@ -138,9 +138,8 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
-        from inference.engine_config import EngineConfig
-        from inference.scheduler import SchedulerConfig
-        from memory.config import CacheConfig, SessionBudget
+        from inference import EngineConfig, SchedulerConfig
+        from memory import CacheConfig, SessionBudget
 
         return EngineConfig(
             model=str(self.model),

@@ -36,9 +36,9 @@ from memory.config import SessionBudget
 from .engine import Engine
 from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
 from .errors import EngineDeadError, InvalidRequestError
+from .priority import PRIORITY_NORMAL
 from .request_checks import CheckedRequest
 from .request_output import RequestOutput
-from .scheduler import PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from .chat_template import ChatMessage
 from .context_builder import ContextBuilder, MessageCounts, history_message
 from .engine import Engine
 from .errors import InvalidRequestError
+from .priority import PRIORITY_LOW
 from .request_output import RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_LOW
 
 _ids = itertools.count()
 

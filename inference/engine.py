@@ -52,11 +52,12 @@ from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .priority import PRIORITY_NORMAL
 from .request_checks import CheckedRequest, RequestChecker
 from .request_output import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .structured_output import StructuredOutputManager
 from .tokenizer import Tokenizer

@@ -31,11 +31,8 @@ from memory.kv_spec import cdiv
 from memory.sessions import SessionStore
 from memory.stats import CacheStats
 
+from .priority import PRIORITY_NORMAL
 from .sequence import PrefillAccounting, Sequence, SequenceStatus
-
-
-PRIORITY_NORMAL = 0
-PRIORITY_LOW = 1
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 
-from inference.errors import EngineDeadError
+from inference import EngineDeadError
 
 from app.coord import Coordinator
 from app.runtime import Runtime

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inference.engine_reports import EngineStats
+from inference import EngineStats
 
 from app.ops.history_counters import HistoryCounters
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from inference.engine_reports import SessionInfo
-from memory.history import HistoryPolicy
-from memory.sessions import SessionState
-from memory.stats import HistoryStats
+from inference import SessionInfo
+from memory import HistoryPolicy, HistoryStats, SessionState
 
 from app.errors import invalid_request, not_found
 from app.coord.leases import lease_name

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from memory.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
+from memory import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
 
 from app.schemas.chat import SamplingFields, TextPart, ToolCall
 

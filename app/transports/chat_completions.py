@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from inference.tokenizer import Tokenizer
+from inference import Tokenizer
 
 from app.transports import sse
 from app.errors import APIError, unavailable

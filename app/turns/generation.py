@@ -10,15 +10,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from inference.request_checks import CheckedRequest
-from inference.request_output import RequestOutput
-from inference.tool_calls import (
+from inference import (
+    CheckedRequest,
     ContentDelta,
+    RequestOutput,
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
 )
-from memory.stats import HistoryStats
+from memory import HistoryStats
 
 from app.runtime import Runtime
 

@@ -14,20 +14,23 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.chat_template import ChatMessage
-from inference.context_builder import MessageCounts, history_message
-from inference.request_checks import CheckedRequest
-from inference.sampling_params import SamplingParams
-from inference.scheduler import PRIORITY_LOW
-from memory.history import (
+from inference import (
+    PRIORITY_LOW,
+    ChatMessage,
+    CheckedRequest,
+    MessageCounts,
+    SamplingParams,
+    history_message,
+)
+from memory import (
     ContextPlan,
     HistoryPolicy,
     HistoryPolicyError,
+    HistoryStats,
+    SessionBudget,
     SummaryState,
     plan_context,
 )
-from memory.config import SessionBudget
-from memory.stats import HistoryStats
 
 from app.coord.locks import HeldLock
 from app.errors import invalid_request, not_found, unavailable

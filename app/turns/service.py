@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage
 
 from app.coord.locks import HeldLock, Locks
 from app.errors import APIError, busy, conversation_gone, invalid_request, not_found
