@@ -58,8 +58,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        # Guards _streams, _accepting and _dead together: a request is either registered
-        # before the engine stops (and then failed or finished by it) or refused.
+        # Guards _streams, _accepting and _dead together: a request (or a call) is either
+        # queued before the engine stops (and then answered, or failed by _fail_all) or
+        # refused.
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._accepting = False

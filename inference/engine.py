@@ -12,7 +12,13 @@ taken in at the start of the next step, so an abort takes effect within one step
 run at the end of that step (after its outputs are made) and their futures resolve there.
 Everything else (the sequences, the scheduler's queues, the pools, the sessions) is touched
 by the stepping thread only; other threads read `published_stats`, which each step replaces
-whole."""
+whole.
+
+Kept from before the split, on purpose: the measured pool sizes are a frozen KVCacheLayout,
+never written back into the config; prefix-cache hits are salted per tenant and confirmed by
+token ids (memory.prefix_cache); prompts arrive as ids the service spliced token-exact from
+stored replies (inference.context_builder), so a session's pinned KV is a prefix of its next
+turn; asserts state invariants and carry no behaviour (the suite also runs under python -O)."""
 
 from __future__ import annotations
 
@@ -399,10 +405,7 @@ class Engine:
             bytes_per_block=self.layout.bytes_per_block,
             stats=self._stats(),
             slots=self.kv_slot_usage(),
-            sessions=tuple(
-                info for info in map(self.session_info, list(self.sessions.sessions))
-                if info is not None
-            ),
+            sessions=engine_reports.session_infos(self.sessions),
         )
 
     def _stats(self) -> EngineStats:

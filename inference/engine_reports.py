@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
-from memory.sessions import SessionState, SessionStore
+from memory.sessions import Session, SessionState, SessionStore
 from memory.stats import CacheStats
 
 from .scheduler import Scheduler
@@ -126,10 +126,17 @@ def engine_stats(
 
 def session_info(sessions: SessionStore, session_id: str) -> SessionInfo | None:
     session = sessions.get(session_id)
-    if session is None:
-        return None
+    return None if session is None else _describe(sessions, session)
+
+
+def session_infos(sessions: SessionStore) -> tuple[SessionInfo, ...]:
+    """Every session the engine knows."""
+    return tuple(_describe(sessions, session) for session in sessions.sessions.values())
+
+
+def _describe(sessions: SessionStore, session: Session) -> SessionInfo:
     return SessionInfo(
-        session_id=session_id,
+        session_id=session.session_id,
         state=session.state,
         num_tokens=session.num_tokens,
         num_device_blocks=len(session.kv.held_block_ids),
@@ -139,7 +146,7 @@ def session_info(sessions: SessionStore, session_id: str) -> SessionInfo | None:
             None if session.state is SessionState.ACTIVE
             else round(time.monotonic() - session.last_used, 3)
         ),
-        budget=sessions.budget(session_id),
+        budget=sessions.budget(session.session_id),
     )
 
 

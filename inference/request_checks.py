@@ -2,7 +2,7 @@
 is queued, and answered with an InvalidRequestError naming the field (the service turns it
 into a 400). What passes is a CheckedRequest, the only thing the engine queues: the service
 checks a turn before it stores anything and hands the checked request on, so nothing checks
-it a second time (and a caller cannot queue a request that skipped the checks)."""
+it a second time, and the type of what is queued says it was checked."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from .structured_output import StructuredOutputManager
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """A request that passed every check (made by RequestChecker.check only).
+    """A request that passed every check (RequestChecker.check makes them; nothing else
+    should).
 
     max_total_tokens: the cap on prompt + generated tokens (the model's context, the session's
         max_context_tokens, prompt + max_tokens: the least of them).

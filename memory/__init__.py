@@ -3,7 +3,12 @@ planning (which messages go into a prompt under a token budget).
 
 This is the package's face: other packages import from here. Everything it names is pure
 Python, so `import memory` (and the service's history planning with it) costs no torch; the
-KV tensors (`memory.kv_cache`) are the engine's own business and are not part of the face."""
+KV tensors (`memory.kv_cache`) are the engine's own business and are not part of the face.
+
+What the engine builds from the modules behind it stays as it was: the pools' sizes measured
+at start-up are a frozen KVCacheLayout (never written back into CacheConfig), and a prefix
+cache hit is a block whose hash chains its parent's, its token ids and the tenant's salt,
+confirmed by comparing the token ids."""
 
 from .config import CacheConfig, MemoryConfigError, SessionBudget
 from .history import (
