@@ -19,7 +19,6 @@ from app.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
-
 def lease_name(conversation_id: str) -> str:
     return f"session:{conversation_id}"
 
