@@ -131,10 +131,8 @@ def api_error(exc: BaseException) -> APIError:
     """The API error a request's failure is answered with: HTTP responses, SSE error chunks
     and WebSocket error frames all come from here. What a client caused is a 4xx naming the
     field; an engine that is not running is 503; anything unknown is a logged 500."""
-    from inference.async_engine import EngineDeadError
-    from inference.chat_template import ChatTemplateError
-    from inference.errors import InvalidRequestError
     from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from inference import ChatTemplateError, EngineDeadError, InvalidRequestError
 
     from app.store import StaleFence
 
@@ -188,10 +186,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def known_error_types() -> tuple[type[Exception], ...]:
-    from inference.async_engine import EngineDeadError
-    from inference.chat_template import ChatTemplateError
-    from inference.errors import InvalidRequestError
     from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from inference import ChatTemplateError, EngineDeadError, InvalidRequestError
 
     from app.store import StaleFence
 

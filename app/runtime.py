@@ -1,7 +1,8 @@
 """Runtime: the engine side of the service, built once at start-up: the async engine (its
-thread owned by the app's lifespan), the tokenizer, the chat template and the context builder,
-and the worker threads that run a turn's CPU-bound work (templates, tokenizing, planning,
-schema compiles) off the event loop. The service reaches the model only through this object."""
+thread owned by the app's lifespan), the tokenizer, the chat template, the context builder,
+the history counters, the metrics, and the worker threads that run a turn's CPU-bound work
+(templates, tokenizing, planning, schema compiles) off the event loop. The service reaches
+the model only through this object."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import ParamSpec, TypeVar
 
-from inference.async_engine import AsyncEngine
-from inference.chat_template import ChatTemplate, load_chat_template
-from inference.context_builder import ContextBuilder
-from inference.engine import Engine
-from inference.errors import ModelLoadError
-from inference.tokenizer import Tokenizer
+from inference import (
+    AsyncEngine,
+    ChatTemplate,
+    ContextBuilder,
+    Engine,
+    ModelLoadError,
+    Tokenizer,
+    load_chat_template,
+)
 
+from app.ops.history_counters import HistoryCounters
 from app.ops.metrics import Metrics
 from app.settings import Settings
 
@@ -44,7 +49,8 @@ class Runtime:
         self.grammars = self.engine.grammars  # built now, not on a first structured request
         self.async_engine = AsyncEngine(self.engine)
         self.model_name = settings.model_name
-        self.metrics = Metrics(self.engine)
+        self.history = HistoryCounters()
+        self.metrics = Metrics(lambda: self.async_engine.stats, self.history)
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="kvchat-cpu")
 
     def start(self) -> None:
@@ -62,10 +68,6 @@ class Runtime:
         await asyncio.to_thread(self.async_engine.shutdown, drain_timeout)
         self._cpu.shutdown(wait=False, cancel_futures=True)
 
-    def notify(self) -> None:
-        """Wake the engine thread for queued operator work (an eviction) when it is idle."""
-        self.async_engine.notify()
-
     @property
     def is_running(self) -> bool:
         return self.async_engine.is_running
@@ -76,9 +78,9 @@ class Runtime:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued in the engine, not yet running (read from another thread: a
-        snapshot, good enough for admission control)."""
-        return len(self.engine.scheduler.waiting)
+        """Requests queued in the engine, not yet running, as of its latest step (the stats it
+        publishes: good enough for admission control, and what the metrics show)."""
+        return self.async_engine.stats.num_waiting
 
     @cached_property
     def generation_prompt_tokens(self) -> int:

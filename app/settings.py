@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from history import POLICIES, HistoryPolicy
 
 if TYPE_CHECKING:
-    from inference.engine_config import EngineConfig
+    from inference import EngineConfig
 
 DEFAULT_MODEL_DIR = Path("models/dev")
 
@@ -153,9 +153,8 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
-        from inference.engine_config import EngineConfig
-        from inference.scheduler import SchedulerConfig
-        from memory.config import CacheConfig, SessionBudget
+        from inference import EngineConfig, SchedulerConfig
+        from memory import CacheConfig, SessionBudget
 
         return EngineConfig(
             model=str(self.model),

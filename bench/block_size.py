@@ -34,9 +34,9 @@ class SlotSampler:
 
     def __call__(self) -> list:
         outputs = self.step()
-        allocated, filled = self.engine.kv_slot_usage()
-        self.allocated += allocated
-        self.filled += filled
+        slots = self.engine.kv_slot_usage()
+        self.allocated += slots.num_allocated
+        self.filled += slots.num_filled
         return outputs
 
     @property

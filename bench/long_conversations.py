@@ -24,6 +24,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
 from history import HistoryPolicy
+from memory.stats import HistoryStats
 
 POLICIES = ("drop", "drop_oldest", "summarize")
 WORDS = [
@@ -188,10 +189,11 @@ def run_policy(model_dir: Path, dtype: str, config: LongConfig, policy: str) -> 
                 if turn_of[i] < config.turns:
                     submit(i)
     run.wall = time.perf_counter() - start
-    history = engine.memory_report()["history"]
-    assert isinstance(history, dict)
-    run.trims, run.dropped_tokens = history["trims"], history["dropped_tokens"]
-    run.summaries, run.summary_tokens = history["summaries"], history["summary_tokens"]
+    history = HistoryStats()
+    for conv in convs:
+        history.add(conv.history_stats)
+    run.trims, run.dropped_tokens = history.trims, history.dropped_tokens
+    run.summaries, run.summary_tokens = history.summaries, history.summary_tokens
     return run
 
 

@@ -40,7 +40,7 @@ from inference.engine_config import DTYPES, EngineConfig
 from inference.model_config import ModelConfig
 from inference.scheduler import SchedulerConfig
 from memory.config import CacheConfig
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ them as interrupted) and stops the thread. A consumer whose request can no longe
 (the engine stopped or died) gets `EngineDeadError`; it never waits forever.
 
 Each request id has at most one stream; a stream only ever removes itself, so a rejected
-duplicate or a quick reuse of a finished id never disturbs another request's stream."""
+duplicate or a quick reuse of a finished id never disturbs another request's stream.
+
+Operator commands and reports are awaitable: `evict_session`, `set_session_budget`,
+`close_session`, `session_info`, `memory_report` run on the engine thread at its next step
+(the thread is woken for them) and answer with what that step found, through a
+`concurrent.futures.Future` that `asyncio.wrap_future` hands to the caller's event loop. They
+raise `EngineDeadError` when the engine is not running or stops before answering. `stats` is
+the engine's latest published EngineStats, for any thread. Nothing here reads the engine's
+queues, pools or sessions from another thread."""
 
 from __future__ import annotations
 
@@ -18,21 +26,25 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
+
+from memory.config import SessionBudget
 
 from .engine import Engine
-from .errors import InvalidRequestError
+from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
+from .errors import EngineDeadError, InvalidRequestError
+from .priority import PRIORITY_NORMAL
+from .request_checks import CheckedRequest
 from .request_output import RequestOutput
-from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-class EngineDeadError(RuntimeError):
-    """The engine is not running (not started, shut down, or stopped on an internal error);
-    no further requests are served and an open stream cannot finish."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 @dataclass(eq=False)
@@ -46,13 +58,15 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        # Guards _streams, _accepting and _dead together: a request is either registered
-        # before the engine stops (and then failed or finished by it) or refused.
+        # Guards _streams, _accepting and _dead together: a request (or a call) is either
+        # queued before the engine stops (and then answered, or failed by _fail_all) or
+        # refused.
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._accepting = False
         self._dead: BaseException | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # stop after the current step
+        self._stop_when_idle = threading.Event()  # stop once nothing is left to step
         self._thread: threading.Thread | None = None
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -82,25 +96,24 @@ class AsyncEngine:
 
     def shutdown(self, drain_timeout: float = 10.0, join_timeout: float = 10.0) -> None:
         """Stop taking requests; give running ones `drain_timeout` seconds to finish, abort the
-        rest with abort_reason "shutdown", then stop the thread. Idempotent."""
+        rest with abort_reason "shutdown", then stop the thread once it has delivered their
+        final outputs (at most `join_timeout` later). Idempotent."""
         with self._lock:
             self._accepting = False
         thread = self._thread
         if thread is not None and thread.is_alive():
             deadline = time.monotonic() + drain_timeout
-            while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            while self.engine.unfinished_request_ids and time.monotonic() < deadline:
                 if not thread.is_alive():
                     break
                 time.sleep(0.01)
             for request_id in self.engine.unfinished_request_ids:
                 self.engine.abort_request(request_id, reason="shutdown")
+            # The thread processes the aborts (delivering their final outputs) and whatever
+            # else is queued, then stops by itself.
+            self._stop_when_idle.set()
             self._wake.set()
-            # The thread processes the aborts (delivering their final outputs), then stops.
-            deadline = time.monotonic() + join_timeout
-            while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
-                if not thread.is_alive():
-                    break
-                time.sleep(0.01)
+            thread.join(join_timeout)
             self._stop.set()
             self._wake.set()
             thread.join(join_timeout)
@@ -111,16 +124,15 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        request: CheckedRequest,
         *,
-        session_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = PRIORITY_NORMAL,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; the last is finished.
-        Validation errors (and a request id in use) raise before anything is yielded;
-        `EngineDeadError` when the engine is not running or stops before the request ends."""
+        `request` comes from `engine.check_request` (whose errors are the caller's to answer);
+        a request id in use raises before anything is yielded; `EngineDeadError` when the
+        engine is not running or stops before the request ends."""
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:
@@ -133,9 +145,8 @@ class AsyncEngine:
                 )
             self._streams[request_id] = stream
         try:
-            self.engine.add_request(
-                request_id, prompt_token_ids, params, session_id=session_id,
-                cache_salt=cache_salt, priority=priority,
+            self.engine.add_checked_request(
+                request_id, request, cache_salt=cache_salt, priority=priority
             )
         except BaseException:
             self._remove(stream)
@@ -156,13 +167,52 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def notify(self) -> None:
-        """Wake the engine thread (operator work was queued on the engine: evict, close)."""
-        self._wake.set()
-
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         self.engine.abort_request(request_id, reason)
         self._wake.set()
+
+    # -- operator commands and reports (answered by the engine thread) --------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """The stats the engine thread published after its latest step (any thread)."""
+        return self.engine.published_stats
+
+    async def evict_session(self, session_id: str, *, offload: bool = True) -> SessionEviction:
+        """Offload (or drop) an idle session's KV; answers with the session just before and
+        just after."""
+        return await self._on_engine_thread(
+            lambda: self.engine.evict_session(session_id, offload=offload))
+
+    async def set_session_budget(
+        self, session_id: str, budget: SessionBudget
+    ) -> SessionInfo | None:
+        """Change a session's budget (from its next turn on); answers with the session."""
+        return await self._on_engine_thread(
+            lambda: self.engine.set_session_budget(session_id, budget))
+
+    async def close_session(self, session_id: str) -> None:
+        """Forget a session and free its KV."""
+        await self._on_engine_thread(lambda: self.engine.close_session(session_id))
+
+    async def session_info(self, session_id: str) -> SessionInfo | None:
+        return await self._on_engine_thread(
+            lambda: self.engine.submit(lambda: self.engine.session_info(session_id)))
+
+    async def memory_report(self) -> MemoryReport:
+        return await self._on_engine_thread(lambda: self.engine.submit(self.engine.memory_report))
+
+    async def _on_engine_thread(self, submit: Callable[[], Future[T]]) -> T:
+        """Queue a call (refused when the engine is not running: it would never be answered),
+        wake the thread, await its answer."""
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+            if not self._accepting:
+                raise EngineDeadError("the engine is not running (not started or shut down)")
+            future = submit()
+        self._wake.set()
+        return await asyncio.wrap_future(future)
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -170,6 +220,8 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished_requests():
+                    if self._stop_when_idle.is_set():
+                        return
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -193,11 +245,16 @@ class AsyncEngine:
         self._put(stream, out)
 
     def _fail_all(self, error: BaseException) -> None:
+        """Fail every open stream and every queued command: nothing will answer them. Called
+        once no further call can be queued (`_accepting` is off)."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
             self._put(stream, error)
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine stopped: {error!r}")
+        self.engine.inbox.fail_calls(dead)
 
     def _remove(self, stream: _Stream) -> None:
         """A stream only ever removes itself, never another registered under the same id."""

@@ -32,9 +32,9 @@ from .context_builder import ContextBuilder, MessageCounts, history_message
 from .turn_planner import branch_key, plan_turn
 from .engine import Engine
 from .errors import InvalidRequestError
+from .priority import PRIORITY_LOW
 from .request_output import RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_LOW
 
 _ids = itertools.count()
 
@@ -69,6 +69,9 @@ class Conversation:
     pending_summary: _PendingSummary | None = None
     summaries: list[SummaryState] = field(default_factory=list)  # every summary made, in order
     summary_params: SamplingParams | None = None  # default: greedy, within the summary's share
+    # What history planning did for this conversation (the service keeps these per session
+    # in app.ops.history_counters; the engine counts none).
+    history_stats: HistoryStats = field(default_factory=HistoryStats)
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -112,12 +115,15 @@ class Conversation:
         self.engine.add_request(request_id, planned.prompt_ids, params,
                                 session_id=self.session_id, cache_salt=self.cache_salt)
         self.start_id = plan.start_id
-        self.engine.record_history(self.session_id, planned.history_stats)
+        self.history_stats.add(planned.history_stats)
         return request_id, plan, planned.prompt_ids
 
     def finish_turn(self, output: RequestOutput) -> None:
-        """Store the reply with the ids the model generated."""
+        """Store the reply with the ids the model generated (and count a turn that ran in sink
+        + window mode)."""
         assert output.finished and output.output_token_ids is not None
+        if output.window_applied:
+            self.history_stats.add(HistoryStats(window_turns=1))
         self.append(ChatMessage("assistant", output.text, token_ids=tuple(output.output_token_ids)))
 
     def maybe_summarize(self, plan: ContextPlan) -> bool:
@@ -159,7 +165,7 @@ class Conversation:
                 self.summary = merge_summary(self.summary, measured.text, measured.num_tokens,
                                              pending.covers)
                 self.summaries.append(self.summary)
-                self.engine.record_history(self.session_id, HistoryStats(
+                self.history_stats.add(HistoryStats(
                     summaries=1, summary_tokens=output.num_output_tokens,
                 ))
         return True

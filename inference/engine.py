@@ -1,119 +1,78 @@
-"""Engine: the synchronous core. Each `step()` reads schedule -> run -> process outputs: the
-scheduler decides what runs and where its KV lives, the model runner computes logits, the
-sampler picks tokens, and the output processor turns them into text and stop decisions.
+"""Engine: the synchronous core, one step at a time. Each `step()` reads schedule -> run ->
+postprocess (as nano-vllm's): the scheduler decides what runs and where its KV lives, the model
+runner computes logits, the sampler picks tokens (the structured-output manager masks or
+checks constrained rows), and the output processor turns them into text and stop decisions.
 
-Requests and aborts may come from any thread: they are queued and taken in at the start of
-the next step, so an abort takes effect within one step."""
+Other modules hold the other jobs: start-up and KV sizing (engine_setup, memory.kv_layout),
+request checks (request_checks), grammar masks (structured_output), reports
+(engine_reports), the inbox other threads write to (engine_inbox).
+
+Threads: requests, aborts and operator commands may come from any thread; they are queued and
+taken in at the start of the next step, so an abort takes effect within one step; commands
+run at the end of that step (after its outputs are made) and their futures resolve there.
+Everything else (the sequences, the scheduler's queues, the pools, the sessions) is touched
+by the stepping thread only; other threads read `published_stats`, which each step replaces
+whole.
+
+Kept from before the split, on purpose: the measured pool sizes are a frozen KVCacheLayout,
+never written back into the config; prefix-cache hits are salted per tenant and confirmed by
+token ids (memory.prefix_cache); prompts arrive as ids the service spliced token-exact from
+stored replies (inference.context_builder), so a session's pinned KV is a prefix of its next
+turn; asserts state invariants and carry no behaviour (the suite also runs under python -O)."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
-import llguidance
 import torch
 
 from kernels import get_attention_ops
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
-from memory.kv_cache import KVCache, KVCacheSpec
+from memory.kv_cache import KVCache
 from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
-from memory.sessions import SessionState, SessionStore
-from memory.stats import CacheStats, HistoryStats
+from memory.sessions import SessionStore
+from memory.stats import CacheStats
 
+from . import engine_reports
 from .engine_config import EngineConfig
-from .errors import InvalidRequestError, ModelLoadError
-from .grammar_compiler import GrammarCompiler, GrammarError
+from .engine_inbox import AbortRequest, AddRequest, Call, EngineInbox
+from .engine_reports import (
+    EngineStats,
+    KVSlotUsage,
+    MemoryReport,
+    SessionEviction,
+    SessionInfo,
+)
+from .engine_setup import invalid_token_mask, kv_spec_for, size_kv_pools
+from .errors import InvalidRequestError
+from .grammar_compiler import GrammarCompiler
 from .host_memory import keep_freed_memory
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .priority import PRIORITY_NORMAL
+from .request_checks import CheckedRequest, RequestChecker
 from .request_output import RequestOutput
-from .sampler import Sampler, masks_first
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import PRIORITY_NORMAL, ScheduledBatch, Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .structured_output import StructuredOutputManager
 from .tokenizer import Tokenizer
 from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
-# Masks computed before sampling and expected to take at least this long are computed beside
-# the forward even when it has every core (see Engine._start_masks).
-MASK_WORKER_MIN_SECONDS = 0.002
-MASK_TIME_DECAY = 0.9  # per step, of a row's remembered mask time
-# A constrained row whose checked draws were all rejected takes its mask first for the next
-# 1, 2, 4, ... steps (doubling with each rejection, one less after each pass, up to this),
-# then is checked again (see Engine._note_checks).
-MAX_MASK_FIRST_STEPS = 16
-
-
-def _compute_masks(
-    grammars: GrammarCompiler, seqs: list[tuple[int, Sequence]]
-) -> dict[int, torch.Tensor]:
-    """key -> the fill_bitmask words [mask_words] of the sequence's next token, for (key,
-    sequence) pairs of constrained sequences; each one's mask time goes into its forecast."""
-    seconds: list[float] = []
-    bitmask = grammars.fill_bitmask(
-        [(k, cast(llguidance.LLMatcher, seq.matcher)) for k, (_, seq) in enumerate(seqs)],
-        len(seqs), seconds,
-    )
-    for (_, seq), took in zip(seqs, seconds):
-        # Up at once, down slowly: one cheap mask among costly ones is no forecast.
-        seq.mask_seconds = max(took, seq.mask_seconds * MASK_TIME_DECAY)
-    return {key: bitmask[k] for k, (key, _) in enumerate(seqs)}
-
-
-class _StepGrammars:
-    """One step's constrained rows as the sampler asks about them (sampler.RowGrammars):
-    the rows whose masks were computed before sampling take them first; the others' draws
-    are checked by their matchers, and a mask asked for then is computed on the engine
-    thread."""
-
-    def __init__(self, grammars: GrammarCompiler, seqs: list[Sequence],
-                 ready: dict[int, torch.Tensor], device: torch.device) -> None:
-        self._grammars = grammars
-        self._seqs = seqs
-        self._words = dict(ready)  # logits row -> mask words
-        self._device = device
-        self.rows = [j for j, seq in enumerate(seqs) if seq.matcher is not None]
-        self.mask_first = frozenset(ready)
-
-    def allows(self, row: int, token: int) -> bool:
-        return self._grammars.allows(cast(llguidance.LLMatcher, self._seqs[row].matcher), token)
-
-    def offsets(self, rows: list[int], num_rows: int | None = None) -> torch.Tensor:
-        missing = [row for row in rows if row not in self._words]
-        if missing:
-            self._words.update(_compute_masks(
-                self._grammars, [(row, self._seqs[row]) for row in missing]))
-        if num_rows is None:
-            words = torch.stack([self._words[row] for row in rows])
-        else:  # other rows allow every token
-            words = torch.full((num_rows, self._grammars.mask_words), -1, dtype=torch.int32)
-            for row in rows:
-                words[row] = self._words[row]
-        return self._grammars.logit_offsets(words, self._device)
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What start-up measured: how many blocks the pools got."""
-
-    num_blocks: int
-    num_host_blocks: int
-    bytes_per_block: int
+T = TypeVar("T")
 
 
 class Engine:
@@ -134,15 +93,11 @@ class Engine:
         self.ops = get_attention_ops(config.attention_backend, self.device)
 
         cache = config.cache
-        self.kv_spec = KVCacheSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=cache.block_size,
-            model_dtype=self.dtype,
-            kv_cache_dtype=cache.kv_cache_dtype,
+        self.kv_spec = kv_spec_for(mc, cache, self.dtype)
+        self.layout = size_kv_pools(
+            cache, self.kv_spec, self.model, self.ops,
+            min(config.scheduler.max_num_batched_tokens, self.max_model_len), self.device,
         )
-        self.layout = self._plan_kv_cache()
         self.kv_cache = KVCache(
             self.kv_spec, self.layout.num_blocks, self.device, self.layout.num_host_blocks
         )
@@ -156,219 +111,112 @@ class Engine:
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
-        self.sampler = Sampler(config.seed, self._invalid_token_mask())
+        self.sampler = Sampler(
+            config.seed, invalid_token_mask(self.tokenizer, mc.vocab_size, self.device)
+        )
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self._grammars: GrammarCompiler | None = None  # built on first use
-        self._grammars_lock = threading.Lock()
-        self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
-        # Whether the forward leaves a core to the mask worker (see _start_masks).
-        self._spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device,
+            checks_first=config.grammar_checks_first,
+        )
+        self.checker = RequestChecker(
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.layout.num_blocks * cache.block_size,
+            has_tokenizer=self.tokenizer is not None, structured=self.structured_output,
+            budget_of=self.sessions.budget,
+        )
+        self.inbox = EngineInbox()
         self._seqs: dict[str, Sequence] = {}
         # Ids of requests added and not yet finished; guarded because add_request may be
         # called from other threads than the one stepping.
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
-        # History counters, written by whoever plans prompts (the service, any thread).
-        self.history_stats = HistoryStats()
-        self._session_history: dict[str, HistoryStats] = {}
-        self._history_lock = threading.Lock()
-
-    # -- start-up --------------------------------------------------------------------------------
-
-    def _invalid_token_mask(self) -> torch.Tensor | None:
-        """[vocab] bool, True for output rows that are no token of the tokenizer: padding rows
-        (checkpoints pad `vocab_size` past the tokenizer, e.g. to a multiple of 64) and gaps in
-        the tokenizer's id range. They are never sampled: an id the tokenizer cannot decode
-        must not reach the output processor. None when every row is a token."""
-        if self.tokenizer is None:
-            return None
-        vocab = self.model_config.vocab_size
-        unknown = [i for i in range(vocab) if not self.tokenizer.is_known_id(i)]
-        if not unknown:
-            return None
-        if len(unknown) == vocab:
-            raise ModelLoadError(
-                f"the tokenizer knows none of the model's {vocab} output ids; wrong tokenizer?"
-            )
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[unknown] = True
-        return mask.to(self.device)
-
-    def _plan_kv_cache(self) -> KVCacheLayout:
-        cache = self.config.cache
-        per_block = self.kv_spec.bytes_per_block
-        if cache.num_blocks_override is not None:
-            num_blocks = cache.num_blocks_override
-        elif cache.kv_cache_bytes is not None:
-            num_blocks = cache.kv_cache_bytes // per_block
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_blocks(per_block)
-        else:
-            num_blocks = CPU_DEFAULT_KV_CACHE_BYTES // per_block
-        if num_blocks < 1:
-            raise ModelLoadError(
-                f"the KV cache budget holds no block of {per_block} bytes; raise kv_cache_bytes"
-            )
-        return KVCacheLayout(num_blocks, cache.host_cache_bytes // per_block, per_block)
-
-    def _profile_cuda_blocks(self, per_block: int) -> int:
-        """As vLLM does: run the largest step once, then give the KV pool what is left of
-        `gpu_memory_utilization x total` after the peak."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free_before) - torch.cuda.memory_reserved(self.device)
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        scratch_blocks = -(-n // self.config.cache.block_size)
-        scratch = KVCache(self.kv_spec, scratch_blocks, self.device)
-        runner = ModelRunner(self.model, scratch, self.ops, self.config.cache.block_size)
-        seq = Sequence("profile", [0] * n, SamplingParams(max_tokens=1), n + 1)
-        seq.kv = KVState(block_ids=list(range(scratch_blocks)))
-        runner.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[n], num_decode=0))
-        torch.cuda.synchronize(self.device)
-        scratch_bytes = scratch.kv.numel() * scratch.kv.element_size()
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
-        del scratch, runner
-        torch.cuda.empty_cache()
-        budget = self.config.cache.gpu_memory_utilization * total - peak - non_torch
-        return int(budget // per_block)
+        self.published_stats: EngineStats = self._stats()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model's tokenizer (built on first use, any thread)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError(
-                        "structured output needs a tokenizer; this model directory has none",
-                        field="grammar",
-                    )
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
-                )
-            return self._grammars
+        return self.structured_output.grammars
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def validate_prompt(
+    def check_request(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Seq[int],
         params: SamplingParams,
+        *,
         session_id: str | None = None,
-    ) -> int:
-        """Check a prompt against the model (and its session's context budget); returns the cap
-        on prompt + generated tokens."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", field="prompt")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(
-                f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
-                field="prompt",
-            )
-        n = len(prompt_token_ids)
-        limit, what = self.max_model_len, "This model's maximum context length"
-        if session_id is not None:
-            budget = self.sessions.budget(session_id).max_context_tokens
-            if budget is not None and budget < limit:
-                limit, what = budget, "This session's context budget (max_context_tokens)"
-        if n >= limit:
-            raise InvalidRequestError(
-                f"{what} is {limit} tokens. However, your prompt has {n} tokens, leaving no "
-                "room to generate. Please reduce the length of the prompt.",
-                field="prompt",
-                code="context_length_exceeded",
-            )
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"{what} is {limit} tokens. However, you requested {n + params.max_tokens} "
-                f"tokens ({n} in the prompt, {params.max_tokens} in the completion). Please "
-                "reduce the length of the prompt or completion.",
-                field="max_tokens",
-                code="context_length_exceeded",
-            )
-        capacity = self.layout.num_blocks * self.config.cache.block_size
-        if n + 1 > capacity:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but the KV cache holds only {capacity}",
-                field="prompt",
-                code="context_length_exceeded",
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                "stop strings need a tokenizer; this model directory has none", field="stop"
-            )
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise InvalidRequestError(
-                    f"stop token id {t} is outside the vocabulary", field="stop_token_ids"
-                )
-        if params.grammar is not None:
-            try:
-                self.grammars.compile(params.grammar)  # cached: the request's own use is a hit
-            except GrammarError as e:
-                raise InvalidRequestError(str(e), field="grammar") from e
-        if params.max_tokens is not None:
-            limit = min(limit, n + params.max_tokens)
-        return limit
+        budget: SessionBudget | None = None,
+    ) -> CheckedRequest:
+        """The one check of a request (any thread; see inference.request_checks): errors go to
+        the caller as InvalidRequestError. A request in a session is held to the session's
+        `max_context_tokens` (`budget` when the caller owns it, else the engine's): prompt
+        plus `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded`
+        error; the history planner trims to the budget before it gets here), and without
+        `max_tokens` generation stops at the budget."""
+        return self.checker.check(prompt_token_ids, params, session_id, budget)
 
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Seq[int],
         params: SamplingParams,
         *,
         session_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = PRIORITY_NORMAL,
     ) -> None:
-        """Validate now (errors go to the caller), enqueue for the next step (any thread).
-        `priority` above PRIORITY_NORMAL makes it background work (see the scheduler).
+        """Check now (errors go to the caller) and enqueue for the next step (any thread)."""
+        request = self.check_request(prompt_token_ids, params, session_id=session_id)
+        self.add_checked_request(request_id, request, cache_salt=cache_salt, priority=priority)
 
-        A request in a session is held to the session's `max_context_tokens`: prompt plus
-        `max_tokens` must fit (an over-budget prompt is a `context_length_exceeded` error; the
-        history planner trims to the budget before it gets here), and without `max_tokens`
-        generation stops at the budget."""
-        seq = self._make_sequence(request_id, prompt_token_ids, params, session_id, cache_salt)
+    def add_checked_request(
+        self,
+        request_id: str,
+        request: CheckedRequest,
+        *,
+        cache_salt: str | None = None,
+        priority: int = PRIORITY_NORMAL,
+    ) -> None:
+        """Enqueue a request checked before (by check_request) for the next step (any thread);
+        only its id can still be refused (in use). `priority` above PRIORITY_NORMAL makes it
+        background work (see the scheduler)."""
+        seq = self._make_sequence(request_id, request, cache_salt)
         seq.priority = priority
         self._enqueue([seq])
 
     def _make_sequence(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        session_id: str | None,
-        cache_salt: str | None,
+        self, request_id: str, request: CheckedRequest, cache_salt: str | None
     ) -> Sequence:
-        limit = self.validate_prompt(prompt_token_ids, params, session_id)
-        window = self._window_for(session_id, limit)
-        if window is not None and len(prompt_token_ids) >= window.start:
+        params = request.params
+        window = self._window_for(request)
+        if window is not None and request.num_prompt_tokens >= window.start:
             window = None  # the prompt alone is over the budget: computed whole, pinned in part
         return Sequence(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(request.prompt_token_ids),
             params=params,
-            max_total_tokens=limit,
-            session_id=session_id,
+            max_total_tokens=request.max_total_tokens,
+            session_id=request.session_id,
             kv=KVState(salt=cache_salt),
             window=window,
-            matcher=None if params.grammar is None else self.grammars.new_matcher(params.grammar),
+            matcher=(None if params.grammar is None
+                     else self.structured_output.new_matcher(params.grammar)),
         )
 
-    def _window_for(self, session_id: str | None, max_total_tokens: int) -> KVWindow | None:
+    def _window_for(self, request: CheckedRequest) -> KVWindow | None:
         """Sink + window attention for a turn whose own generation could take it past its
         session's max_kv_tokens (the prompt fits), so its KV stays within that budget; models
         with their own sliding window keep it."""
-        if session_id is None or any(w is not None for w in self.model_config.sliding_windows):
+        if request.session_id is None or any(
+            w is not None for w in self.model_config.sliding_windows
+        ):
             return None
-        budget = self.sessions.budget(session_id).max_kv_tokens
-        if budget is None or max_total_tokens <= budget:
+        budget = request.max_kv_tokens
+        if budget is None or request.max_total_tokens <= budget:
             return None
         return KVWindow.for_budget(budget, self.config.cache.block_size,
                                    self.config.cache.window_sink_tokens)
@@ -384,64 +232,83 @@ class Engine:
                 )
             self._live_ids.update(ids)
         for seq in seqs:
-            self._inbox.put(("add", seq))
+            self.inbox.add(seq)
 
     def abort_request(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request at the next step; its final output has finish_reason "abort" and
         `abort_reason` = reason."""
-        self._inbox.put(("abort", (request_id, reason)))
+        self.inbox.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or finished ones whose last step is still to run."""
-        return bool(self._seqs) or not self._inbox.empty() or bool(self.scheduler.finishing)
+        """Requests not finished, finished ones whose last step is still to run, or queued
+        work (stepping thread only)."""
+        return bool(self._seqs) or not self.inbox.empty() or bool(self.scheduler.finishing)
 
     @property
     def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not finished (any thread)."""
         with self._ids_lock:
             return list(self._live_ids)
-
-    def _drain_inbox(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return outputs
-            if kind == "add":
-                assert isinstance(item, Sequence)
-                self._seqs[item.request_id] = item
-                self.output_processor.add(item)
-                self.scheduler.add(item)
-            elif kind == "abort":
-                request_id, reason = cast(tuple[str, str], item)
-                seq = self._seqs.get(request_id)
-                if seq is not None:
-                    self._release(seq)
-                    outputs.append(
-                        self.output_processor.finish(seq, "abort", abort_reason=reason)
-                    )
-            elif kind == "evict":
-                session_id, offload = cast(tuple[str, bool], item)
-                self.sessions.evict(session_id, offload=offload)
-            elif kind == "close":
-                self.sessions.close(str(item))
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox()
+        """Take in what was queued; schedule -> run -> postprocess; run the queued calls, which
+        so see what the step left (a finished turn's last token pinned); publish the stats."""
+        outputs, calls = self._take_inbox()
         batch = self.scheduler.schedule()
         for seq in batch.out_of_memory:
             self._release(seq)
             outputs.append(self.output_processor.finish(seq, "length"))
-        if batch.is_empty:
-            return outputs
-        masks = self._start_masks(batch)
+        if not batch.is_empty:
+            logits, sampled, ready = self._run(batch)
+            outputs += self._postprocess(batch, logits, sampled, ready)
+        for call in calls:
+            call.run()
+        self.published_stats = self._stats()
+        return outputs
+
+    def _take_inbox(self) -> tuple[list[RequestOutput], list[Call[Any]]]:
+        """New requests and aborts, applied in the order they were queued; the calls queued
+        with them, to run at the end of the step."""
+        outputs: list[RequestOutput] = []
+        calls: list[Call[Any]] = []
+        for item in self.inbox.take():
+            if isinstance(item, AddRequest):
+                seq = item.seq
+                self._seqs[seq.request_id] = seq
+                self.output_processor.add(seq)
+                self.scheduler.add(seq)
+            elif isinstance(item, AbortRequest):
+                aborted = self._seqs.get(item.request_id)
+                if aborted is not None:
+                    self._release(aborted)
+                    outputs.append(
+                        self.output_processor.finish(aborted, "abort", abort_reason=item.reason)
+                    )
+            else:
+                calls.append(item)
+        return outputs, calls
+
+    def _run(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+        """The forward, with the masks taken first computed beside it. Returns the logits
+        [num_sampled, vocab], the batch rows they belong to, and the ready masks by batch
+        row."""
+        masks = self.structured_output.start_masks(batch)
         try:
             logits, sampled = self.runner.execute(batch)
         finally:
             # Waited for even when the forward fails: a worker may be using the matchers.
             ready = masks() if masks is not None else {}
+        return logits, sampled, ready
+
+    def _postprocess(
+        self, batch: ScheduledBatch, logits: torch.Tensor, sampled: list[int],
+        ready: dict[int, torch.Tensor],
+    ) -> list[RequestOutput]:
+        """Commit the step's KV, pin finished session turns, sample and append the tokens."""
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
@@ -453,204 +320,98 @@ class Engine:
         if any(finishing[i] for i in sampled):  # they sample nothing
             rows = [j for j, i in enumerate(sampled) if not finishing[i]]
             logits, sampled = logits[rows], [sampled[j] for j in rows]
-        if sampled:
-            sampling_seqs = [batch.seqs[i] for i in sampled]
-            grammar = None
-            if any(s.matcher is not None for s in sampling_seqs):
-                row_of = {i: j for j, i in enumerate(sampled)}  # batch row -> logits row
-                grammar = _StepGrammars(
-                    self.grammars, sampling_seqs,
-                    {row_of[i]: words for i, words in ready.items() if i in row_of}, self.device,
-                )
-            result = self.sampler(
-                logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
-                grammar=grammar,
+        if not sampled:
+            return []
+        outputs = []
+        sampling_seqs = [batch.seqs[i] for i in sampled]
+        grammar = self.structured_output.step_grammars(sampling_seqs, sampled, ready)
+        result = self.sampler(
+            logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
+            grammar=grammar,
+        )
+        if grammar is not None:
+            self.structured_output.note_checks(sampling_seqs, grammar, result.fell_back)
+        for j, seq in enumerate(sampling_seqs):
+            token_id = result.token_ids[j]
+            logprob = result.logprobs[j] if result.logprobs is not None else None
+            top = result.top_logprobs[j] if result.top_logprobs is not None else None
+            grammar_done = (seq.matcher is not None
+                            and self.structured_output.advance(seq, token_id))
+            out = self.output_processor.append_token(
+                seq, token_id, logprob, top, grammar_done=grammar_done
             )
-            if grammar is not None:
-                self._note_checks(sampling_seqs, grammar, result.fell_back)
-            for j, seq in enumerate(sampling_seqs):
-                token_id = result.token_ids[j]
-                logprob = result.logprobs[j] if result.logprobs is not None else None
-                top = result.top_logprobs[j] if result.top_logprobs is not None else None
-                grammar_done = seq.matcher is not None and self._advance_grammar(seq, token_id)
-                out = self.output_processor.append_token(
-                    seq, token_id, logprob, top, grammar_done=grammar_done
-                )
-                if out.finished:
-                    self._release(seq)
-                outputs.append(out)
+            if out.finished:
+                self._release(seq)
+            outputs.append(out)
         return outputs
-
-    def _start_masks(
-        self, batch: ScheduledBatch
-    ) -> Callable[[], dict[int, torch.Tensor]] | None:
-        """Starts computing the masks of the constrained rows that take theirs first (top-k/p,
-        logprobs, or checks rejected lately: Sequence.mask_first_steps); the other
-        constrained rows are checked after sampling and get a mask only if all their draws
-        are rejected. Returns what gives the masks (batch row -> its fill_bitmask words) once
-        the forward is done; None when no row takes its mask first. The matchers are not
-        touched again until sampling, so costly masks are computed by the mask worker while
-        the forward runs (llguidance drops the GIL); cheap ones, when the forward already has
-        every core, right after it: beside a forward that fills the cores, work still costs
-        about half its time, and a thread's memory traffic slows the forward's threads. A
-        row's cost is forecast from its own last masks."""
-        first = [
-            (i, seq) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
-            and seq.num_computed_tokens + n == seq.num_tokens  # it samples (its prompt is in)
-            and (masks_first(seq.params) or seq.mask_first_steps > 0
-                 or not self.config.grammar_checks_first)
-        ]
-        if not first:
-            return None
-        compute = functools.partial(_compute_masks, self.grammars, first)
-        expected = sum(seq.mask_seconds for _, seq in first)
-        if (self.device.type == "cpu" and not self._spare_core
-                and expected < MASK_WORKER_MIN_SECONDS):
-            return compute
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
-        return self._mask_worker.submit(compute).result
-
-    @staticmethod
-    def _note_checks(seqs: list[Sequence], grammar: _StepGrammars,
-                     fell_back: tuple[int, ...]) -> None:
-        """After sampling: a checked row whose draws were all rejected takes its mask first
-        for the next 1, 2, 4, ... steps (MAX_MASK_FIRST_STEPS at most); one whose check
-        passed is checked again next step, and its next rejection backs off one step less
-        far. So a row is mostly checked only while its checks pass about 4 times in 5: a
-        rejected check costs a mask on the engine thread after the forward, where a mask
-        taken first is computed beside it. Decided by the row's own past only, so a seeded
-        request samples the same way alone or batched."""
-        for j in grammar.rows:
-            seq = seqs[j]
-            if masks_first(seq.params):
-                continue
-            if j in grammar.mask_first:
-                seq.mask_first_steps -= 1
-            elif j in fell_back:
-                seq.mask_first_backoff = min(max(1, 2 * seq.mask_first_backoff),
-                                             MAX_MASK_FIRST_STEPS)
-                seq.mask_first_steps = seq.mask_first_backoff
-            else:
-                seq.mask_first_backoff = max(0, seq.mask_first_backoff - 1)
-
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
-        """Feed a sampled token to the request's grammar; True when the grammar is complete
-        (it accepts nothing more), which ends the request."""
-        matcher = seq.matcher
-        assert matcher is not None
-        if not matcher.consume_token(token_id):
-            log.warning("request %s: grammar rejected token %d (%s); ending it",
-                        seq.request_id, token_id, matcher.get_error())
-            return True
-        return matcher.is_stopped()
 
     def _release(self, seq: Sequence) -> None:
         """A request ends: its KV goes to its session (or is freed), its id is free again."""
-        if seq.window_applied and seq.session_id is not None:
-            self.record_history(seq.session_id, HistoryStats(window_turns=1))
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         with self._ids_lock:
             self._live_ids.discard(seq.request_id)
 
-    # -- sessions and memory (operator API) ------------------------------------------------------
+    # -- commands (any thread): applied by the next step, answered by a future ------------------
 
-    def set_session_budget(self, session_id: str, budget: SessionBudget) -> None:
-        """Change a session's budget; it takes effect at the session's next turn."""
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the stepping thread at the end of the next step; the future gives its
+        result (or its exception) once it has run."""
+        return self.inbox.call(fn)
+
+    def evict_session(self, session_id: str, *, offload: bool = True) -> Future[SessionEviction]:
+        """Move an idle session's KV out of the device pool: to the host pool when `offload`
+        and there is room, else drop it (its next turn restores or recomputes it; a running
+        turn's session is left alone). The future gives the session just before and just
+        after."""
+
+        def evict() -> SessionEviction:
+            before = self.session_info(session_id)
+            self.sessions.evict(session_id, offload=offload)
+            return SessionEviction(before, self.session_info(session_id))
+
+        return self.submit(evict)
+
+    def set_session_budget(
+        self, session_id: str, budget: SessionBudget
+    ) -> Future[SessionInfo | None]:
+        """Change a session's budget. It is recorded at once (the session store's budgets are
+        thread-safe), so a request checked from now on is held to it; the session's KV is
+        held to it from its next turn on. A caller that queues a turn of the session next
+        need not wait. The future gives the session as the next step finds it."""
         self.sessions.set_budget(session_id, budget)
+        return self.submit(lambda: self.session_info(session_id))
 
-    def evict_session(self, session_id: str, *, offload: bool = True) -> None:
-        """Move an idle session's KV out of the pool (to host, or dropped), at the next step."""
-        self._inbox.put(("evict", (session_id, offload)))
+    def close_session(self, session_id: str) -> Future[None]:
+        """Forget a session and free its KV (a running turn of it keeps running; its KV is
+        freed when it ends)."""
+        return self.submit(lambda: self.sessions.close(session_id))
 
-    def close_session(self, session_id: str) -> None:
-        """Forget a session and free its KV, at the next step."""
-        self._inbox.put(("close", session_id))
-        with self._history_lock:
-            self._session_history.pop(session_id, None)
+    # -- reports (stepping thread; other threads submit them, or read published_stats) --------
 
-    def record_history(self, session_id: str, event: HistoryStats) -> None:
-        """Count what history planning did for a session's turn (trims, dropped tokens, tool
-        results capped, summaries generated); shows per session and in memory_report()."""
-        with self._history_lock:
-            self._session_history.setdefault(session_id, HistoryStats()).add(event)
-            self.history_stats.add(event)
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        return engine_reports.session_info(self.sessions, session_id)
 
-    def session_history(self, session_id: str) -> dict[str, int]:
-        with self._history_lock:
-            return self._session_history.get(session_id, HistoryStats()).snapshot()
+    def kv_slot_usage(self) -> KVSlotUsage:
+        return engine_reports.kv_slot_usage(
+            self.scheduler, self.sessions, self.block_pool, self.config.cache.block_size
+        )
 
-    def session_info(self, session_id: str) -> dict[str, object] | None:
-        """A session as an operator sees it (any thread: a snapshot)."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return None
-        budget = self.sessions.budget(session_id)
-        return {
-            "session_id": session_id,
-            "state": session.state.value,
-            "tokens": session.num_tokens,
-            "device_blocks": len(session.kv.held_block_ids),
-            "host_blocks": len(session.kv.host_block_ids),
-            "turns": session.num_turns,
-            "idle_seconds": (
-                None if session.state is SessionState.ACTIVE
-                else round(time.monotonic() - session.last_used, 3)
-            ),
-            "max_kv_tokens": budget.max_kv_tokens,
-            "max_context_tokens": budget.max_context_tokens,
-            "history": self.session_history(session_id),
-        }
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport(
+            block_size=self.config.cache.block_size,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            bytes_per_token=self.kv_spec.bytes_per_token,
+            bytes_per_block=self.layout.bytes_per_block,
+            stats=self._stats(),
+            slots=self.kv_slot_usage(),
+            sessions=engine_reports.session_infos(self.sessions),
+        )
 
-    def session_ids(self) -> list[str]:
-        """Every session the engine knows (any thread: a snapshot)."""
-        return list(self.sessions.sessions)
-
-    def kv_slot_usage(self) -> tuple[int, int]:
-        """(allocated, filled) KV slots: allocated = slots of every block in use; filled = slots
-        holding a token's KV for some holder (running or waiting sequence, pinned session),
-        each physical block counted once. allocated - filled is the waste of paging."""
-        bs = self.config.cache.block_size
-        holders = [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.running)]
-        holders += [(s.kv.block_ids, s.num_computed_tokens) for s in list(self.scheduler.waiting)]
-        holders += [
-            (s.kv.block_ids, s.kv.num_computed_tokens)
-            for s in list(self.sessions.sessions.values())
-        ]
-        filled: dict[int, int] = {}
-        for blocks, num_tokens in holders:
-            for i, block_id in enumerate(blocks):
-                n = min(bs, max(0, num_tokens - i * bs))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        return self.block_pool.num_used_blocks * bs, sum(filled.values())
-
-    def memory_report(self) -> dict[str, object]:
-        pool = self.block_pool
-        return {
-            "block_size": self.config.cache.block_size,
-            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
-            "bytes_per_token": self.kv_spec.bytes_per_token,
-            "num_blocks": pool.num_blocks,
-            "used_blocks": pool.num_used_blocks,
-            "free_blocks": pool.num_free_blocks,
-            "cached_blocks": pool.num_cached_blocks,
-            "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
-            "num_host_blocks": self.host_pool.num_blocks,
-            "used_host_blocks": self.host_pool.num_used_blocks,
-            "pinned_sessions": self.sessions.num_resident,
-            "pinned_blocks": self.sessions.num_pinned_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "stats": self.stats.snapshot(),
-            "history": self._history_snapshot(),
-        }
-
-    def _history_snapshot(self) -> dict[str, int]:
-        with self._history_lock:
-            return self.history_stats.snapshot()
+    def _stats(self) -> EngineStats:
+        return engine_reports.engine_stats(
+            self.scheduler, self.sessions, self.block_pool, self.host_pool, self.stats
+        )
 
     # -- convenience ------------------------------------------------------------------------------
 
@@ -660,9 +421,10 @@ class Engine:
         """Run prompts to completion together; final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        # Validate every prompt before queueing any: a bad one leaves nothing behind.
+        # Check every prompt before queueing any: a bad one leaves nothing behind.
         seqs = [
-            self._make_sequence(rid, p, sp, None, None) for rid, p, sp in zip(ids, prompts, plist)
+            self._make_sequence(rid, self.check_request(p, sp), None)
+            for rid, p, sp in zip(ids, prompts, plist)
         ]
         self._enqueue(seqs)
         finals: dict[str, RequestOutput] = {}

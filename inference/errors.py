@@ -1,4 +1,5 @@
-"""Errors a user can cause in the inference layer; each message says what to change."""
+"""Errors of the inference layer: those a user can cause (each message says what to change),
+and the engine not running. Importing them costs nothing (no torch)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,8 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.field = field
         self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is not running (not started, shut down, or stopped on an internal error);
+    no further requests are served and an open stream or a pending command cannot finish."""

@@ -26,15 +26,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from memory.kv_cache_manager import KVCacheManager, cdiv
+from memory.kv_cache_manager import KVCacheManager
+from memory.kv_spec import cdiv
 from memory.sessions import SessionStore
 from memory.stats import CacheStats
 
+from .priority import PRIORITY_NORMAL
 from .sequence import PrefillAccounting, Sequence, SequenceStatus
-
-
-PRIORITY_NORMAL = 0
-PRIORITY_LOW = 1
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .backend import ATTENTION_BACKENDS, AttentionOps, get_attention_ops, resolve_backend
-from .quant import KV_CACHE_DTYPES, is_quantized, kv_storage_dtype
+from .quant import is_quantized, kv_storage_dtype
 
 __all__ = [
     "ATTENTION_BACKENDS",
-    "KV_CACHE_DTYPES",
     "AttentionOps",
     "get_attention_ops",
     "is_quantized",

@@ -8,24 +8,26 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
 # Smallest scale we store: keeps an all-zero vector from dividing by zero.
 MIN_SCALE = 1e-10
 
 
+# The quantized `kv_cache_dtype` settings (memory.kv_spec.KV_CACHE_DTYPES names them all).
+QUANTIZED_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the cache tensors for a `kv_cache_dtype` setting."""
+    """The element type of the cache tensors for a `kv_cache_dtype` setting (`auto`: the
+    model's)."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "int8":
-        return torch.int8
-    if kv_cache_dtype == "fp8":
-        return torch.float8_e4m3fn
+    if kv_cache_dtype in QUANTIZED_STORAGE:
+        return QUANTIZED_STORAGE[kv_cache_dtype]
     raise ValueError(
-        f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        f"kv_cache_dtype must be auto or one of {', '.join(QUANTIZED_STORAGE)}, "
+        f"got {kv_cache_dtype!r}"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.quant import KV_CACHE_DTYPES
+from .kv_spec import KV_CACHE_DTYPES
 
 
 class MemoryConfigError(ValueError):

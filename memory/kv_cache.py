@@ -9,57 +9,13 @@ so a block's whole KV (every layer) moves with one index along dim 2.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import is_quantized, kv_storage_dtype
+from .kv_spec import SCALE_BYTES, KVCacheSpec
 
 SCALE_DTYPE = torch.float32
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of one token's KV: what the pool is made of."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    model_dtype: torch.dtype
-    kv_cache_dtype: str = "auto"
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        return kv_storage_dtype(self.kv_cache_dtype, self.model_dtype)
-
-    @property
-    def is_quantized(self) -> bool:
-        return is_quantized(self.storage_dtype)
-
-    @property
-    def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.storage_dtype).element_size()
-
-    @property
-    def value_bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
-
-    @property
-    def scale_bytes_per_token(self) -> int:
-        """One float32 scale per token, layer, K/V and KV head (quantized caches only)."""
-        if not self.is_quantized:
-            return 0
-        return 2 * self.num_layers * self.num_kv_heads * SCALE_DTYPE.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.value_bytes_per_token + self.scale_bytes_per_token
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+assert SCALE_DTYPE.itemsize == SCALE_BYTES  # KVCacheSpec counts scale bytes without torch
 
 
 class KVCache:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool
-from .kv_cache import KVCache
+from .kv_spec import cdiv
 from .prefix_cache import PrefixCache
 from .stats import CacheStats
+
+if TYPE_CHECKING:  # the tensors are only ever handed in: this module imports no torch
+    from .kv_cache import KVCache
 
 
 HOLE = -1  # a block table entry whose block was released (fell out of a sink + window)
@@ -99,10 +103,6 @@ class Restored:
 
 class KVCacheError(RuntimeError):
     """A KV movement could not be made (an internal invariant broke); never a user error."""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -1,12 +1,13 @@
 """Memory planner: how many tokens, blocks and sessions of a given context fit in a memory
-budget, with the arithmetic shown. Pure arithmetic over a KVCacheSpec; no tensors."""
+budget, with the arithmetic shown. Pure arithmetic over a KVCacheSpec: no tensors, no torch
+(`kvchat memory plan` answers before any model loads). What the engine measures at start-up
+is in `memory.kv_layout`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv_cache import SCALE_DTYPE, KVCacheSpec
-from .kv_cache_manager import cdiv
+from .kv_spec import SCALE_BYTES, KVCacheSpec, cdiv
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,14 @@ class MemoryPlan:
         elem = s.element_bytes
         out = [
             f"layers {s.num_layers}, kv heads {s.num_kv_heads}, head_dim {s.head_dim}, "
-            f"kv cache dtype {s.kv_cache_dtype} ({_dtype_name(s)}, {elem} B/element), "
+            f"kv cache dtype {s.kv_cache_dtype} ({s.storage_dtype_name}, {elem} B/element), "
             f"block size {s.block_size}",
             f"bytes per token = 2 x {s.num_layers} layers x {s.num_kv_heads} kv heads x "
             f"{s.head_dim} head_dim x {elem} B = {s.value_bytes_per_token:,} B",
         ]
         if s.is_quantized:
             out.append(
-                f"  + scales: 2 x {s.num_layers} x {s.num_kv_heads} x {SCALE_DTYPE.itemsize} B "
+                f"  + scales: 2 x {s.num_layers} x {s.num_kv_heads} x {SCALE_BYTES} B "
                 f"(one float32 per token and kv head) = {s.scale_bytes_per_token:,} B "
                 f"-> {s.bytes_per_token:,} B per token"
             )
@@ -92,10 +93,6 @@ class MemoryPlan:
                     f"{self.num_sessions:,}"
                 )
         return out
-
-
-def _dtype_name(spec: KVCacheSpec) -> str:
-    return str(spec.storage_dtype).removeprefix("torch.")
 
 
 def parse_bytes(text: str) -> int:

@@ -50,6 +50,16 @@ class Session:
 
 
 @dataclass(frozen=True)
+class SessionTally:
+    """The idle sessions holding KV: how many on the device (pinned) and on the host, and the
+    device blocks the pinned ones hold."""
+
+    num_resident: int = 0
+    num_offloaded: int = 0
+    num_pinned_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class Reuse:
     """What a claim gave a new turn: tokens reused in place and tokens copied from host."""
 
@@ -82,7 +92,9 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         # Idle sessions holding KV (RESIDENT or OFFLOADED), least recently used first.
         self._idle: OrderedDict[str, None] = OrderedDict()
-        # Budgets may be set from other threads (admin API); read at each claim/release.
+        # Budgets may be set and read from other threads (the engine records an operator's
+        # or the service's budget at once, and checks requests against it on the caller's
+        # thread); the engine thread reads them at each claim/release.
         self._budgets: dict[str, SessionBudget] = {}
         self._budget_lock = threading.Lock()
 
@@ -99,23 +111,35 @@ class SessionStore:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    # Readers may run on other threads than the engine's: iterate over a copy (list() of a
-    # dict view is atomic under the GIL).
+    # The engine thread is the only reader (other threads get the engine's reports).
 
     @property
     def num_resident(self) -> int:
-        return sum(1 for s in list(self.sessions.values()) if s.state is SessionState.RESIDENT)
+        return sum(1 for s in self.sessions.values() if s.state is SessionState.RESIDENT)
 
     @property
     def num_pinned_blocks(self) -> int:
         return sum(
             len(s.kv.block_ids)
-            for s in list(self.sessions.values())
+            for s in self.sessions.values()
             if s.state is SessionState.RESIDENT
         )
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
+
+    def tally(self) -> SessionTally:
+        """One pass over the idle sessions holding KV (every resident or offloaded session is
+        idle: a running turn makes its session active), not over every session known."""
+        resident = offloaded = pinned_blocks = 0
+        for session_id in self._idle:
+            session = self.sessions[session_id]
+            if session.state is SessionState.RESIDENT:
+                resident += 1
+                pinned_blocks += len(session.kv.block_ids)
+            else:
+                offloaded += 1
+        return SessionTally(resident, offloaded, pinned_blocks)
 
     # -- a turn begins ---------------------------------------------------------------------------
 

@@ -46,7 +46,8 @@ class CacheStats:
 
 @dataclass
 class HistoryStats:
-    """What history planning did (per session, and summed over all of them).
+    """What history planning did (per session, and summed over all of them; the service
+    counts them: app.ops.history_counters).
 
     trims: trim events (the prompt's first kept message moved); dropped_tokens: prompt tokens
     those events removed; summaries / summary_tokens: running summaries generated and their
@@ -64,6 +65,3 @@ class HistoryStats:
     def add(self, other: HistoryStats) -> None:
         for key, value in asdict(other).items():
             setattr(self, key, getattr(self, key) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(asdict(self))

@@ -20,7 +20,7 @@ async def memory(key: AdminKey, state: StateDep) -> dict[str, Any]:
     `conversation`, or `stateless` for an `X-Session-Id` of chat completions), prefix-cache
     hit rate, where prefill tokens came from, evictions, offloads, preemptions, trims and
     summaries."""
-    return operators.memory(state)
+    return await operators.memory(state)
 
 
 @router.get("/sessions/{session_id}")

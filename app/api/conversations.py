@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage
 
 from app.store import MessageRecord
 from app.transports import sse

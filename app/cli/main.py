@@ -30,10 +30,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from inference.chat_template import ChatTemplateError
-    from inference.errors import InvalidRequestError, ModelLoadError
-    from inference.tokenizer import TokenizerError
-    from memory.config import MemoryConfigError
+    from inference import ChatTemplateError, InvalidRequestError, ModelLoadError, TokenizerError
+    from memory import MemoryConfigError
 
     return (InvalidRequestError, ModelLoadError, TokenizerError, ChatTemplateError,
             MemoryConfigError)
@@ -50,7 +48,7 @@ def init_model_cmd(
 ) -> None:
     """Write a random-weight Llama-architecture model in Hugging Face format (config.json,
     model.safetensors, tokenizer files) that `transformers` can load too."""
-    from inference.dev_model import PRESETS, init_model
+    from inference import PRESETS, init_model
 
     if preset not in PRESETS:
         fail(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -66,9 +64,7 @@ def init_model_cmd(
 def check_model(model_dir: Path) -> None:
     """What the service needs of a model directory, checked before anything heavy: its
     config and a tokenizer (errors name the file)."""
-    from inference.errors import ModelLoadError
-    from inference.model_config import ModelConfig
-    from inference.tokenizer_files import load_tokenizer
+    from inference import ModelConfig, ModelLoadError, load_tokenizer
 
     ModelConfig.from_dir(model_dir)
     if load_tokenizer(model_dir) is None:
@@ -122,12 +118,15 @@ def _generate(
     ignore_eos: bool, attention_backend: str, kv_cache_dtype: str, block_size: int, dtype: str,
     device: str, as_json: bool,
 ) -> None:
-    from inference.chat_template import ChatMessage, load_chat_template
-    from inference.engine import Engine
-    from inference.engine_config import EngineConfig
-    from inference.errors import InvalidRequestError
-    from inference.sampling_params import SamplingParams
-    from memory.config import CacheConfig
+    from inference import (
+        ChatMessage,
+        Engine,
+        EngineConfig,
+        InvalidRequestError,
+        SamplingParams,
+        load_chat_template,
+    )
+    from memory import CacheConfig
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
@@ -266,11 +265,8 @@ def memory_plan(
 ) -> None:
     """Bytes per token and per block, blocks that fit after the weights, and sessions of a given
     context that fit, with the arithmetic shown."""
-    from inference.engine_config import DTYPES
-    from inference.model_config import ModelConfig
-    from memory.config import CacheConfig
-    from memory.kv_cache import KVCacheSpec
-    from memory.planner import MemoryPlan, parse_bytes
+    from inference import DTYPES, ModelConfig
+    from memory import CacheConfig, KVCacheSpec, MemoryPlan, parse_bytes
 
     if (model is None) == (config is None):
         fail("give exactly one of --model or --config")

@@ -11,12 +11,12 @@ import logging
 import os
 import socket
 
+from inference import EngineDeadError
+
 from app.coord import Coordinator
 from app.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
-HOLDING = ("resident", "offloaded", "active")
 
 
 def lease_name(conversation_id: str) -> str:
@@ -47,13 +47,18 @@ class LeaseKeeper:
         for conversation_id in list(self.held):
             await self.release(conversation_id)
 
-    def _holds_kv(self, conversation_id: str) -> bool:
-        info = self.runtime.engine.session_info(conversation_id)
-        return info is not None and info["state"] in HOLDING
+    async def _holds_kv(self, conversation_id: str) -> bool:
+        """Whether the session holds KV (on the device, the host, or in its running turn), as
+        the engine thread answers; an engine that stopped holds none."""
+        try:
+            info = await self.runtime.async_engine.session_info(conversation_id)
+        except EngineDeadError:
+            return False
+        return info is not None and info.holds_kv
 
     async def hold(self, conversation_id: str) -> None:
         """After a turn: lease the session if it pinned KV."""
-        if self._holds_kv(conversation_id):
+        if await self._holds_kv(conversation_id):
             if await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
                                               self.ttl):
                 self.held.add(conversation_id)
@@ -69,7 +74,7 @@ class LeaseKeeper:
     async def sync(self) -> None:
         """Renew the leases of sessions that still hold KV; release the others."""
         for conversation_id in list(self.held):
-            if self._holds_kv(conversation_id):
+            if await self._holds_kv(conversation_id):
                 await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
                                                self.ttl)
             else:

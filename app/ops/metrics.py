@@ -3,18 +3,22 @@ prefix with the same histogram buckets, plus kvchat's own: pinned sessions, sess
 offloads / restores / drops, history trims and summaries, cached tokens by source, WebSocket
 connections, rate-limited requests.
 
-Engine-side values are read from the engine when scraped (gauges and monotonic counters);
-latencies are observed by the service as requests finish."""
+Engine-side values come from the EngineStats the engine thread publishes after each step (the
+snapshot admission control reads), and the history counters from the service's own
+(app.ops.history_counters), both read when scraped (gauges and monotonic counters); latencies
+are observed by the service as requests finish."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from inference.engine import Engine
+from inference import EngineStats
+
+from app.ops.history_counters import HistoryCounters
 
 PREFIX = "kvchat:"
 
@@ -27,19 +31,20 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class EngineCollector:
-    """What the engine knows, read at scrape time."""
+class EngineCollector(Collector):
+    """What the engine and the history planner know, read at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats], history: HistoryCounters) -> None:
+        self.stats = stats
+        self.history = history
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        report = self.engine.memory_report()
-        stats: dict[str, Any] = report["stats"]  # type: ignore[assignment]
-        history: dict[str, Any] = report["history"]  # type: ignore[assignment]
+        report = self.stats()
+        stats = report.cache
+        history = self.history.total()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -47,60 +52,52 @@ class EngineCollector:
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(PREFIX + name, doc, value=value)
 
-        yield gauge("num_requests_running", "Requests in the running batch.",
-                    float(report["num_running"]))  # type: ignore[arg-type]
+        yield gauge("num_requests_running", "Requests in the running batch.", report.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    float(report["num_waiting"]))  # type: ignore[arg-type]
+                    report.num_waiting)
         yield gauge("num_requests_swapped", "Requests preempted to host memory.",
-                    float(report["num_swapped"]))  # type: ignore[arg-type]
+                    report.num_swapped)
         yield gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (0-1).",
-                    float(report["kv_cache_usage"]))  # type: ignore[arg-type]
+                    report.kv_cache_usage)
         pinned = GaugeMetricFamily(PREFIX + "pinned_sessions",
                                    "Idle sessions holding KV, by tier.", labels=["tier"])
-        tiers = {"gpu": 0, "host": 0}
-        for session_id in self.engine.session_ids():
-            info = self.engine.session_info(session_id)
-            if info is not None and info["state"] == "resident":
-                tiers["gpu"] += 1
-            elif info is not None and info["state"] == "offloaded":
-                tiers["host"] += 1
-        for tier, count in tiers.items():
-            pinned.add_metric([tier], count)
+        pinned.add_metric(["gpu"], report.num_resident_sessions)
+        pinned.add_metric(["host"], report.num_offloaded_sessions)
         yield pinned
         yield counter("prefix_cache_queries", "Prompt tokens looked up for reuse.",
-                      stats["prompt_tokens"])
+                      stats.prompt_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served by the global prefix cache.",
-                      stats["from_prefix_cache"])
-        yield counter("prompt_tokens", "Prompt tokens admitted.", stats["prompt_tokens"])
+                      stats.from_prefix_cache)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens)
         yield counter("num_preemptions", "Running requests preempted (swap or recompute).",
-                      stats["preemptions_swap"] + stats["preemptions_recompute"])
+                      stats.preemptions_swap + stats.preemptions_recompute)
         yield counter("session_reuse_tokens", "Prompt tokens served by a pinned session.",
-                      stats["from_session"])
+                      stats.from_session)
         cached = CounterMetricFamily(PREFIX + "cached_tokens",
                                      "Prompt tokens whose KV was reused, by source.",
                                      labels=["source"])
-        cached.add_metric(["session"], stats["from_session"])
-        cached.add_metric(["prefix_cache"], stats["from_prefix_cache"])
-        cached.add_metric(["host"], stats["from_host"])
+        cached.add_metric(["session"], stats.from_session)
+        cached.add_metric(["prefix_cache"], stats.from_prefix_cache)
+        cached.add_metric(["host"], stats.from_host)
         yield cached
         yield counter("computed_prompt_tokens", "Prompt tokens computed (prefilled).",
-                      stats["computed"] + stats["recomputed"])
+                      stats.computed + stats.recomputed)
         yield counter("session_offloads", "Idle sessions moved to the host pool.",
-                      stats["session_offloads"])
+                      stats.session_offloads)
         yield counter("session_restores", "Offloaded sessions brought back.",
-                      stats["session_restores"])
+                      stats.session_restores)
         yield counter("session_drops", "Sessions whose KV was dropped (recomputed later).",
-                      stats["session_drops"])
-        yield counter("history_trims", "History trim events.", history["trims"])
+                      stats.session_drops)
+        yield counter("history_trims", "History trim events.", history.trims)
         yield counter("history_dropped_tokens", "Prompt tokens dropped by trims.",
-                      history["dropped_tokens"])
-        yield counter("history_summaries", "Running summaries generated.", history["summaries"])
+                      history.dropped_tokens)
+        yield counter("history_summaries", "Running summaries generated.", history.summaries)
         yield counter("history_window_turns", "Turns run in sink + window mode.",
-                      history["window_turns"])
+                      history.window_turns)
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], history: HistoryCounters) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -124,7 +121,7 @@ class Metrics:
                                     "Requests refused by a rate limit.", registry=r)
         self.websocket_connections = Gauge(PREFIX + "websocket_connections",
                                            "Open WebSocket connections.", registry=r)
-        r.register(EngineCollector(engine))  # type: ignore[arg-type]
+        r.register(EngineCollector(stats, history))
 
     def finished(self, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
                  completion_tokens: int, finish_reason: str) -> None:

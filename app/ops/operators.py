@@ -9,13 +9,12 @@ budget."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from typing import Any
 
-from memory.config import SessionBudget
 from history import HistoryPolicy
+from inference import SessionInfo
+from memory import HistoryStats, SessionState
 
 from app.errors import invalid_request, not_found
 from app.coord.leases import lease_name
@@ -29,91 +28,98 @@ from app.store import OVERRIDE_FIELDS, ConversationRecord
 from app.turns.pipeline import context_budget, history_policy, session_budget
 from app.turns.prompting import STATELESS_SESSION_PREFIX
 
-TIERS = {"resident": "gpu", "offloaded": "host", "active": "gpu", "empty": None}
+TIERS = {SessionState.RESIDENT: "gpu", SessionState.OFFLOADED: "host",
+         SessionState.ACTIVE: "gpu", SessionState.EMPTY: None}
 
 
-def memory(state: AppState) -> dict[str, Any]:
-    engine = state.runtime.engine
-    report = engine.memory_report()
-    stats: dict[str, Any] = report["stats"]  # type: ignore[assignment]
-    per_block = engine.layout.bytes_per_block
-    block_size = int(report["block_size"])  # type: ignore[call-overload]
-    allocated, filled = engine.kv_slot_usage()
+async def memory(state: AppState) -> dict[str, Any]:
+    report = await state.runtime.async_engine.memory_report()
+    history = state.runtime.history
+    stats, cache = report.stats, report.stats.cache
+    per_block, block_size = report.bytes_per_block, report.block_size
     sessions = []
-    for session_id in engine.session_ids():
-        info = engine.session_info(session_id)
-        if info is None:
-            continue
-        stateless = is_stateless(session_id)
+    for info in report.sessions:
+        stateless = is_stateless(info.session_id)
         sessions.append({
-            "session_id": session_id,
+            "session_id": info.session_id,
             "kind": "stateless" if stateless else "conversation",
-            "conversation_id": None if stateless else session_id,
-            "state": info["state"],
-            "tier": TIERS.get(str(info["state"])),
-            "tokens": info["tokens"],
-            "device_blocks": info["device_blocks"],
-            "host_blocks": info["host_blocks"],
-            "turns": info["turns"],
-            "idle_seconds": info["idle_seconds"],
-            "budget": {"max_kv_tokens": info["max_kv_tokens"],
-                       "max_context_tokens": info["max_context_tokens"]},
-            "history": info["history"],
+            "conversation_id": None if stateless else info.session_id,
+            "state": info.state.value,
+            "tier": TIERS[info.state],
+            "tokens": info.num_tokens,
+            "device_blocks": info.num_device_blocks,
+            "host_blocks": info.num_host_blocks,
+            "turns": info.num_turns,
+            "idle_seconds": info.idle_seconds,
+            "budget": {"max_kv_tokens": info.budget.max_kv_tokens,
+                       "max_context_tokens": info.budget.max_context_tokens},
+            "history": dataclasses.asdict(history.session(info.session_id)),
         })
-    used = int(report["used_blocks"])  # type: ignore[call-overload]
-    host_total = int(report["num_host_blocks"])  # type: ignore[call-overload]
-    host_used = int(report["used_host_blocks"])  # type: ignore[call-overload]
-    total = int(report["num_blocks"])  # type: ignore[call-overload]
-    pinned = int(report["pinned_blocks"])  # type: ignore[call-overload]
     return {
         "object": "memory",
-        "kv_cache_dtype": report["kv_cache_dtype"],
-        "bytes_per_token": report["bytes_per_token"],
+        "kv_cache_dtype": report.kv_cache_dtype,
+        "bytes_per_token": report.bytes_per_token,
         "pool": {
             "block_size": block_size,
-            "num_blocks": total,
-            "used_blocks": used,
-            "pinned_blocks": pinned,
-            "free_blocks": int(report["free_blocks"]),  # type: ignore[call-overload]
-            "cached_blocks": report["cached_blocks"],
-            "usage": report["kv_cache_usage"],
-            "bytes": total * per_block,
-            "used_bytes": used * per_block,
-            "tokens": total * block_size,
-            "used_tokens": filled,
-            "allocated_tokens": allocated,
+            "num_blocks": stats.num_blocks,
+            "used_blocks": stats.num_used_blocks,
+            "pinned_blocks": stats.num_pinned_blocks,
+            "free_blocks": stats.num_free_blocks,
+            "cached_blocks": stats.num_cached_blocks,
+            "usage": stats.kv_cache_usage,
+            "bytes": stats.num_blocks * per_block,
+            "used_bytes": stats.num_used_blocks * per_block,
+            "tokens": stats.num_blocks * block_size,
+            "used_tokens": report.slots.num_filled,
+            "allocated_tokens": report.slots.num_allocated,
         },
         "host_pool": {
-            "num_blocks": host_total,
-            "used_blocks": host_used,
-            "bytes": host_total * per_block,
-            "used_bytes": host_used * per_block,
+            "num_blocks": stats.num_host_blocks,
+            "used_blocks": stats.num_used_host_blocks,
+            "bytes": stats.num_host_blocks * per_block,
+            "used_bytes": stats.num_used_host_blocks * per_block,
         },
-        "requests": {"running": report["num_running"], "waiting": report["num_waiting"],
-                     "swapped": report["num_swapped"]},
+        "requests": {"running": stats.num_running, "waiting": stats.num_waiting,
+                     "swapped": stats.num_swapped},
         "sessions": sessions,
         "prefix_cache": {
-            "queries": stats["prompt_tokens"],
-            "hits": stats["from_prefix_cache"],
-            "hit_rate": (stats["from_prefix_cache"] / stats["prompt_tokens"]
-                         if stats["prompt_tokens"] else 0.0),
-            "reuse_rate": stats["hit_rate"],
+            "queries": cache.prompt_tokens,
+            "hits": cache.from_prefix_cache,
+            "hit_rate": (cache.from_prefix_cache / cache.prompt_tokens
+                         if cache.prompt_tokens else 0.0),
+            "reuse_rate": cache.hit_rate,
         },
         "prefill_sources": {
-            "computed": stats["computed"],
-            "session": stats["from_session"],
-            "prefix_cache": stats["from_prefix_cache"],
-            "host": stats["from_host"],
-            "recomputed": stats["recomputed"],
+            "computed": cache.computed,
+            "session": cache.from_session,
+            "prefix_cache": cache.from_prefix_cache,
+            "host": cache.from_host,
+            "recomputed": cache.recomputed,
         },
-        "evictions": {"offloads": stats["session_offloads"], "drops": stats["session_drops"],
-                      "restores": stats["session_restores"]},
-        "preemptions": {"swap": stats["preemptions_swap"],
-                        "recompute": stats["preemptions_recompute"]},
-        "kv_bytes_moved": (stats["blocks_to_host"] + stats["blocks_from_host"]) * per_block,
-        "history": report["history"],
+        "evictions": {"offloads": cache.session_offloads, "drops": cache.session_drops,
+                      "restores": cache.session_restores},
+        "preemptions": {"swap": cache.preemptions_swap,
+                        "recompute": cache.preemptions_recompute},
+        "kv_bytes_moved": (cache.blocks_to_host + cache.blocks_from_host) * per_block,
+        "history": dataclasses.asdict(history.total()),
         "defaults": dataclasses.asdict(state.defaults),
         "replica": state.replica_id,
+    }
+
+
+def engine_view(info: SessionInfo, history: HistoryStats) -> dict[str, Any]:
+    """A session's engine state as the admin API shows it, with its history counters."""
+    return {
+        "session_id": info.session_id,
+        "state": info.state.value,
+        "tokens": info.num_tokens,
+        "device_blocks": info.num_device_blocks,
+        "host_blocks": info.num_host_blocks,
+        "turns": info.num_turns,
+        "idle_seconds": info.idle_seconds,
+        "max_kv_tokens": info.budget.max_kv_tokens,
+        "max_context_tokens": info.budget.max_context_tokens,
+        "history": dataclasses.asdict(history),
     }
 
 
@@ -128,21 +134,32 @@ async def conversation(state: AppState, conversation_id: str) -> ConversationRec
     return conv
 
 
-def engine_session(state: AppState, session_id: str) -> dict[str, Any]:
+async def engine_session(state: AppState, session_id: str) -> SessionInfo:
     """A stateless session as the engine holds it; 404 for one it does not know (never used,
     or gone with a restart)."""
-    info = state.runtime.engine.session_info(session_id)
+    info = await state.runtime.async_engine.session_info(session_id)
     if info is None:
         raise not_found(f"session {session_id!r}")
     return info
 
 
-async def session(state: AppState, session_id: str) -> dict[str, Any]:
-    """A session's settings (as stored), what is in effect, its engine state and lease holder.
-    `error` says why a turn would be refused (the stored settings do not fit together or with
-    the defaults; `effective` then shows what the views fall back to); PUT repairs it."""
+def _engine_view(state: AppState, info: SessionInfo | None) -> dict[str, Any] | None:
+    if info is None:
+        return None
+    return engine_view(info, state.runtime.history.session(info.session_id))
+
+
+async def session(
+    state: AppState, session_id: str, engine: SessionInfo | None = None
+) -> dict[str, Any]:
+    """A session's settings (as stored), what is in effect, its engine state (`engine` when
+    the caller has it from the engine already, else asked for) and lease holder. `error`
+    says why a turn would be refused (the stored settings do not fit together or with the
+    defaults; `effective` then shows what the views fall back to); PUT repairs it."""
     if is_stateless(session_id):
-        return stateless_session(state, session_id)
+        if engine is None:
+            engine = await engine_session(state, session_id)
+        return stateless_session(state, engine)
     conv = await conversation(state, session_id)
     policy = history_policy(state, conv)
     error = None
@@ -150,6 +167,8 @@ async def session(state: AppState, session_id: str) -> dict[str, Any]:
         check_session_settings(conv.overrides, {}, dataclasses.asdict(state.defaults))
     except InvalidSessionSettings as e:
         error = {"param": e.field, "message": str(e)}
+    if engine is None:
+        engine = await state.runtime.async_engine.session_info(conv.id)
     return {
         "object": "session",
         "session_id": conv.id,
@@ -167,30 +186,29 @@ async def session(state: AppState, session_id: str) -> dict[str, Any]:
             "max_summary_tokens": policy.max_summary_tokens,
         },
         "error": error,
-        "engine": state.runtime.engine.session_info(conv.id),
+        "engine": _engine_view(state, engine),
         "lease_holder": await state.coord.lease_holder(lease_name(conv.id)),
     }
 
 
-def stateless_session(state: AppState, session_id: str) -> dict[str, Any]:
+def stateless_session(state: AppState, info: SessionInfo) -> dict[str, Any]:
     """A stateless session: nothing stored, its budget the engine's (in effect from its next
     call)."""
-    info = engine_session(state, session_id)
     limit = state.runtime.max_model_len
-    context = info["max_context_tokens"]
+    context = info.budget.max_context_tokens
     return {
         "object": "session",
-        "session_id": session_id,
+        "session_id": info.session_id,
         "kind": "stateless",
         "conversation_id": None,
         "owner": None,
         "settings": {},
         "effective": {
             "max_context_tokens": min(limit, context) if context else limit,
-            "max_kv_tokens": info["max_kv_tokens"],
+            "max_kv_tokens": info.budget.max_kv_tokens,
         },
         "error": None,
-        "engine": info,
+        "engine": _engine_view(state, info),
         "lease_holder": None,
     }
 
@@ -201,9 +219,10 @@ async def update_session(
     """Store the settings on the conversation (they survive restarts) and give the engine
     the new budget: it applies at the session's next turn. The settings are checked as they
     will be, stored and new together over the defaults (400 naming the field, nothing
-    written). A stateless session takes only a budget (update_stateless)."""
+    written). A stateless session takes only a budget (update_stateless). Answers once the
+    engine has the budget, with the session as the engine then holds it."""
     if is_stateless(session_id):
-        return update_stateless(state, session_id, body)
+        return await update_stateless(state, session_id, body)
     conv = await conversation(state, session_id)
     fields = body.model_dump(exclude_unset=True)
     if fields:
@@ -211,20 +230,23 @@ async def update_session(
     updated = await state.store.update_conversation(conv.owner, conv.id, **fields)
     if updated is None:  # deleted meanwhile
         raise not_found(f"conversation {session_id!r}")
-    state.runtime.engine.set_session_budget(conv.id, session_budget(state, updated))
-    return await session(state, session_id)
+    info = await state.runtime.async_engine.set_session_budget(
+        conv.id, session_budget(state, updated))
+    return await session(state, session_id, info)
 
 
 STATELESS_SETTINGS = ("max_kv_tokens", "max_context_tokens")
 
 
-def update_stateless(state: AppState, session_id: str, body: SessionSettings) -> dict[str, Any]:
+async def update_stateless(
+    state: AppState, session_id: str, body: SessionSettings
+) -> dict[str, Any]:
     """Give a stateless session's engine session a new budget, from its next call: the fields
     set replace the current ones (null: the server default). Held in this process only, not
     stored: a restart forgets it. History settings do not apply (the client sends its whole
     history each call, nothing is planned): a value for one is a 400 naming the field (null,
     as an editor sends for every field left empty, is nothing to change)."""
-    info = engine_session(state, session_id)
+    info = await engine_session(state, session_id)
     fields = body.model_dump(exclude_unset=True)
     for name, value in fields.items():
         if name not in STATELESS_SETTINGS and value is not None:
@@ -232,47 +254,36 @@ def update_stateless(state: AppState, session_id: str, body: SessionSettings) ->
                 f"{name} does not apply to a stateless session (its client sends the whole "
                 f"history each call); it takes {' and '.join(STATELESS_SETTINGS)}", name,
             )
-    budget = {name: info[name] for name in STATELESS_SETTINGS}
-    for name in STATELESS_SETTINGS:
-        if name in fields:
-            value = fields[name]
-            budget[name] = getattr(state.defaults, name) if value is None else value
-    state.runtime.engine.set_session_budget(session_id, SessionBudget(**budget))
-    return stateless_session(state, session_id)
+    changes = {
+        name: getattr(state.defaults, name) if fields[name] is None else fields[name]
+        for name in STATELESS_SETTINGS if name in fields
+    }
+    budget = dataclasses.replace(info.budget, **changes)
+    updated = await state.runtime.async_engine.set_session_budget(session_id, budget)
+    if updated is None:  # closed meanwhile
+        raise not_found(f"session {session_id!r}")
+    return stateless_session(state, updated)
 
 
 async def evict(state: AppState, session_id: str, offload: bool) -> dict[str, Any]:
-    """Move the session's KV to the host pool (offload) or drop it; waits for the engine."""
+    """Move the session's KV to the host pool (offload) or drop it; answers with the engine's
+    answer: the session's state before and right after the eviction."""
     stateless = is_stateless(session_id)
-    if stateless:
-        engine_session(state, session_id)
-    else:
+    if not stateless:
         session_id = (await conversation(state, session_id)).id
-    engine = state.runtime.engine
-    before = engine.session_info(session_id)
-    engine.evict_session(session_id, offload=offload)
-    state.runtime.notify()
-    deadline = time.monotonic() + 5.0
-    after = before
-    while time.monotonic() < deadline:
-        after = engine.session_info(session_id)
-        if after is None or before is None or after["state"] != before["state"]:
-            break
-        if not engine.has_unfinished_requests():  # the step ran: nothing more will change
-            await asyncio.sleep(0.05)
-            after = engine.session_info(session_id)
-            break
-        await asyncio.sleep(0.02)
-    state_after = None if after is None else after["state"]
-    if not stateless and state_after in (None, "empty") and state.leases is not None:
+    eviction = await state.runtime.async_engine.evict_session(session_id, offload=offload)
+    if stateless and eviction.before is None:
+        raise not_found(f"session {session_id!r}")
+    after = None if eviction.after is None else eviction.after.state
+    if not stateless and after in (None, SessionState.EMPTY) and state.leases is not None:
         await state.leases.release(session_id)
     return {
         "object": "session.eviction",
         "session_id": session_id,
         "kind": "stateless" if stateless else "conversation",
         "conversation_id": None if stateless else session_id,
-        "before": None if before is None else before["state"],
-        "state": state_after,
+        "before": None if eviction.before is None else eviction.before.state.value,
+        "state": None if after is None else after.value,
     }
 
 

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from inference.sampling_params import SamplingParams
-from inference.tokenizer import Tokenizer
+from inference import CheckedRequest, Tokenizer
 
 from app.transports import sse
 from app.errors import APIError, engine_failure
@@ -47,14 +46,14 @@ async def create(
     runtime = state.runtime
     check_model(state, body.model)
     skey = session_key(key.owner, session_header)
-    prompt, params, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
+    requests, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
     check_capacity(state)
     started = time.monotonic()
     generations = [
-        Generation(runtime, prompt, p, session_id=skey if i == 0 else None,
-                   cache_salt=key.owner, tool_format=fmt, tool_names=tool_names,
-                   started_at=started, on_finish=spend_on_finish(state, key.id))
-        for i, p in enumerate(params)
+        Generation(runtime, request, cache_salt=key.owner, tool_format=fmt,
+                   tool_names=tool_names, started_at=started,
+                   on_finish=spend_on_finish(state, key.id))
+        for request in requests
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -93,10 +92,11 @@ async def create(
 
 def _prepare(
     state: AppState, body: schema.ChatCompletionRequest, skey: str | None
-) -> tuple[list[int], list[SamplingParams], str | None, set[str] | None]:
-    """The request's prompt ids, sampling parameters, tool-call format and tool names: the
-    CPU-bound part (templates, tokenizing, schema compiles), for a worker thread. A named
-    session's prompt extends its last render; any other reuses segments of messages seen."""
+) -> tuple[list[CheckedRequest], str | None, set[str] | None]:
+    """The request's checked engine requests (one per choice), tool-call format and tool
+    names: the CPU-bound part (templates, tokenizing, schema compiles), for a worker thread.
+    A named session's prompt extends its last render; any other reuses segments of messages
+    seen."""
     runtime = state.runtime
     tools = offered_tools(body)
     tool_names = {t.function.name for t in body.tools} if body.tools else None
@@ -106,10 +106,11 @@ def _prepare(
     grammar = output_grammar(body, fmt, runtime.grammars)
     params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
               for i in range(body.n)]
-    # Against the session's budget too (an operator's max_context_tokens): a 400 now, not an
-    # error mid-stream.
-    runtime.engine.validate_prompt(prompt, params[0], skey)
-    return prompt, params, fmt, tool_names
+    # The first choice runs in the session, against its budget too (an operator's
+    # max_context_tokens): a 400 now, not an error mid-stream.
+    requests = [runtime.engine.check_request(prompt, p, session_id=skey if i == 0 else None)
+                for i, p in enumerate(params)]
+    return requests, fmt, tool_names
 
 
 async def _drain(generation: Generation) -> Generated:

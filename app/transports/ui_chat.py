@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage
 
 from app.errors import busy, invalid_request, not_found
 from app.schemas.present import tree_children

@@ -27,7 +27,7 @@ from fastapi import WebSocket
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage
 
 from app.errors import APIError, _param, api_error
 from app.ops import limits

@@ -10,14 +10,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from inference.request_output import RequestOutput
-from inference.sampling_params import SamplingParams
-from inference.tool_calls import (
+from inference import (
+    CheckedRequest,
     ContentDelta,
+    RequestOutput,
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
 )
+from memory import HistoryStats
 
 from app.runtime import Runtime
 
@@ -74,10 +75,8 @@ class Generation:
     def __init__(
         self,
         runtime: Runtime,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: CheckedRequest,
         *,
-        session_id: str | None = None,
         cache_salt: str | None = None,
         tool_format: str | None = None,
         tool_names: Collection[str] | None = None,
@@ -86,15 +85,13 @@ class Generation:
         on_finish: Callable[[Generated], None] | None = None,
     ) -> None:
         self.runtime = runtime
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.session_id = session_id
+        self.request = request
         self.cache_salt = cache_salt
         self.tool_format = tool_format
         self.tool_names = tool_names
         self.started_at = started_at if started_at is not None else time.monotonic()
         self.request_id = request_id or f"req-{uuid.uuid4().hex}"
-        self.result = Generated(self.request_id, prompt_tokens=len(prompt_ids))
+        self.result = Generated(self.request_id, prompt_tokens=request.num_prompt_tokens)
         self.on_finish = on_finish
         self._stopped = False
 
@@ -110,8 +107,7 @@ class Generation:
         )
         result = self.result
         stream = self.runtime.async_engine.generate(
-            self.request_id, self.prompt_ids, self.params,
-            session_id=self.session_id, cache_salt=self.cache_salt,
+            self.request_id, self.request, cache_salt=self.cache_salt
         )
         metrics = self.runtime.metrics
         last_token_at: float | None = None
@@ -140,6 +136,9 @@ class Generation:
                         yield _event(event)
             if out.finished:
                 self._finish(out, parser)
+                session_id = self.request.session_id
+                if out.window_applied and session_id is not None:
+                    self.runtime.history.record(session_id, HistoryStats(window_turns=1))
                 metrics.finished(
                     ttft_s=None if result.ttft_ms is None else result.ttft_ms / 1e3,
                     e2e_s=result.total_ms / 1e3, queue_s=out.queue_time,

@@ -23,13 +23,17 @@ from history import (
     summary_targets,
 )
 from history import context_budget as resolve_context_budget
-from inference.chat_template import ChatMessage
-from inference.context_builder import MessageCounts
-from inference.sampling_params import SamplingParams
-from inference.scheduler import PRIORITY_LOW
-from inference.turn_planner import NEW, branch_key, plan_turn
-from memory.config import SessionBudget
-from memory.stats import HistoryStats
+from inference import (
+    NEW,
+    PRIORITY_LOW,
+    ChatMessage,
+    CheckedRequest,
+    MessageCounts,
+    SamplingParams,
+    branch_key,
+    plan_turn,
+)
+from memory import HistoryStats, SessionBudget
 
 from app.coord.locks import HeldLock
 from app.errors import invalid_request, not_found
@@ -56,8 +60,7 @@ class PreparedTurn:
     """A planned turn, ready to be committed and run."""
 
     conversation: ConversationRecord
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: CheckedRequest  # the prompt and its sampling, checked once (engine.check_request)
     plan: ContextPlan
     policy: HistoryPolicy
     branch: list[MessageRecord]  # the usable history, oldest first
@@ -247,7 +250,8 @@ def _plan(
         conversation=conv.id,
     )
     params = sampling_params(fields, max_tokens=planned.max_tokens, grammar=grammar)
-    runtime.engine.validate_prompt(planned.prompt_ids, params)
+    request = runtime.engine.check_request(planned.prompt_ids, params, session_id=conv.id,
+                                           budget=session_budget(state, conv))
     user_fields = None
     new_counts = planned.new_counts
     if new_message is not None and new_counts is not None:
@@ -257,8 +261,8 @@ def _plan(
             content_tokens=new_counts.content_tokens,
         )
     return PreparedTurn(
-        conversation=conv, prompt_ids=planned.prompt_ids, params=params, plan=planned.plan,
-        policy=policy, branch=branch, chat=chat, new_message=new_message,
+        conversation=conv, request=request, plan=planned.plan, policy=policy,
+        branch=branch, chat=chat, new_message=new_message,
         user_fields=user_fields,
         reply_parent_id=parent if user_fields is not None else branch[-1].id,
         tools=tools, tool_format=tool_format, tool_names=tool_names,
@@ -344,8 +348,8 @@ async def summarize(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     text, num_generated = "", 0
     async for out in runtime.async_engine.generate(
-        f"summary-{uuid.uuid4().hex}", prompt, params, cache_salt=conv.owner,
-        priority=PRIORITY_LOW,
+        f"summary-{uuid.uuid4().hex}", runtime.engine.check_request(prompt, params),
+        cache_salt=conv.owner, priority=PRIORITY_LOW,
     ):
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
@@ -358,5 +362,4 @@ async def summarize(
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return
-    runtime.engine.record_history(conv.id, HistoryStats(summaries=1,
-                                                        summary_tokens=num_generated))
+    runtime.history.record(conv.id, HistoryStats(summaries=1, summary_tokens=num_generated))

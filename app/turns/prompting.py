@@ -11,9 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from inference.chat_template import ChatMessage
-from inference.grammar import Grammar
-from inference.sampling_params import SamplingParams
+from inference import ChatMessage, Grammar, SamplingParams
 
 from app.errors import APIError, invalid_request
 from app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool

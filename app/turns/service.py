@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage, branch_key, prompt_key
 
 from app.coord.locks import HeldLock, Locks
 from app.errors import (
@@ -166,12 +166,11 @@ class TurnService:
                 raise conversation_gone(conv.id) from None
             except StaleFence:
                 raise busy(BUSY) from None
-            state.runtime.engine.record_history(conv.id, prepared.history_stats)
+            state.runtime.history.record(conv.id, prepared.history_stats)
             generation = Generation(
-                state.runtime, prepared.prompt_ids, prepared.params, session_id=conv.id,
-                cache_salt=key.owner, tool_format=prepared.tool_format,
-                tool_names=prepared.tool_names, request_id=f"turn-{reply.id}",
-                on_finish=spend_on_finish(state, key.id),
+                state.runtime, prepared.request, cache_salt=key.owner,
+                tool_format=prepared.tool_format, tool_names=prepared.tool_names,
+                request_id=f"turn-{reply.id}", on_finish=spend_on_finish(state, key.id),
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
             if state.coord.name != "local":
@@ -390,8 +389,10 @@ class TurnService:
         try:
             if not await state.store.delete_conversation(owner, conv.id):
                 raise not_found(f"conversation {conversation_id!r}")
-            state.runtime.engine.close_session(conv.id)
-            state.runtime.notify()  # an idle engine applies the close now
+            await state.runtime.async_engine.close_session(conv.id)  # its KV freed now
+            state.runtime.history.forget(conv.id)
+            state.runtime.builder.renderer.forget(branch_key(conv.id))
+            state.runtime.builder.renderer.forget(prompt_key(conv.id))
             if state.leases is not None:
                 await state.leases.release(conv.id)
         finally:

@@ -23,15 +23,16 @@ from typing import Any
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
-from inference.grammar import (
+from inference import (
     ANY_OBJECT,
     Grammar,
+    GrammarCompiler,
+    GrammarError,
     ToolSpec,
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
 )
-from inference.grammar_compiler import GrammarCompiler, GrammarError
 
 from app.errors import APIError, invalid_request
 from app.schemas.chat import NamedToolChoice, SamplingFields

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,9 @@ import pytest
 
 from inference.async_engine import AsyncEngine, EngineDeadError
 from inference.errors import InvalidRequestError
+from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
+from memory.sessions import SessionState
 from tests.inference.test_engine import GREEDY, make_engine, random_prompt
 
 
@@ -23,9 +27,16 @@ def async_engine(tiny_llama: tuple[Path, Any]) -> Any:
     engine.shutdown()
 
 
+def checked_stream(
+    engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
+    """The request checked (errors raise here, before streaming), then streamed."""
+    return engine.generate(rid, engine.engine.check_request(prompt, params))
+
+
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
     tokens = []
-    async for out in engine.generate(rid, prompt, GREEDY):
+    async for out in checked_stream(engine, rid, prompt, GREEDY):
         tokens.extend(out.new_token_ids)
     return tokens
 
@@ -51,7 +62,7 @@ def test_consumer_leaving_aborts_the_request(async_engine: AsyncEngine) -> None:
     async def main() -> int:
         received = 0
         params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
-        async for _ in async_engine.generate("leaver", random_prompt(8, seed=1), params):
+        async for _ in checked_stream(async_engine, "leaver", random_prompt(8, seed=1), params):
             received += 1
             if received == 3:
                 break  # closes the generator: the request must be aborted
@@ -68,7 +79,7 @@ def test_consumer_leaving_aborts_the_request(async_engine: AsyncEngine) -> None:
 
 def test_validation_errors_raise_before_streaming(async_engine: AsyncEngine) -> None:
     async def main() -> None:
-        async for _ in async_engine.generate("bad", [], GREEDY):
+        async for _ in checked_stream(async_engine, "bad", [], GREEDY):
             pass
 
     with pytest.raises(InvalidRequestError):
@@ -90,11 +101,11 @@ def test_duplicate_id_is_rejected_without_touching_the_first_stream(
     async_engine: AsyncEngine,
 ) -> None:
     async def main() -> tuple[list[Any], type[BaseException] | None]:
-        first = async_engine.generate("dup", random_prompt(8, seed=2), GREEDY)
+        first = checked_stream(async_engine, "dup", random_prompt(8, seed=2), GREEDY)
         head = await first.__anext__()
         error = None
         try:
-            await drain(async_engine.generate("dup", random_prompt(5, seed=3), GREEDY))
+            await drain(checked_stream(async_engine, "dup", random_prompt(5, seed=3), GREEDY))
         except InvalidRequestError as e:
             error = type(e)
         return [head, *await drain(first)], error
@@ -110,11 +121,11 @@ def test_an_id_reused_right_after_it_finished_streams_to_its_new_consumer(
     async_engine: AsyncEngine,
 ) -> None:
     async def main() -> list[Any]:
-        old = async_engine.generate("retry", random_prompt(8, seed=4), GREEDY)
+        old = checked_stream(async_engine, "retry", random_prompt(8, seed=4), GREEDY)
         async for out in old:
             if out.finished:
                 break  # leaves the old generator suspended, not closed
-        new = async_engine.generate("retry", random_prompt(8, seed=4), GREEDY)
+        new = checked_stream(async_engine, "retry", random_prompt(8, seed=4), GREEDY)
         head = await new.__anext__()
         await old.aclose()  # the old stream's cleanup runs now, after the new one registered
         return [head, *await drain(new)]
@@ -131,7 +142,7 @@ def test_shutdown_ends_open_streams_and_refuses_new_requests(
     engine.start()
 
     async def main() -> tuple[list[Any], BaseException | None]:
-        stream = engine.generate("long", random_prompt(8, seed=5), LONG)
+        stream = checked_stream(engine, "long", random_prompt(8, seed=5), LONG)
         outs = [await stream.__anext__()]
         await asyncio.to_thread(engine.shutdown, 0.0)
         error: BaseException | None = None
@@ -149,7 +160,7 @@ def test_shutdown_ends_open_streams_and_refuses_new_requests(
     assert sum(len(o.new_token_ids) for o in outs) < LONG.max_tokens  # type: ignore[operator]
 
     async def after() -> None:
-        await drain(engine.generate("late", random_prompt(4, seed=6), GREEDY))
+        await drain(checked_stream(engine, "late", random_prompt(4, seed=6), GREEDY))
 
     with pytest.raises(EngineDeadError):
         asyncio.run(after())
@@ -164,7 +175,7 @@ def test_shutdown_lets_running_requests_finish_within_the_drain_time(
     engine.start()
 
     async def main() -> list[Any]:
-        stream = engine.generate("short", random_prompt(8, seed=7), GREEDY)
+        stream = checked_stream(engine, "short", random_prompt(8, seed=7), GREEDY)
         head = await stream.__anext__()
         await asyncio.to_thread(engine.shutdown, 30.0)
         return [head, *await drain(stream)]
@@ -178,7 +189,7 @@ def test_generate_before_start_is_refused(tiny_llama: tuple[Path, Any]) -> None:
     engine = AsyncEngine(make_engine(tiny_llama[0]))
 
     async def main() -> None:
-        await drain(engine.generate("early", random_prompt(4, seed=8), GREEDY))
+        await drain(checked_stream(engine, "early", random_prompt(4, seed=8), GREEDY))
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
@@ -209,7 +220,7 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
 
     async def one(i: int) -> str:
         try:
-            await drain(engine.generate(f"r{i}", random_prompt(6, seed=i), LONG))
+            await drain(checked_stream(engine, f"r{i}", random_prompt(6, seed=i), LONG))
         except EngineDeadError:
             return "dead"
         return "finished"
@@ -227,3 +238,75 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
     assert isinstance(engine.error, RuntimeError)
     assert not engine.is_running
     engine.shutdown(0.0)
+
+
+# --- operator commands: awaited, answered by the engine thread --------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_evict_answers_with_the_session_right_after_the_eviction(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    from tests.memory.test_sessions_engine import make_engine as make_session_engine
+
+    core = make_session_engine(tiny_llama[0], host_blocks=16)
+    engine = AsyncEngine(core)
+    engine.start()
+
+    async def main() -> tuple[Any, ...]:
+        request = core.check_request(random_prompt(40, seed=9), GREEDY, session_id="conv")
+        outs = await drain(engine.generate("turn", request))
+        # Right after the reply: the call runs after the step that pins its last token.
+        offloaded = await engine.evict_session("conv")
+        dropped = await engine.evict_session("conv", offload=False)
+        info = await engine.session_info("conv")
+        report = await engine.memory_report()
+        return outs[-1], offloaded, dropped, info, report
+
+    try:
+        final, offloaded, dropped, info, report = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    pinned = final.num_prompt_tokens + final.num_output_tokens
+    assert offloaded.before.state is SessionState.RESIDENT
+    assert offloaded.before.num_tokens == pinned
+    assert offloaded.after.state is SessionState.OFFLOADED
+    assert offloaded.after.num_device_blocks == 0
+    assert offloaded.after.num_host_blocks == offloaded.before.num_device_blocks == -(-pinned // 16)
+    # Each answer is the session at its own step (idle time aside, which grows).
+    assert replace(dropped.before, idle_seconds=0) == replace(offloaded.after, idle_seconds=0)
+    assert dropped.after.state is SessionState.EMPTY and dropped.after.num_host_blocks == 0
+    assert replace(info, idle_seconds=0) == replace(dropped.after, idle_seconds=0)
+    assert (report.stats.cache.session_offloads, report.stats.cache.session_drops) == (1, 1)
+    assert [s.session_id for s in report.sessions] == ["conv"]
+    assert report.stats.num_used_blocks == report.stats.num_used_host_blocks == 0
+    # What other threads read: the stats the engine published after its last step.
+    assert engine.stats.cache.session_drops == 1 and engine.stats.num_waiting == 0
+
+
+@pytest.mark.timeout(60)
+def test_commands_to_an_engine_that_is_not_running_raise_instead_of_waiting(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama[0]))
+
+    async def ask() -> Any:
+        return await engine.session_info("conv")
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(ask())  # not started
+    engine.start()
+    assert asyncio.run(ask()) is None  # running: the engine knows no such session
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(ask())
+
+
+def test_a_call_queued_when_the_engine_stops_is_failed_not_left_waiting(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    core = make_engine(tiny_llama[0])
+    queued = core.submit(lambda: "never run")
+    AsyncEngine(core).shutdown()  # never started: nothing will step it
+    with pytest.raises(EngineDeadError):
+        queued.result(timeout=0)

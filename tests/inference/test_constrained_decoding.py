@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-import inference.engine as engine_module
+import inference.structured_output as structured_output
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.errors import InvalidRequestError
@@ -30,7 +30,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from inference.tool_calls import HERMES
 from memory.config import CacheConfig
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
 
 BLOCK = 16
 # Bounded, so a random model closes every structure within a few dozen tokens.
@@ -164,9 +164,10 @@ def test_checked_draws_and_mask_placement_never_change_the_tokens(
               constrained(json_schema_grammar(NOTE), seed=12, max_tokens=100)]  # checks pass
     tokens, masked = {}, {}
     for placement, worker_min in (("beside", 0.0), ("after", float("inf"))):
-        monkeypatch.setattr(engine_module, "MASK_WORKER_MIN_SECONDS", worker_min)
+        monkeypatch.setattr(structured_output, "MASK_WORKER_MIN_SECONDS", worker_min)
         engine = make_engine(dev_model)
-        engine._spare_core = False  # decide by the expected mask time, as on a full machine
+        # Decide by the expected mask time, as on a full machine.
+        engine.structured_output.spare_core = False
         rows = [0]
         fill = engine.grammars.fill_bitmask
 
@@ -176,7 +177,7 @@ def test_checked_draws_and_mask_placement_never_change_the_tokens(
 
         monkeypatch.setattr(engine.grammars, "fill_bitmask", counting)
         outs = engine.generate([ids] * len(params), params)
-        assert (engine._mask_worker is not None) == (placement == "beside")
+        assert (engine.structured_output.mask_worker is not None) == (placement == "beside")
         for i, schema in ((0, POINT), (2, FLAGS), (4, POINT), (5, FLAGS), (6, NOTE)):
             check_json(engine, outs[i], schema)
         assert outs[3].text and outs[3].text.startswith('<tool_call>\n{"name": "set_flags"')

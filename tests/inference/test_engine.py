@@ -308,3 +308,23 @@ def test_top_logprobs_are_the_most_likely_tokens(tiny_llama: tuple[Path, Any]) -
         assert [t for t, _ in top] == ids.tolist()
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
         assert top[0][0] == final.output_token_ids[step]  # greedy picks the first
+
+
+def test_each_step_publishes_its_stats_for_other_threads(tiny_llama: tuple[Path, Any]) -> None:
+    engine = make_engine(tiny_llama[0], max_num_seqs=2)
+    for i in range(3):
+        engine.add_request(f"r{i}", random_prompt(8, seed=i), GREEDY)
+    before = engine.published_stats
+    assert (before.num_running, before.num_waiting, before.cache.prompt_tokens) == (0, 0, 0)
+    engine.step()
+    stats = engine.published_stats
+    assert before.num_waiting == 0  # a published snapshot never changes
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (2, 1, 0)
+    assert stats.num_used_blocks == engine.block_pool.num_used_blocks > 0
+    assert stats.kv_cache_usage == stats.num_used_blocks / stats.num_blocks
+    assert stats.cache.prompt_tokens == 16 and stats.cache is not engine.stats
+    run_until_done(engine)
+    after = engine.published_stats
+    assert (after.num_running, after.num_waiting, after.num_used_blocks) == (0, 0, 0)
+    assert after.cache.prompt_tokens == 24
+    assert stats.cache.prompt_tokens == 16

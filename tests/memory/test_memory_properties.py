@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from memory.block_pool import BlockPool
 from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache import KVCache, KVCacheSpec
+from memory.kv_cache import KVCache
+from memory.kv_spec import KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState, cdiv
 from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats
@@ -160,6 +161,14 @@ class MemoryMachine(RuleBasedStateMachine):
                 assert not s.kv.block_ids and not s.kv.host_block_ids
         assert [b.ref_count for b in self.pool.blocks] == holders
         assert [b.ref_count for b in self.host.blocks] == host_holders
+
+    @invariant()
+    def the_tally_counts_what_a_full_pass_counts(self) -> None:
+        states = [s.state for s in self.sessions.sessions.values()]
+        tally = self.sessions.tally()
+        assert tally.num_resident == states.count(SessionState.RESIDENT)
+        assert tally.num_offloaded == states.count(SessionState.OFFLOADED)
+        assert tally.num_pinned_blocks == self.sessions.num_pinned_blocks
 
     @invariant()
     def resident_sessions_hold_their_tokens_kv(self) -> None:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from app.cli.main import app
 from inference.model_config import ModelConfig
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
 from memory.planner import MemoryPlan, parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"

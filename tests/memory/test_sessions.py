@@ -7,7 +7,8 @@ import torch
 
 from memory.block_pool import BlockPool
 from memory.config import CacheConfig
-from memory.kv_cache import KVCache, KVCacheSpec
+from memory.kv_cache import KVCache
+from memory.kv_spec import KVCacheSpec
 from memory.kv_cache_manager import KVCacheManager, KVState
 from memory.sessions import SessionState, SessionStore
 from memory.stats import CacheStats

@@ -15,7 +15,8 @@ from inference.request_output import RequestOutput
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, SchedulerConfig
 from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache import KVCacheSpec
+from memory.kv_spec import KVCacheSpec
+from memory.sessions import SessionState
 from tests.inference.test_engine import random_prompt
 
 BLOCK = 16
@@ -182,11 +183,17 @@ def test_offloaded_session_restores_by_copy_with_identical_tokens(
     counter = ForwardCounter(engine)
     p1 = random_prompt(3 * BLOCK + 2, seed=61)
     o1 = turn(engine, "t1", p1, session="conv").output_token_ids or []
-    engine.evict_session("conv")
+    evicted = engine.evict_session("conv")
+    engine.step()  # commands run at the end of the next step; it answers with the session
+    answer = evicted.result(timeout=0)
+    assert answer.before is not None and answer.before.state is SessionState.RESIDENT
+    assert answer.after is not None and answer.after.state is SessionState.OFFLOADED
+    assert answer.after.num_device_blocks == 0
+    assert answer.after.num_host_blocks == answer.before.num_device_blocks > 0
     # Another conversation now uses (and overwrites) the freed device blocks.
     turn(engine, "other", random_prompt(15 * BLOCK, seed=62), session="other")
     info = engine.session_info("conv")
-    assert info is not None and info["state"] == "offloaded" and info["device_blocks"] == 0
+    assert info is not None and info.state is SessionState.OFFLOADED
     p2 = p1 + o1 + random_prompt(7, seed=63)
     before, forwarded = engine.stats.computed, counter.tokens
     out = turn(engine, "t2", p2, session="conv")
@@ -204,7 +211,10 @@ def test_dropped_session_recomputes_with_identical_tokens(tiny_llama: tuple[Path
     engine = make_engine(path, enable_prefix_caching=False)
     p1 = random_prompt(2 * BLOCK + 9, seed=71)
     o1 = turn(engine, "t1", p1, session="conv").output_token_ids or []
-    engine.evict_session("conv", offload=False)
+    dropped = engine.evict_session("conv", offload=False)
+    engine.step()
+    after = dropped.result(timeout=0).after
+    assert after is not None and after.state is SessionState.EMPTY and after.num_tokens == 0
     p2 = p1 + o1 + random_prompt(5, seed=72)
     out = turn(engine, "t2", p2, session="conv")
     assert engine.stats.session_drops == 1
@@ -219,7 +229,7 @@ def test_session_never_pins_more_than_its_budget(tiny_llama: tuple[Path, Any]) -
     o1 = turn(engine, "t1", p1, session="conv").output_token_ids or []
     info = engine.session_info("conv")
     assert info is not None
-    assert info["tokens"] == 40 and info["device_blocks"] == 3  # ceil(40 / 16)
+    assert info.num_tokens == 40 and info.num_device_blocks == 3  # ceil(40 / 16)
     # Budget exactly met on the next turn: 40 tokens reused, the rest computed.
     p2 = p1 + o1 + [5, 6, 7]
     assert turn(engine, "t2", p2, session="conv").num_cached_tokens == 40
@@ -228,11 +238,12 @@ def test_session_never_pins_more_than_its_budget(tiny_llama: tuple[Path, Any]) -
     p3 = p2 + [8]
     turn(engine, "t3", p3, session="conv")
     info = engine.session_info("conv")
-    assert info is not None and info["tokens"] == BLOCK and info["device_blocks"] == 1
+    assert info is not None and info.num_tokens == BLOCK and info.num_device_blocks == 1
     engine.set_session_budget("conv", SessionBudget(max_kv_tokens=0))
     turn(engine, "t4", p3 + [9], session="conv")
     info = engine.session_info("conv")
-    assert info is not None and info["state"] == "empty" and info["device_blocks"] == 0
+    assert info is not None and info.state is SessionState.EMPTY
+    assert info.num_device_blocks == 0
 
 
 PREEMPTION_CASES = [(0, "auto"), *((64, d) for d in KV_DTYPES)]
@@ -280,8 +291,9 @@ def test_idle_sessions_are_evicted_before_running_requests_suffer(
     assert out.output_token_ids == cold(path, big)
     assert engine.stats.preemptions_swap + engine.stats.preemptions_recompute == 0
     # The coldest sessions went first.
-    states = [engine.session_info(f"idle{i}")["state"] for i in range(3)]  # type: ignore[index]
-    assert states[0] == "empty" and states.count("empty") >= 2
+    infos = [engine.session_info(f"idle{i}") for i in range(3)]
+    states = [info.state if info is not None else None for info in infos]
+    assert states[0] is SessionState.EMPTY and states.count(SessionState.EMPTY) >= 2
 
 
 def test_shared_system_prompt_arriving_together_is_computed_once(

@@ -226,6 +226,46 @@ def test_bad_conversation_requests(service: Service) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_context_tokens"
 
 
+def test_a_turn_is_checked_once_under_its_conversation_budget(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's request is checked when it is planned, against the budget the conversation
+    stores, and that checked request is what runs: no second check when it is queued."""
+    checker = service.state.runtime.engine.checker
+    real = checker.check
+    calls: list[tuple[Any, ...]] = []
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(checker, "check", counting)
+    conv = create(service, max_context_tokens=300, max_kv_tokens=64)
+    r = say(service, conv["id"], "Hello there.")
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1
+    _, _, session_id, budget = calls[0]
+    assert session_id == conv["id"]
+    assert (budget.max_context_tokens, budget.max_kv_tokens) == (300, 64)
+
+
+def test_a_turn_past_its_kv_budget_counts_as_a_window_turn(service: Service) -> None:
+    """The engine says on a turn's final output that sink + window attention applied; the
+    service counts it in the session's history (the engine keeps no history counters)."""
+    conv = create(service, max_kv_tokens=48)
+    history = service.state.runtime.history
+    r = say(service, conv["id"], "Hi.", max_tokens=4)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] + 4 < 48
+    assert history.session(conv["id"]).window_turns == 0
+    total = history.total().window_turns
+    r = say(service, conv["id"], "Go on.", max_tokens=64, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 64
+    assert history.session(conv["id"]).window_turns == 1
+    assert history.total().window_turns == total + 1
+
+
 @pytest.mark.parametrize("policy", ["drop", "summarize"])
 def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy: str) -> None:
     conv = create(service, max_context_tokens=200, history_policy=policy,
@@ -237,10 +277,10 @@ def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy:
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] + REPLY["max_tokens"] <= 200
         cached.append(usage["cached_tokens"])
-    info = service.state.runtime.engine.session_history(conv["id"])
-    assert info["trims"] >= 1
+    info = service.state.runtime.history.session(conv["id"])
+    assert info.trims >= 1
     # Most turns (all but those that trimmed) reuse the pinned prefix.
-    assert sum(1 for c in cached[1:] if c > 0) >= len(cached[1:]) - info["trims"] - 1
+    assert sum(1 for c in cached[1:] if c > 0) >= len(cached[1:]) - info.trims - 1
 
 
 def patch(service: Service, conv_id: str, body: dict[str, Any], key: str | None = None) -> Any:
@@ -361,7 +401,7 @@ def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
     for turn in range(12):  # until a turn drops messages, which starts a summary
         r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3)
         assert r.status_code == 200, r.text
-        if state.runtime.engine.session_history(conv)["trims"]:
+        if state.runtime.history.session(conv).trims:
             break
     assert reached.wait(120), "no summary was started"
     deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
@@ -373,7 +413,7 @@ def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
     assert errors == [], [r.getMessage() for r in errors]
     assert any(conv in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
     assert service.client.portal.call(real.__self__.latest_summary, conv) is None
-    assert state.runtime.engine.session_history(conv)["summaries"] == 0
+    assert state.runtime.history.session(conv).summaries == 0
 
 
 # -- a turn's end, whatever happens around it ------------------------------------------------------

@@ -1,0 +1,32 @@
+"""KV memory: block pool, block tables, prefix cache, session pinning and budgets. (History
+planning, which messages go into a prompt under a token budget, is the `history` package.)
+
+This is the package's face: other packages import from here. Everything it names is pure
+Python, so `import memory` costs no torch; the
+KV tensors (`memory.kv_cache`) are the engine's own business and are not part of the face.
+
+What the engine builds from the modules behind it stays as it was: the pools' sizes measured
+at start-up are a frozen KVCacheLayout (never written back into CacheConfig), and a prefix
+cache hit is a block whose hash chains its parent's, its token ids and the tenant's salt,
+confirmed by comparing the token ids."""
+
+from .config import CacheConfig, MemoryConfigError, SessionBudget
+from .kv_layout import KVCacheLayout
+from .kv_spec import KV_CACHE_DTYPES, KVCacheSpec
+from .planner import MemoryPlan, parse_bytes
+from .sessions import SessionState
+from .stats import CacheStats, HistoryStats
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "CacheConfig",
+    "CacheStats",
+    "HistoryStats",
+    "KVCacheLayout",
+    "KVCacheSpec",
+    "MemoryConfigError",
+    "MemoryPlan",
+    "SessionBudget",
+    "SessionState",
+    "parse_bytes",
+]

@@ -1,0 +1,86 @@
+"""KVCacheSpec: the shape and byte size of one token's KV, and the cache dtype names a user may
+configure. Pure arithmetic, importing nothing heavy: the memory planner, the settings and the
+service's history planning use it without torch. The tensors it describes are in
+`memory.kv_cache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# `auto` stores the model's dtype; the others store 1-byte values with a float32 scale per
+# token and KV head (kernels.quant says how).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZED_ELEMENT_BYTES = 1  # int8 and float8_e4m3fn
+QUANTIZED_STORAGE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn"}
+SCALE_BYTES = 4  # one float32 scale (memory.kv_cache.SCALE_DTYPE)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints: the blocks of `b` tokens that hold `a` tokens."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one token's KV: what the pool is made of."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    model_dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of the cache tensors (the one member that imports torch: only the
+        tensor side asks for it)."""
+        from kernels.quant import kv_storage_dtype
+
+        return kv_storage_dtype(self.kv_cache_dtype, self.model_dtype)
+
+    @property
+    def storage_dtype_name(self) -> str:
+        """The storage dtype as torch names it (`bfloat16`, `int8`, `float8_e4m3fn`)."""
+        if self.is_quantized:
+            return QUANTIZED_STORAGE_NAMES[self.kv_cache_dtype]
+        return str(self.model_dtype).removeprefix("torch.")
+
+    @property
+    def element_bytes(self) -> int:
+        return QUANTIZED_ELEMENT_BYTES if self.is_quantized else self.model_dtype.itemsize
+
+    @property
+    def value_bytes_per_token(self) -> int:
+        """2 x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """One float32 scale per token, layer, K/V and KV head (quantized caches only)."""
+        if not self.is_quantized:
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.value_bytes_per_token + self.scale_bytes_per_token
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size

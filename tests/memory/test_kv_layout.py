@@ -1,0 +1,100 @@
+"""The KV arithmetic without torch: KVCacheSpec's byte counts agree with the tensors the cache
+allocates, and the pool sizing at start-up follows its precedence (override, bytes, measured
+accelerator budget, CPU default)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.quant import kv_storage_dtype
+from memory.config import CacheConfig
+from memory.kv_cache import SCALE_DTYPE, KVCache
+from memory.kv_layout import CPU_DEFAULT_KV_CACHE_BYTES, DeviceMemory, plan_kv_layout
+from memory.kv_spec import KV_CACHE_DTYPES, KVCacheSpec
+
+
+def test_the_arithmetic_modules_import_without_torch() -> None:
+    code = (
+        "import sys, memory.kv_spec, memory.kv_layout, memory.planner, memory.config; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_spec_bytes_match_the_allocated_tensors(
+    kv_cache_dtype: str, model_dtype: torch.dtype
+) -> None:
+    rng = random.Random(f"{kv_cache_dtype}-{model_dtype}")
+    spec = KVCacheSpec(num_layers=rng.randint(1, 3), num_kv_heads=rng.randint(1, 4),
+                       head_dim=rng.choice([2, 8, 16]), block_size=rng.choice([1, 4, 16]),
+                       model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype)
+    num_blocks = rng.randint(1, 5)
+    cache = KVCache(spec, num_blocks, torch.device("cpu"))
+    allocated = cache.kv.numel() * cache.kv.element_size()
+    if cache.scales is not None:
+        allocated += cache.scales.numel() * cache.scales.element_size()
+    assert allocated == spec.bytes_per_block * num_blocks
+    assert spec.storage_dtype == kv_storage_dtype(kv_cache_dtype, model_dtype)
+    assert spec.storage_dtype_name == str(spec.storage_dtype).removeprefix("torch.")
+    assert spec.element_bytes == cache.kv.element_size()
+    assert spec.is_quantized == (cache.scales is not None)
+    scales = SCALE_DTYPE.itemsize * 2 * spec.num_layers * spec.num_kv_heads
+    assert spec.scale_bytes_per_token == (scales if spec.is_quantized else 0)
+
+
+def test_an_unknown_cache_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVCacheSpec(1, 1, 2, 16, torch.float32, "int4")
+
+
+PER_BLOCK = 4096
+
+
+def no_measure() -> DeviceMemory:
+    raise AssertionError("measured although the size was given")
+
+
+def test_an_override_wins_over_bytes_and_measurement() -> None:
+    cache = CacheConfig(num_blocks_override=7, kv_cache_bytes=10 * PER_BLOCK,
+                        host_cache_bytes=3 * PER_BLOCK + 1)
+    layout = plan_kv_layout(cache, PER_BLOCK, no_measure)
+    assert (layout.num_blocks, layout.num_host_blocks, layout.bytes_per_block) == (
+        7, 3, PER_BLOCK
+    )
+
+
+@pytest.mark.parametrize("extra", [0, 1, PER_BLOCK - 1])
+def test_kv_cache_bytes_hold_whole_blocks_only(extra: int) -> None:
+    cache = CacheConfig(kv_cache_bytes=5 * PER_BLOCK + extra)
+    assert plan_kv_layout(cache, PER_BLOCK, no_measure).num_blocks == 5
+
+
+def test_a_measured_accelerator_gives_what_the_peak_leaves() -> None:
+    measured = DeviceMemory(total_bytes=1000 * PER_BLOCK, peak_bytes=100 * PER_BLOCK + 5,
+                            non_torch_bytes=50 * PER_BLOCK)
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    layout = plan_kv_layout(cache, PER_BLOCK, lambda: measured)
+    # 500 blocks' worth, less the peak (100 blocks and 5 bytes) and the rest: 349 whole blocks.
+    assert layout.num_blocks == 349
+
+
+def test_without_a_measurement_the_cpu_default_applies() -> None:
+    layout = plan_kv_layout(CacheConfig(), PER_BLOCK, None)
+    assert layout.num_blocks == CPU_DEFAULT_KV_CACHE_BYTES // PER_BLOCK
+    assert layout.num_host_blocks == 0
+
+
+def test_a_budget_below_one_block_is_reported_as_such() -> None:
+    measured = DeviceMemory(total_bytes=10 * PER_BLOCK, peak_bytes=10 * PER_BLOCK,
+                            non_torch_bytes=0)
+    assert plan_kv_layout(CacheConfig(), PER_BLOCK, lambda: measured).num_blocks < 1
