@@ -558,4 +558,4 @@ def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service)
         settle_background(service)
     latest = service.client.portal.call(store.latest_summary, conv)
     assert latest is not None and latest.num_tokens <= 64 // 4
-    assert service.state.runtime.engine.session_history(conv)["summaries"] >= 2
+    assert service.state.runtime.history.session(conv).summaries >= 2
