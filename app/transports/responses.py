@@ -1,0 +1,413 @@
+"""OpenAI's Responses API over the turn service: a response is a stored assistant reply.
+
+- `previous_response_id` names the reply a response continues: its conversation is the one
+  the chain lives in, and the new input goes under that reply. A chain is a branch of the
+  conversation's tree; two responses continuing one response are sibling branches, and the
+  session's pinned KV is reused up to where they diverge (the engine matches the prompt
+  against the session's tokens). `conversation` continues a conversation's current leaf.
+  With neither, a stored response starts a new conversation. Another owner's response or
+  conversation, a deleted response and an unknown id are 404s.
+- The input items become stored messages in order (app/transports/response_items.py): all
+  but the last are stored first, as useChat's imported history is; the last one is the turn's
+  new message (a user, system or developer message, or a function_call_output). When the turn
+  cannot start (a 400 from planning, a 409), what was stored for it is taken out again.
+- `instructions` are that turn's system prompt (not carried along a chain, as OpenAI's);
+  `truncation` "auto" plans under the conversation's history policy, "disabled" (OpenAI's
+  default) needs the whole branch to fit, else 400 context_length_exceeded.
+- `store: false`: run like a stateless chat completion (nothing written; the prompt is the
+  branch `previous_response_id` or `conversation` names, then the input), in no session,
+  under the owner's cache salt, so the prefix cache serves it and keeps its blocks. Its id is
+  not retrievable.
+- What a stored response was asked with (instructions, tools, text format, metadata, where its
+  input starts) is kept with the reply (`messages.response`), so retrieve, input_items and
+  the stream read the tree.
+
+Outcomes: finish_reason stop/tool_calls -> `completed`; length -> `incomplete`
+(`max_output_tokens`); stopped or cut off by a restart -> `cancelled`; the engine failing ->
+`failed` with `error`. Usage: input/output/total tokens, `cached_tokens` (prompt tokens served
+from KV already in memory), `cache_write_tokens` (the rest: prefilled now, kept pinned)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from inference.chat_template import ChatMessage
+
+from app.errors import APIError, api_error, invalid_request, not_found
+from app.ops.limits import check_capacity, spend_on_finish
+from app.schemas.chat import (
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    SamplingFields,
+    Tool,
+)
+from app.schemas.conversations import ROOT
+from app.schemas.responses import (
+    ItemList,
+    MessageItem,
+    ResponseCreate,
+    ResponseObject,
+    parse_items,
+)
+from app.state import AppState
+from app.store import ConversationRecord, KeyRecord, MessageRecord
+from app.transports.chat_completions import check_model
+from app.transports.response_objects import (
+    Reply,
+    Stateless,
+    response_object,
+    skeleton,
+    stored_response,
+)
+from app.transports.response_items import (
+    call_ids,
+    items_of,
+    message_of_response,
+    page,
+    store_messages,
+    to_messages,
+)
+from app.transports import sse
+from app.transports.responses_stream import (
+    drained,
+    final_stored,
+    response_events,
+    sse_lines,
+    stateless_stream,
+    watched,
+)
+from app.turns.generation import Generation
+from app.turns.pipeline import as_chat, turn_system, usable
+from app.turns.prompting import offered_tools, sampling_params
+from app.turns.structured import output_grammar
+from app.turns.turn import Turn
+
+TITLE_CHARS = 80
+
+
+# -- the request as the turn service takes it ---------------------------------------------------
+
+
+def check_supported(body: ResponseCreate) -> None:
+    def refuse(what: str, param: str) -> None:
+        raise APIError(400, f"{what} is not supported by this server", param=param,
+                       code="unsupported")
+
+    if body.background:
+        refuse("background", "background")
+    if body.prompt is not None:
+        refuse("prompt (a stored prompt template)", "prompt")
+    if body.max_tool_calls is not None:
+        refuse("max_tool_calls", "max_tool_calls")
+    if body.top_logprobs:
+        refuse("top_logprobs", "top_logprobs")
+    if body.previous_response_id is not None and body.conversation is not None:
+        raise invalid_request("previous_response_id and conversation cannot both be given",
+                              "conversation")
+
+
+def sampling_fields(body: ResponseCreate) -> SamplingFields:
+    """The request's generation fields as the turn service takes them."""
+    response_format = None
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        response_format = ResponseFormat(
+            type=text_format.type,
+            json_schema=JSONSchemaFormat(name=text_format.name or "output",
+                                         description=text_format.description,
+                                         schema=text_format.schema_, strict=text_format.strict)
+            if text_format.type == "json_schema" else None,
+        )
+    choice = body.tool_choice
+    return SamplingFields(
+        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, ignore_eos=body.ignore_eos, seed=body.seed, stop=body.stop,
+        tools=[Tool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+            for t in body.tools] if body.tools else None,
+        tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        if choice is not None and not isinstance(choice, str) else choice,
+        parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
+        user=body.user,
+    )
+
+
+# The params kvchat's shared checks name, as the Responses API names them.
+_RENAMES = [
+    (re.compile(r"^messages(\..*)?$"), "input"),
+    (re.compile(r"^(max_tokens|max_completion_tokens)$"), "max_output_tokens"),
+    (re.compile(r"^response_format\.json_schema\.schema$"), "text.format.schema"),
+    (re.compile(r"^response_format(\..*)?$"), "text.format"),
+    (re.compile(r"^tools\.(\d+)\.function\.(.*)$"), r"tools.\1.\2"),
+    (re.compile(r"^parent_id$"), "previous_response_id"),
+]
+
+
+def renamed(error: APIError) -> APIError:
+    """`error` with its param as this API names the field."""
+    param = error.param
+    if param is None:
+        return error
+    for pattern, name in _RENAMES:
+        if pattern.match(param):
+            param = pattern.sub(name, param)
+            break
+    if param == error.param:
+        return error
+    return APIError(error.status, error.message.replace(f"'{error.param}'", f"'{param}'"),
+                    param=param, code=error.code, type=error.type, headers=error.headers)
+
+
+def response_record(body: ResponseCreate, model: str, input_start: str | None) -> dict[str, Any]:
+    """What a stored response was asked with (messages.response)."""
+    text_format = (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                   if body.text is not None and body.text.format is not None
+                   else {"type": "text"})
+    choice = body.tool_choice
+    return {
+        "model": model,
+        "instructions": body.instructions,
+        "previous_response_id": body.previous_response_id,
+        "conversation": body.conversation_id,
+        "input_start": input_start,  # the first input message (None: the reply's parent)
+        "metadata": body.metadata or {},
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
+        else (choice or "auto"),
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "text": {"format": text_format},
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "max_output_tokens": body.max_output_tokens,
+        "truncation": body.truncation or "disabled",
+        "user": body.user,
+    }
+
+
+# -- where a response goes ------------------------------------------------------------------------
+
+
+async def find_response(state: AppState, owner: str, response: str) -> MessageRecord:
+    """The stored reply a response id names; 404 for an unknown, deleted or another owner's
+    one."""
+    message_id = message_of_response(response)
+    message = await state.store.owned_message(owner, message_id) if message_id else None
+    if message is None or message.role != "assistant" or (
+            message.response is not None and message.response.get("deleted")):
+        raise not_found(f"response {response!r}")
+    return message
+
+
+@dataclass
+class Placement:
+    conversation: ConversationRecord | None  # None: a new one (when stored)
+    parent_id: str  # where the input goes (ROOT: a new root)
+    branch: list[MessageRecord] = field(default_factory=list)  # what it continues
+
+
+async def place(state: AppState, owner: str, body: ResponseCreate) -> Placement:
+    store = state.store
+    if body.previous_response_id is not None:
+        try:
+            previous = await find_response(state, owner, body.previous_response_id)
+        except APIError as e:
+            raise APIError(404, e.message, param="previous_response_id", code="not_found") from e
+        conv = await store.get_conversation(owner, previous.conversation_id)
+        if conv is None:
+            raise not_found(f"response {body.previous_response_id!r}", "previous_response_id")
+        return Placement(conv, previous.id, await store.branch(conv.id, previous.id))
+    conversation_id = body.conversation_id
+    if conversation_id is not None:
+        conv = await store.get_conversation(owner, conversation_id)
+        if conv is None:
+            raise not_found(f"conversation {conversation_id!r}", "conversation")
+        leaf = conv.current_leaf_id
+        return Placement(conv, leaf or ROOT, await store.branch(conv.id, leaf))
+    return Placement(None, ROOT)
+
+
+def input_messages(body: ResponseCreate, placement: Placement) -> list[ChatMessage]:
+    raw = body.input
+    items = [MessageItem(role="user", content=raw)] if isinstance(raw, str) else parse_items(
+        raw, "input")
+    messages = to_messages(items, "input", call_ids(placement.branch))
+    if messages[-1].role == "assistant":
+        raise invalid_request("the last input item must be a user, system or developer "
+                              "message or a function_call_output", "input")
+    return messages
+
+
+# -- starting one ---------------------------------------------------------------------------------
+
+
+async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn | Stateless:
+    """Check the request, place it on the tree, store its input and start its turn (or, with
+    `store: false`, its stateless generation)."""
+    model = state.runtime.model_name
+    check_model(state, body.model or model)
+    check_supported(body)
+    fields = sampling_fields(body)
+    placement = await place(state, key.owner, body)
+    messages = input_messages(body, placement)
+    if body.store is False:
+        return await _start_stateless(state, key, body, fields, placement, messages)
+    conv, created = placement.conversation, False
+    if conv is None:
+        first_user = next((m.content for m in messages if m.role == "user" and m.content), None)
+        conv = await state.store.create_conversation(
+            key.owner, title=first_user[:TITLE_CHARS] if first_user else None)
+        created = True
+    parent, imported = await store_messages(state, conv.id, placement.parent_id,
+                                            messages[:-1], move_leaf=False)
+    record = response_record(body, model, imported[0].id if imported else None)
+    try:
+        return await state.turns.start(
+            key, conv.id, fields, new_message=messages[-1], parent_id=parent,
+            instructions=body.instructions, truncation=body.truncation == "auto",
+            reply_fields={"response": record},
+        )
+    except Exception as e:
+        # Nothing of a request that did not start stays behind.
+        if created:
+            await state.store.delete_conversation(key.owner, conv.id)
+        else:
+            for message in reversed(imported):
+                await state.store.delete_message(conv.id, message.id)
+        raise renamed(api_error(e)) from e
+
+
+async def _start_stateless(
+    state: AppState,
+    key: KeyRecord,
+    body: ResponseCreate,
+    fields: SamplingFields,
+    placement: Placement,
+    messages: list[ChatMessage],
+) -> Stateless:
+    runtime = state.runtime
+    conv = placement.conversation
+    system = turn_system(conv, body.instructions) if conv is not None else body.instructions
+    chat = ([ChatMessage("system", system)] if system else []) + [
+        as_chat(m) for m in usable(placement.branch)] + messages
+    try:
+        prompt, params, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields,
+                                                           chat)
+        check_capacity(state)
+    except Exception as e:
+        raise renamed(api_error(e)) from e
+    generation = Generation(runtime, prompt, params, cache_salt=key.owner, tool_format=fmt,
+                            tool_names=names, on_finish=spend_on_finish(state, key.id))
+    hex_id = uuid.uuid4().hex
+    record = response_record(body, runtime.model_name, None) | {"store": False}
+    return Stateless(f"msg_{hex_id}", generation, record, int(time.time()))
+
+
+def _prepare_stateless(
+    state: AppState, fields: SamplingFields, chat: list[ChatMessage]
+) -> tuple[list[int], Any, str | None, set[str] | None]:
+    """The prompt's ids and the sampling parameters (CPU-bound: a worker thread runs it)."""
+    runtime = state.runtime
+    tools = offered_tools(fields)
+    names = {t.function.name for t in fields.tools} if fields.tools else None
+    fmt = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(fields, fmt, runtime.grammars)
+    prompt = runtime.builder.renderer.render_ids(chat, tools=tools)
+    params = sampling_params(fields, max_tokens=fields.reply_budget, grammar=grammar)
+    runtime.engine.validate_prompt(prompt, params)
+    return prompt, params, fmt, names
+
+
+# -- the other routes -------------------------------------------------------------------------
+
+
+async def delete(state: AppState, owner: str, response: str) -> None:
+    """A deleted response reads as not found and cannot be continued. Its message stays in
+    the tree as history of the responses that continue it (their prompts are exact
+    extensions of it), marked deleted in its record."""
+    message = await find_response(state, owner, response)
+    if message.status == "generating":
+        raise APIError(409, "This response is still being generated; cancel it first.",
+                       code="conversation_busy")
+    record = dict(message.response or {}) | {"deleted": True}
+    await state.store.update_message(message.id, response=record)
+
+
+async def cancel(state: AppState, owner: str, response: str) -> ResponseObject:
+    """Stop a response being generated (stored as cancelled with what it has) and return it;
+    a response that has ended is returned as it is."""
+    message = await find_response(state, owner, response)
+    if message.status == "generating":
+        turn = state.turns.running(message.conversation_id)
+        await state.turns.stop(owner, message.conversation_id)
+        if turn is not None and turn.message_id == message.id:
+            await turn.ended()
+        stored = await state.store.get_message(message.conversation_id, message.id)
+        message = stored or message
+    return stored_response(state, message)
+
+
+async def input_items(
+    state: AppState, owner: str, response: str, *, order: str, after: str | None, limit: int
+) -> ItemList:
+    """The items given as the response's input: the messages stored for it, oldest first."""
+    message = await find_response(state, owner, response)
+    if message.parent_id is None:
+        return page([], order=order, after=after, limit=limit)
+    branch = await state.store.branch(message.conversation_id, message.parent_id)
+    start_id = (message.response or {}).get("input_start")
+    ids = [m.id for m in branch]
+    start = ids.index(start_id) if start_id in ids else len(branch) - 1
+    items = [item for m in branch[start:] for item in items_of(m)]
+    return page(items, order=order, after=after, limit=limit)
+
+
+
+# -- answering: whole, streamed, resumed ----------------------------------------------------------
+
+
+async def create(
+    state: AppState, key: KeyRecord, body: ResponseCreate, request: Request
+) -> ResponseObject | StreamingResponse:
+    """`POST /v1/responses`: the response once it has ended, or with `stream` its events. A
+    client that leaves a stream lets the reply go on for the WebSocket's grace period (it may
+    resume it with `GET /v1/responses/{id}?stream=true`); one that leaves a whole request
+    stops it."""
+    started = await start(state, key, body)
+    model = state.runtime.model_name
+    if isinstance(started, Stateless):
+        if body.stream:
+            return sse.sse_response(sse_lines(stateless_stream(state, started)))
+        generation = started.generation
+        result = await sse.run_unless_disconnected(request, drained(generation),
+                                                   generation.stop)
+        return response_object(Reply.generated(started, result), model)
+    turn = started
+    if body.stream:
+        return sse.sse_response(sse_lines(watched(state, turn)))
+    final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
+    return stored_response(state, final)
+
+
+async def resume(
+    state: AppState, owner: str, response: str, starting_after: int | None
+) -> StreamingResponse:
+    """`GET /v1/responses/{id}?stream=true`: the response's events from the start, or those
+    after `starting_after` (the turn service's attach() is the source: the live turn, one that
+    ended here lately, another process's buffer, else the stored reply)."""
+    message = await find_response(state, owner, response)
+    events = await state.turns.attach(message.conversation_id, message.id, 0)
+    return sse.sse_response(sse_lines(
+        response_events(events, skeleton(state, message), message.id,
+                        final_stored(state, message)), starting_after))
+
+
