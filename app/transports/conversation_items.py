@@ -31,6 +31,10 @@ from app.turns.service import lock_key
 BUSY = "A reply is being generated in this conversation; wait for it or stop it."
 
 
+def _format(state: AppState) -> str | None:
+    return state.runtime.template.tool_call_format
+
+
 async def conversation(state: AppState, owner: str, conversation_id: str) -> ConversationRecord:
     conv = await state.store.get_conversation(owner, conversation_id)
     if conv is None:
@@ -70,7 +74,7 @@ async def list_items(
 ) -> ItemList:
     conv = await conversation(state, owner, conversation_id)
     branch = await state.store.branch(conv.id, conv.current_leaf_id)
-    return page(branch_items(branch), order=order, after=after, limit=limit)
+    return page(branch_items(branch, _format(state)), order=order, after=after, limit=limit)
 
 
 async def add_items(state: AppState, owner: str, conversation_id: str, raw: list[Any]
@@ -82,14 +86,17 @@ async def add_items(state: AppState, owner: str, conversation_id: str, raw: list
     messages = messages_of(raw, "items", call_ids(branch))
     _, records = await store_messages(state, conv.id, conv.current_leaf_id or ROOT, messages,
                                       move_leaf=True)
-    return page(branch_items(records), order="asc", after=None, limit=len(records) * 64)
+    added = branch_items(records, _format(state))
+    return page(added, order="asc", after=None, limit=len(added))
 
 
 async def get_item(state: AppState, owner: str, conversation_id: str, item_id: str) -> Any:
     conv = await conversation(state, owner, conversation_id)
     ref = parse_item_id(item_id)
     message = await state.store.get_message(conv.id, ref.message_id) if ref else None
-    item = item_by_ref(message, ref) if message is not None and ref is not None else None
+    item = None
+    if message is not None and ref is not None:
+        item = item_by_ref(message, ref, _format(state))
     if item is None:
         raise not_found(f"item {item_id!r} in this conversation", "item_id")
     return item

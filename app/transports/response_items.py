@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from inference.chat_template import ChatMessage
+from inference.tool_calls import parse_tool_calls
 
 from app.errors import invalid_request
 from app.schemas.conversations import ROOT
@@ -95,8 +96,19 @@ def item_status(message: MessageRecord) -> str:
     return "incomplete"
 
 
-def items_of(message: MessageRecord) -> list[Item]:
-    """The items one stored message is (see the module's docstring)."""
+def visible_text(message: MessageRecord, tool_format: str | None) -> str | None:
+    """An assistant message's text outside its tool calls. A reply that is only calls is
+    stored with the text the model wrote (the calls' markup, in the template's format);
+    parsed again here, that is nothing."""
+    content = message.content
+    if not content or not message.tool_calls or tool_format is None:
+        return content
+    return parse_tool_calls(content, tool_format).content
+
+
+def items_of(message: MessageRecord, tool_format: str | None = None) -> list[Item]:
+    """The items one stored message is (see the module's docstring); `tool_format`: the
+    template's tool-call format (visible_text)."""
     if message.role in ("user", "system"):
         return [InputMessage(id=message.id, role=message.role,  # type: ignore[arg-type]
                              content=[InputText(text=message.content or "")])]
@@ -107,9 +119,10 @@ def items_of(message: MessageRecord) -> list[Item]:
     status = item_status(message)
     items: list[Item] = []
     calls = message.tool_calls or []
-    if message.content or not calls:
+    text = visible_text(message, tool_format)
+    if text or not calls:
         items.append(OutputMessage(id=message.id, status=status,  # type: ignore[arg-type]
-                                   content=[OutputText(text=message.content or "")]))
+                                   content=[OutputText(text=text or "")]))
     for index, call in enumerate(calls):
         function = call.get("function", {})
         items.append(FunctionCall(id=call_item_id(message.id, index), call_id=call.get("id", ""),
@@ -119,9 +132,9 @@ def items_of(message: MessageRecord) -> list[Item]:
     return items
 
 
-def item_by_ref(message: MessageRecord, ref: ItemRef) -> Item | None:
+def item_by_ref(message: MessageRecord, ref: ItemRef, tool_format: str | None) -> Item | None:
     """The item `ref` names in `message`, if it is one."""
-    items = items_of(message)
+    items = items_of(message, tool_format)
     wanted = (call_item_id(message.id, ref.call_index) if ref.call_index is not None
               else OUTPUT_PREFIX + message.id.removeprefix(MESSAGE_PREFIX) if ref.is_output
               else message.id)
@@ -146,8 +159,8 @@ def page(
                     has_more=start + limit < len(ordered))
 
 
-def branch_items(messages: Iterable[MessageRecord]) -> list[Item]:
-    return [item for m in messages for item in items_of(m)]
+def branch_items(messages: Iterable[MessageRecord], tool_format: str | None) -> list[Item]:
+    return [item for m in messages for item in items_of(m, tool_format)]
 
 
 # -- input items as messages ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from app.schemas.responses import (
 )
 from app.state import AppState
 from app.store import MessageRecord
-from app.transports.response_items import call_item_id, response_id
+from app.transports.response_items import call_item_id, response_id, visible_text
 from app.turns.generation import Generated, Generation
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def response_object(reply: Reply, model: str, *, failure: APIError | None = None
 
 
 def stored_response(state: AppState, message: MessageRecord) -> ResponseObject:
-    return response_object(Reply.of(message), state.runtime.model_name)
+    text = visible_text(message, state.runtime.template.tool_call_format)
+    return response_object(replace(Reply.of(message), content=text), state.runtime.model_name)
 
 
 

@@ -367,7 +367,8 @@ async def input_items(
     start_id = (message.response or {}).get("input_start")
     ids = [m.id for m in branch]
     start = ids.index(start_id) if start_id in ids else len(branch) - 1
-    items = [item for m in branch[start:] for item in items_of(m)]
+    fmt = state.runtime.template.tool_call_format
+    items = [item for m in branch[start:] for item in items_of(m, fmt)]
     return page(items, order=order, after=after, limit=limit)
 
 
