@@ -137,8 +137,11 @@ def parse_items(raw: list[Any], param: str) -> list[InputItem]:
         try:
             items.append(model.model_validate(value))  # type: ignore[arg-type]
         except ValidationError as e:
-            error = e.errors()[0]
-            loc = ".".join(str(p) for p in error.get("loc", ()))
+            # The deepest error says most (`content.0.type`, not the union's `content.str`);
+            # a union's member names are not part of the path.
+            error = max(e.errors(), key=lambda err: len(err.get("loc", ())))
+            loc = ".".join(str(p) for p in error.get("loc", ())
+                           if not (isinstance(p, str) and (p == "str" or "[" in p)))
             field = f"{where}.{loc}" if loc else where
             message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
             raise invalid_request(f"Invalid value for '{field}': {message}", field) from None
@@ -240,10 +243,13 @@ class ResponseCreate(BaseModel):
     @field_validator("conversation", mode="before")
     @classmethod
     def _id_or_object(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str | dict):
-            if isinstance(value, str) and not value:
-                raise ValueError("conversation must not be empty")
+        if value is None or (isinstance(value, str) and 1 <= len(value) <= 64):
             return value
+        if isinstance(value, dict):
+            try:
+                return ConversationRef.model_validate(value)
+            except ValidationError:
+                pass
         raise ValueError("conversation must be a conversation id or {\"id\": ...}")
 
     @field_validator("tool_choice", mode="before")
@@ -251,8 +257,11 @@ class ResponseCreate(BaseModel):
     def _option_or_function(cls, value: Any) -> Any:
         if value is None or value in ("none", "auto", "required"):
             return value
-        if isinstance(value, dict) and value.get("type") == "function":
-            return value
+        if isinstance(value, dict):
+            try:
+                return ToolChoiceFunction.model_validate(value)
+            except ValidationError:
+                pass
         raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
                          "{\"type\": \"function\", \"name\": ...}")
 

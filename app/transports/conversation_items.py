@@ -12,7 +12,7 @@ from typing import Any
 
 from inference.chat_template import ChatMessage
 
-from app.errors import busy, not_found
+from app.errors import APIError, busy, not_found
 from app.schemas.conversations import ROOT, ConversationCreate
 from app.schemas.responses import ItemList, parse_items
 from app.state import AppState
@@ -23,6 +23,8 @@ from app.transports.response_items import (
     item_by_ref,
     page,
     parse_item_id,
+    joined,
+    split_system,
     store_messages,
     to_messages,
 )
@@ -48,19 +50,22 @@ async def _check_idle(state: AppState, conv: ConversationRecord) -> None:
         raise busy(BUSY)
 
 
-def messages_of(raw: list[Any], param: str, known_calls: set[str]) -> list[ChatMessage]:
-    return to_messages(parse_items(raw, param), param, known_calls)
+def messages_of(raw: list[Any], param: str, known_calls: set[str]
+                ) -> tuple[str | None, list[ChatMessage]]:
+    """The items' leading system and developer messages (joined) and the others."""
+    return split_system(to_messages(parse_items(raw, param), param, known_calls), param)
 
 
 async def create_conversation(
     state: AppState, owner: str, body: ConversationCreate, settings: dict[str, Any]
 ) -> ConversationRecord:
     """A new conversation with kvchat's fields and, as OpenAI's API takes them, its first
-    `items` (checked before anything is stored)."""
-    messages = messages_of(body.items, "items", set()) if body.items else []
+    `items` (checked before anything is stored; leading system and developer items join
+    `system` as its system prompt)."""
+    system, messages = messages_of(body.items, "items", set()) if body.items else (None, [])
     conv = await state.store.create_conversation(
-        owner, title=body.title, system_prompt=body.system, metadata=body.metadata or {},
-        **settings,
+        owner, title=body.title, system_prompt=joined(body.system, system),
+        metadata=body.metadata or {}, **settings,
     )
     if messages:
         await store_messages(state, conv.id, ROOT, messages, move_leaf=True)
@@ -83,7 +88,11 @@ async def add_items(state: AppState, owner: str, conversation_id: str, raw: list
     conv = await conversation(state, owner, conversation_id)
     await _check_idle(state, conv)
     branch = await state.store.branch(conv.id, conv.current_leaf_id)
-    messages = messages_of(raw, "items", call_ids(branch))
+    system, messages = messages_of(raw, "items", call_ids(branch))
+    if system is not None:
+        raise APIError(400, "system and developer messages are taken only when the "
+                       "conversation is created (they become its system prompt)",
+                       param="items.0.role", code="unsupported")
     _, records = await store_messages(state, conv.id, conv.current_leaf_id or ROOT, messages,
                                       move_leaf=True)
     added = branch_items(records, _format(state))

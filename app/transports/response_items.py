@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from inference.chat_template import ChatMessage
 from inference.tool_calls import parse_tool_calls
 
-from app.errors import invalid_request
+from app.errors import APIError, invalid_request
 from app.schemas.conversations import ROOT
 from app.schemas.responses import (
     FunctionCall,
@@ -197,6 +197,29 @@ def to_messages(
                                       f"call_id {item.call_id}.", f"{where}.call_id")
             out.append(ChatMessage("tool", item.text, tool_call_id=item.call_id))
     return out
+
+
+def joined(*texts: str | None) -> str | None:
+    """System prompts one after the other (None when there are none)."""
+    present = [t for t in texts if t]
+    return "\n\n".join(present) if present else None
+
+
+def split_system(messages: Sequence[ChatMessage], param: str
+                 ) -> tuple[str | None, list[ChatMessage]]:
+    """The leading system (and developer) messages joined, and the rest. kvchat keeps one
+    system prompt per conversation (or turn), so they are taken only at the start; later
+    ones are a 400 naming the item."""
+    head = 0
+    while head < len(messages) and messages[head].role == "system":
+        head += 1
+    for i, m in enumerate(messages[head:], start=head):
+        if m.role == "system":
+            raise APIError(400, "system and developer messages are taken only at the start of "
+                           "the input (they become the system prompt)", param=f"{param}.{i}.role",
+                           code="unsupported")
+    system = "\n\n".join(m.content or "" for m in messages[:head]) if head else None
+    return system, list(messages[head:])
 
 
 def _call(item: FunctionCallItem, where: str) -> dict[str, object]:

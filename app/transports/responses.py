@@ -73,7 +73,9 @@ from app.transports.response_items import (
     call_ids,
     items_of,
     message_of_response,
+    joined,
     page,
+    split_system,
     store_messages,
     to_messages,
 )
@@ -236,15 +238,19 @@ async def place(state: AppState, owner: str, body: ResponseCreate) -> Placement:
     return Placement(None, ROOT)
 
 
-def input_messages(body: ResponseCreate, placement: Placement) -> list[ChatMessage]:
+def input_messages(body: ResponseCreate, placement: Placement
+                   ) -> tuple[str | None, list[ChatMessage]]:
+    """The input's leading system and developer messages (joined), and its other messages
+    to store."""
     raw = body.input
     items = [MessageItem(role="user", content=raw)] if isinstance(raw, str) else parse_items(
         raw, "input")
-    messages = to_messages(items, "input", call_ids(placement.branch))
-    if messages[-1].role == "assistant":
-        raise invalid_request("the last input item must be a user, system or developer "
-                              "message or a function_call_output", "input")
-    return messages
+    system, messages = split_system(to_messages(items, "input", call_ids(placement.branch)),
+                                    "input")
+    if not messages or messages[-1].role == "assistant":
+        raise invalid_request("the last input item must be a user message or a "
+                              "function_call_output", "input")
+    return system, messages
 
 
 # -- starting one ---------------------------------------------------------------------------------
@@ -258,22 +264,26 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
     check_supported(body)
     fields = sampling_fields(body)
     placement = await place(state, key.owner, body)
-    messages = input_messages(body, placement)
+    system, messages = input_messages(body, placement)
     if body.store is False:
-        return await _start_stateless(state, key, body, fields, placement, messages)
+        return await _start_stateless(state, key, body, fields, placement, messages, system)
     conv, created = placement.conversation, False
-    if conv is None:
+    instructions = body.instructions
+    if conv is None:  # its system messages are the new conversation's system prompt
         first_user = next((m.content for m in messages if m.role == "user" and m.content), None)
         conv = await state.store.create_conversation(
-            key.owner, title=first_user[:TITLE_CHARS] if first_user else None)
+            key.owner, title=first_user[:TITLE_CHARS] if first_user else None,
+            system_prompt=system)
         created = True
+    elif system is not None:  # continuing one: this turn's, with the instructions
+        instructions = joined(instructions or conv.system_prompt, system)
     parent, imported = await store_messages(state, conv.id, placement.parent_id,
                                             messages[:-1], move_leaf=False)
     record = response_record(body, model, imported[0].id if imported else None)
     try:
         return await state.turns.start(
             key, conv.id, fields, new_message=messages[-1], parent_id=parent,
-            instructions=body.instructions, truncation=body.truncation == "auto",
+            instructions=instructions, truncation=body.truncation == "auto",
             reply_fields={"response": record},
         )
     except Exception as e:
@@ -293,10 +303,12 @@ async def _start_stateless(
     fields: SamplingFields,
     placement: Placement,
     messages: list[ChatMessage],
+    input_system: str | None,
 ) -> Stateless:
     runtime = state.runtime
     conv = placement.conversation
     system = turn_system(conv, body.instructions) if conv is not None else body.instructions
+    system = joined(system, input_system)
     chat = ([ChatMessage("system", system)] if system else []) + [
         as_chat(m) for m in usable(placement.branch)] + messages
     try:
