@@ -29,6 +29,7 @@ from KV already in memory), `cache_write_tokens` (the rest: prefilled now, kept 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -277,6 +278,7 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
         created = True
     elif system is not None:  # continuing one: this turn's, with the instructions
         instructions = joined(instructions or conv.system_prompt, system)
+    await _previous_turn_ended(state, conv.id)
     parent, imported = await store_messages(state, conv.id, placement.parent_id,
                                             messages[:-1], move_leaf=False)
     record = response_record(body, model, imported[0].id if imported else None)
@@ -294,6 +296,15 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
             for message in reversed(imported):
                 await state.store.delete_message(conv.id, message.id)
         raise renamed(api_error(e)) from e
+
+
+async def _previous_turn_ended(state: AppState, conversation_id: str) -> None:
+    """Wait for this process's previous turn of the conversation to let go of it: its
+    client has its terminal event (an agent sends the next step at once) a moment before the
+    turn has released its lock."""
+    turn = state.turns.running(conversation_id)
+    if turn is not None and turn.is_done and turn.task is not None:
+        await asyncio.shield(turn.task)
 
 
 async def _start_stateless(
