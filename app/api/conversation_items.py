@@ -1,6 +1,7 @@
 """OpenAI's Conversations API items, on kvchat's conversations (app/transports/
 conversation_items.py): list and add items, read and delete one. The conversation routes
-themselves are kvchat's (app/api/conversations.py), which take OpenAI's fields too."""
+themselves are kvchat's (app/api/conversations.py), which take OpenAI's fields too, and
+OpenAI's update (POST, metadata only) is here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Query
 
 from app.schemas.conversations import ConversationOut
 from app.schemas.present import conversation_out
-from app.schemas.responses import ItemList, ItemsCreate
+from app.schemas.responses import ConversationUpdate, ItemList, ItemsCreate
 from app.state import CurrentKey, StateDep
 from app.transports import conversation_items
 
@@ -19,6 +20,16 @@ router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 Order = Annotated[Literal["asc", "desc"], Query(description="By position in the conversation; "
                                                 "OpenAI's default is desc.")]
 Limit = Annotated[int, Query(ge=1, le=100)]
+
+
+@router.post("/{conversation_id}", response_model=ConversationOut)
+async def update_metadata(
+    conversation_id: str, body: ConversationUpdate, key: CurrentKey, state: StateDep
+) -> ConversationOut:
+    """OpenAI's conversation update: its metadata (kvchat's PATCH changes the rest)."""
+    conv = await conversation_items.update_metadata(state, key.owner, conversation_id,
+                                                    body.metadata)
+    return conversation_out(conv)
 
 
 @router.get("/{conversation_id}/items", response_model=ItemList)

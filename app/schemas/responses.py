@@ -424,6 +424,14 @@ class ResponseDeleted(BaseModel):
 # -- the Conversations API's bodies -------------------------------------------------------------
 
 
+class ConversationUpdate(BaseModel):
+    """`POST /v1/conversations/{id}` (OpenAI's update; kvchat's is PATCH)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: dict[str, Any]
+
+
 class ItemsCreate(BaseModel):
     """`POST /v1/conversations/{id}/items`."""
 

@@ -12,7 +12,13 @@ from sqlalchemy.orm import aliased
 from app.store.column_types import utcnow
 from app.store.errors import StaleFence
 from app.store.queries import has_message
-from app.store.records import ROLES, STATUSES, MessageRecord, SummaryRecord
+from app.store.records import (
+    ROLES,
+    STATUSES,
+    ConversationRecord,
+    MessageRecord,
+    SummaryRecord,
+)
 from app.store.store_base import StoreBase, check_fields
 from app.store.tables import Conversation, Message, Summary, new_id
 
@@ -91,15 +97,20 @@ class MessageStore(StoreBase):
             )
             return None if row is None else MessageRecord.of(row)
 
-    async def owned_message(self, owner: str, message_id: str) -> MessageRecord | None:
-        """A message by its id alone, if its conversation belongs to `owner` (another owner's
-        message reads as a missing one)."""
+    async def owned_message(
+        self, owner: str, message_id: str
+    ) -> tuple[ConversationRecord, MessageRecord] | None:
+        """A message by its id alone, with its conversation, if that belongs to `owner`
+        (another owner's message reads as a missing one): one query."""
         async with self._read() as session:
-            row = await session.scalar(
-                select(Message).join(Conversation, Conversation.id == Message.conversation_id)
+            found = (await session.execute(
+                select(Conversation, Message)
+                .join(Message, Conversation.id == Message.conversation_id)
                 .where(Message.id == message_id, Conversation.owner == owner)
-            )
-            return None if row is None else MessageRecord.of(row)
+            )).first()
+            if found is None:
+                return None
+            return ConversationRecord.of(found[0]), MessageRecord.of(found[1])
 
     async def delete_message(self, conversation_id: str, message_id: str) -> bool:
         """Take one message out of its conversation's tree, keeping the rest: its children

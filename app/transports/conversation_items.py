@@ -73,6 +73,14 @@ async def create_conversation(
     return conv
 
 
+async def update_metadata(state: AppState, owner: str, conversation_id: str,
+                          metadata: dict[str, Any]) -> ConversationRecord:
+    updated = await state.store.update_conversation(owner, conversation_id, metadata=metadata)
+    if updated is None:
+        raise not_found(f"conversation {conversation_id!r}")
+    return updated
+
+
 async def list_items(
     state: AppState, owner: str, conversation_id: str, *, order: str, after: str | None,
     limit: int,

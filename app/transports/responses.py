@@ -33,7 +33,7 @@ import asyncio
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -54,6 +54,8 @@ from app.schemas.chat import (
 )
 from app.schemas.conversations import ROOT
 from app.schemas.responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
     ItemList,
     MessageItem,
     ResponseCreate,
@@ -200,54 +202,68 @@ def response_record(body: ResponseCreate, model: str, input_start: str | None) -
 # -- where a response goes ------------------------------------------------------------------------
 
 
-async def find_response(state: AppState, owner: str, response: str) -> MessageRecord:
-    """The stored reply a response id names; 404 for an unknown, deleted or another owner's
-    one."""
+async def find_reply(
+    state: AppState, owner: str, response: str
+) -> tuple[ConversationRecord, MessageRecord]:
+    """The stored reply a response id names, with its conversation; 404 for an unknown,
+    deleted or another owner's one."""
     message_id = message_of_response(response)
-    message = await state.store.owned_message(owner, message_id) if message_id else None
-    if message is None or message.role != "assistant" or (
+    found = await state.store.owned_message(owner, message_id) if message_id else None
+    message = found[1] if found is not None else None
+    if found is None or message is None or message.role != "assistant" or (
             message.response is not None and message.response.get("deleted")):
         raise not_found(f"response {response!r}")
-    return message
+    return found
 
 
-@dataclass
+async def find_response(state: AppState, owner: str, response: str) -> MessageRecord:
+    return (await find_reply(state, owner, response))[1]
+
+
+@dataclass(frozen=True)
 class Placement:
     conversation: ConversationRecord | None  # None: a new one (when stored)
     parent_id: str  # where the input goes (ROOT: a new root)
-    branch: list[MessageRecord] = field(default_factory=list)  # what it continues
+    parent_calls: frozenset[str] = frozenset()  # the calls of the message it continues
 
 
 async def place(state: AppState, owner: str, body: ResponseCreate) -> Placement:
-    store = state.store
     if body.previous_response_id is not None:
         try:
-            previous = await find_response(state, owner, body.previous_response_id)
+            conv, previous = await find_reply(state, owner, body.previous_response_id)
         except APIError as e:
             raise APIError(404, e.message, param="previous_response_id", code="not_found") from e
-        conv = await store.get_conversation(owner, previous.conversation_id)
-        if conv is None:
-            raise not_found(f"response {body.previous_response_id!r}", "previous_response_id")
-        return Placement(conv, previous.id, await store.branch(conv.id, previous.id))
+        return Placement(conv, previous.id, frozenset(call_ids([previous])))
     conversation_id = body.conversation_id
     if conversation_id is not None:
-        conv = await store.get_conversation(owner, conversation_id)
-        if conv is None:
+        found = await state.store.get_conversation(owner, conversation_id)
+        if found is None:
             raise not_found(f"conversation {conversation_id!r}", "conversation")
-        leaf = conv.current_leaf_id
-        return Placement(conv, leaf or ROOT, await store.branch(conv.id, leaf))
+        return Placement(found, found.current_leaf_id or ROOT)
     return Placement(None, ROOT)
 
 
-def input_messages(body: ResponseCreate, placement: Placement
-                   ) -> tuple[str | None, list[ChatMessage]]:
+async def branch_of(state: AppState, placement: Placement) -> list[MessageRecord]:
+    conv = placement.conversation
+    if conv is None or placement.parent_id == ROOT:
+        return []
+    return await state.store.branch(conv.id, placement.parent_id)
+
+
+async def input_messages(state: AppState, body: ResponseCreate, placement: Placement
+                         ) -> tuple[str | None, list[ChatMessage]]:
     """The input's leading system and developer messages (joined), and its other messages
-    to store."""
+    to store. Outputs answer the calls of the input or of the branch (read only when the
+    message continued does not have them)."""
     raw = body.input
     items = [MessageItem(role="user", content=raw)] if isinstance(raw, str) else parse_items(
         raw, "input")
-    system, messages = split_system(to_messages(items, "input", call_ids(placement.branch)),
-                                    "input")
+    given = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
+    answered = {i.call_id for i in items if isinstance(i, FunctionCallOutputItem)}
+    known: set[str] = set(placement.parent_calls)
+    if answered - given - known:
+        known = call_ids(await branch_of(state, placement))
+    system, messages = split_system(to_messages(items, "input", known), "input")
     if not messages or messages[-1].role == "assistant":
         raise invalid_request("the last input item must be a user message or a "
                               "function_call_output", "input")
@@ -265,7 +281,7 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
     check_supported(body)
     fields = sampling_fields(body)
     placement = await place(state, key.owner, body)
-    system, messages = input_messages(body, placement)
+    system, messages = await input_messages(state, body, placement)
     if body.store is False:
         return await _start_stateless(state, key, body, fields, placement, messages, system)
     conv, created = placement.conversation, False
@@ -321,7 +337,7 @@ async def _start_stateless(
     system = turn_system(conv, body.instructions) if conv is not None else body.instructions
     system = joined(system, input_system)
     chat = ([ChatMessage("system", system)] if system else []) + [
-        as_chat(m) for m in usable(placement.branch)] + messages
+        as_chat(m) for m in usable(await branch_of(state, placement))] + messages
     try:
         prompt, params, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields,
                                                            chat)

@@ -251,6 +251,9 @@ def test_a_conversation_made_with_items_then_continued_by_a_response(started: St
         metadata={"topic": "intro"})
     assert conv.id.startswith("conv_") and conv.object == "conversation"
     assert isinstance(conv.created_at, int) and conv.metadata == {"topic": "intro"}
+    updated = client.conversations.update(conv.id, metadata={"topic": "names"})
+    assert updated.metadata == {"topic": "names"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "names"}
     r = client.responses.create(model="dev", input="Who am I?", conversation=conv.id, **SHORT)
     assert r.conversation is not None and r.conversation.id == conv.id
     r2 = client.responses.create(model="dev", input="Again?", conversation={"id": conv.id},
