@@ -120,7 +120,7 @@ def items_of(message: MessageRecord, tool_format: str | None = None) -> list[Ite
     items: list[Item] = []
     calls = message.tool_calls or []
     text = visible_text(message, tool_format)
-    if text or not calls:
+    if text or (text is not None and not calls):  # a reply that wrote nothing: no item
         items.append(OutputMessage(id=message.id, status=status,  # type: ignore[arg-type]
                                    content=[OutputText(text=text or "")]))
     for index, call in enumerate(calls):

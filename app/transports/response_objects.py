@@ -93,7 +93,7 @@ def output_items(reply: Reply) -> list[OutputMessage | FunctionCall]:
     items: list[OutputMessage | FunctionCall] = []
     if reply.status == "generating":
         return items
-    if reply.content or not reply.tool_calls:
+    if reply.content or (reply.content is not None and not reply.tool_calls):
         items.append(OutputMessage(id=reply.message_id, status=status,  # type: ignore[arg-type]
                                    content=[OutputText(text=reply.content or "")]))
     for index, call in enumerate(reply.tool_calls):

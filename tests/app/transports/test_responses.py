@@ -339,3 +339,30 @@ def test_operators_see_the_conversation_and_its_session(service: Service) -> Non
     assert evicted.status_code == 200, evicted.text
     again = respond(service, input="After the evict", previous_response_id=r["id"])
     assert again["status"] in ("completed", "incomplete")
+
+
+def test_an_engine_failure_is_a_failed_response(service: Service,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.turns.generation import Generation, TextDelta
+
+    async def failing(self: Generation) -> Any:
+        yield TextDelta("partial")
+        raise RuntimeError("the accelerator fell over")
+
+    monkeypatch.setattr(Generation, "events", failing)
+    r = respond(service, input="Hi")
+    assert r["status"] == "failed" and r["output"] == []  # nothing was stored of it
+    assert r["usage"]["output_tokens"] == 0 and r["usage"]["input_tokens"] > 0
+    assert r["error"]["code"] == "server_error" and "fell over" in r["error"]["message"]
+    assert service.get(f"/v1/responses/{r['id']}").json() == r
+    with service.client.stream("POST", "/v1/responses", json={**SHORT, "input": "Again",
+                                                              "stream": True},
+                               headers=service.headers()) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    types = [e["type"] for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-2:] == ["error", "response.failed"]
+    assert events[-2]["code"] == "engine_error" and "fell over" in events[-2]["message"]
+    assert events[-1]["response"]["status"] == "failed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
