@@ -33,6 +33,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ from app.transports.response_objects import (
     stored_response,
 )
 from app.transports.response_items import (
+    visible_text,
     call_ids,
     items_of,
     message_of_response,
@@ -91,6 +93,7 @@ from app.transports.responses_stream import (
     stateless_stream,
     watched,
 )
+from app.turns.events import TurnDelta, TurnEvent
 from app.turns.generation import Generation
 from app.turns.pipeline import as_chat, turn_system, usable
 from app.turns.prompting import offered_tools, sampling_params
@@ -446,8 +449,23 @@ async def resume(
     ended here lately, another process's buffer, else the stored reply)."""
     message = await find_response(state, owner, response)
     events = await state.turns.attach(message.conversation_id, message.id, 0)
+    visible = visible_text(message, state.runtime.template.tool_call_format)
     return sse.sse_response(sse_lines(
-        response_events(events, skeleton(state, message), message.id,
-                        final_stored(state, message)), starting_after))
+        response_events(_without_markup(events, message, visible), skeleton(state, message),
+                        message.id, final_stored(state, message)), starting_after))
+
+
+async def _without_markup(events: AsyncIterator[TurnEvent], message: MessageRecord,
+                          visible: str | None) -> AsyncIterator[TurnEvent]:
+    """A stored reply's events (attach()'s last source) tell its stored text, which for a
+    reply with calls holds their markup; a live turn's deltas never do. That text is shown as
+    the response shows it."""
+    async for event in events:
+        if (isinstance(event, TurnDelta) and message.tool_calls and event.offset == 0
+                and event.text == message.content and visible != message.content):
+            if visible:
+                yield TurnDelta(event.message_id, visible, 0)
+            continue
+        yield event
 
 

@@ -366,3 +366,28 @@ def test_an_engine_failure_is_a_failed_response(service: Service,
     assert events[-2]["code"] == "engine_error" and "fell over" in events[-2]["message"]
     assert events[-1]["response"]["status"] == "failed"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def sse_events(service: Service, path: str) -> list[dict[str, Any]]:
+    with service.client.stream("GET", path, headers=service.headers()) as stream:
+        return [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_stored_calls_only_reply_streams_as_its_call(service: Service) -> None:
+    """Resumed from the stored reply (not a turn this process still keeps), a reply that is
+    only a call streams the call, not the call's markup as text."""
+    r = respond(service, input="Pick one", tools=[TOOL], tool_choice="required",
+                parallel_tool_calls=False, max_output_tokens=48, temperature=1.0)
+    (call,) = r["output"]
+    assert call["type"] == "function_call"
+    live = sse_events(service, f"/v1/responses/{r['id']}?stream=true")
+    service.state.turns._recent.clear()  # as after RECENT_TURNS later turns, or a restart
+    stored = sse_events(service, f"/v1/responses/{r['id']}?stream=true")
+    for events in (live, stored):
+        types = [e["type"] for e in events]
+        assert "response.output_text.delta" not in types, types
+        added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        assert [(i["type"], i["call_id"]) for i in added] == [("function_call", call["call_id"])]
+        done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+        assert [e["arguments"] for e in done] == [call["arguments"]]
+        assert events[-1]["response"] == r
