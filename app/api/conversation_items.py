@@ -11,7 +11,11 @@ from fastapi import APIRouter, Query
 
 from app.schemas.conversations import ConversationOut
 from app.schemas.present import conversation_out
-from app.schemas.responses import ConversationUpdate, ItemList, ItemsCreate
+from app.schemas.response_items import (
+    ConversationUpdate,
+    ItemList,
+    ItemsCreate,
+)
 from app.state import CurrentKey, StateDep
 from app.transports import conversation_items
 

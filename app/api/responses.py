@@ -8,7 +8,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 
 from app.ops.limits import RateLimitedKey
-from app.schemas.responses import ItemList, ResponseCreate, ResponseDeleted, ResponseObject
+from app.schemas.response_items import ItemList
+from app.schemas.responses import (
+    ResponseCreate,
+    ResponseDeleted,
+    ResponseObject,
+)
 from app.state import CurrentKey, StateDep
 from app.transports import responses
 

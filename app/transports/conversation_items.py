@@ -14,7 +14,7 @@ from inference.chat_template import ChatMessage
 
 from app.errors import APIError, busy, not_found
 from app.schemas.conversations import ROOT, ConversationCreate
-from app.schemas.responses import ItemList, parse_items
+from app.schemas.response_items import ItemList, parse_items
 from app.state import AppState
 from app.store import ConversationRecord
 from app.transports.response_items import (

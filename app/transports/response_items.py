@@ -24,7 +24,7 @@ from inference.tool_calls import parse_tool_calls
 
 from app.errors import APIError, invalid_request
 from app.schemas.conversations import ROOT
-from app.schemas.responses import (
+from app.schemas.response_items import (
     FunctionCall,
     FunctionCallItem,
     FunctionCallOutput,

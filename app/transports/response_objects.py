@@ -9,13 +9,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.errors import APIError
-from app.schemas.responses import (
-    ConversationRef,
+from app.schemas.response_items import (
     FunctionCall,
-    IncompleteDetails,
-    InputTokensDetails,
     OutputMessage,
     OutputText,
+)
+from app.schemas.responses import (
+    ConversationRef,
+    IncompleteDetails,
+    InputTokensDetails,
     ResponseError,
     ResponseObject,
     ResponseTextOut,
