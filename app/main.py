@@ -21,11 +21,13 @@ from app.ops import log_redaction
 from app.api import (
     admin,
     chat_completions,
+    conversation_items,
     conversations,
     health,
     metrics,
     models,
     pages,
+    responses,
     tokenize,
     ui_chat,
     ws,
@@ -50,6 +52,9 @@ turns, so the next turn prefills only what is new.
   session's KV between calls).
 - `/v1/conversations` keeps the history on the server, as a tree of messages (edit, regenerate,
   branch switching), planned under a token budget every turn.
+- `POST /v1/responses` is OpenAI's Responses API on those conversations: `previous_response_id`
+  and `conversation` continue a stored branch and its pinned KV; `/v1/conversations/{id}/items`
+  is OpenAI's Conversations API on the same tables.
 
 Every route but the health checks takes `Authorization: Bearer <key>`.
 """
@@ -150,8 +155,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(RequestIdMiddleware)
 
-    for module in (health, models, chat_completions, conversations, tokenize, admin, metrics,
-                   ws, ui_chat, pages):
+    for module in (health, models, chat_completions, responses, conversations,
+                   conversation_items, tokenize, admin, metrics, ws, ui_chat, pages):
         app.include_router(module.router)
     app.mount("/static", pages.static_files(), name="static")
     app.state.started_at = int(time.time())

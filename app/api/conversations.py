@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query, Request
 from inference import ChatMessage
 
 from app.store import MessageRecord
-from app.transports import sse
+from app.transports import conversation_items, sse
 from app.turns.events import TurnEvent
 from app.turns.idempotency import Replayed, run_once
 from app.turns.turn import Turn
@@ -42,13 +42,11 @@ async def create_conversation(
     body: ConversationCreate, key: CurrentKey, state: StateDep
 ) -> ConversationOut:
     """A new conversation; its settings are checked together, over the server defaults (400
-    naming the field)."""
-    fields = body.model_dump(exclude={"title", "system", "metadata"}, exclude_none=True)
+    naming the field). OpenAI's Conversations API: `items` are its first items."""
+    fields = body.model_dump(exclude={"title", "system", "metadata", "items"},
+                             exclude_none=True)
     check_session_settings({}, fields, asdict(state.defaults))
-    conv = await state.store.create_conversation(
-        key.owner, title=body.title, system_prompt=body.system, metadata=body.metadata or {},
-        **fields,
-    )
+    conv = await conversation_items.create_conversation(state, key.owner, body, fields)
     return conversation_out(conv)
 
 

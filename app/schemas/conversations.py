@@ -129,6 +129,9 @@ class ConversationCreate(SessionSettings):
     title: str | None = Field(None, max_length=512)
     system: str | None = None
     metadata: dict[str, Any] | None = None
+    items: list[Any] | None = Field(
+        None, max_length=20, description="OpenAI's Conversations API: the first items "
+        "(messages, function calls and their outputs), stored in order.")
 
 
 class ConversationPatch(SessionSettings):
@@ -139,14 +142,17 @@ class ConversationPatch(SessionSettings):
 
 
 class ConversationOut(StoredSessionSettings):
+    """kvchat's conversation, with OpenAI's Conversation fields (`id`, `object`,
+    `created_at`, `metadata`): times are Unix seconds, as OpenAI's."""
+
     id: str
     object: Literal["conversation"] = "conversation"
     title: str | None
     system: str | None
     metadata: dict[str, Any]
     current_leaf_id: str | None
-    created_at: datetime
-    updated_at: datetime
+    created_at: int
+    updated_at: int
 
 
 class ConversationList(BaseModel):

@@ -12,7 +12,13 @@ from sqlalchemy.orm import aliased
 from app.store.column_types import utcnow
 from app.store.errors import StaleFence
 from app.store.queries import has_message
-from app.store.records import ROLES, STATUSES, MessageRecord, SummaryRecord
+from app.store.records import (
+    ROLES,
+    STATUSES,
+    ConversationRecord,
+    MessageRecord,
+    SummaryRecord,
+)
 from app.store.store_base import StoreBase, check_fields
 from app.store.tables import Conversation, Message, Summary, new_id
 
@@ -23,7 +29,7 @@ NEW_USER = "<new user message>"
 MESSAGE_FIELDS = (
     "name", "tool_calls", "tool_call_id", "num_tokens", "content_tokens", "token_ids",
     "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms",
-    "total_ms", "error",
+    "total_ms", "error", "response",
 )
 UPDATABLE_FIELDS = ("status", "content", *MESSAGE_FIELDS)
 
@@ -91,6 +97,47 @@ class MessageStore(StoreBase):
             )
             return None if row is None else MessageRecord.of(row)
 
+    async def owned_message(
+        self, owner: str, message_id: str
+    ) -> tuple[ConversationRecord, MessageRecord] | None:
+        """A message by its id alone, with its conversation, if that belongs to `owner`
+        (another owner's message reads as a missing one): one query."""
+        async with self._read() as session:
+            found = (await session.execute(
+                select(Conversation, Message)
+                .join(Message, Conversation.id == Message.conversation_id)
+                .where(Message.id == message_id, Conversation.owner == owner)
+            )).first()
+            if found is None:
+                return None
+            return ConversationRecord.of(found[0]), MessageRecord.of(found[1])
+
+    async def delete_message(self, conversation_id: str, message_id: str) -> bool:
+        """Take one message out of its conversation's tree, keeping the rest: its children
+        move up to its parent, the conversation's leaf and trim start move off it. False when
+        there is no such message."""
+        async with self._write() as session:
+            row = await session.scalar(select(Message).where(
+                Message.id == message_id, Message.conversation_id == conversation_id))
+            if row is None:
+                return False
+            conversation = await session.get(Conversation, conversation_id)
+            assert conversation is not None  # messages cascade with their conversation
+            now = utcnow()
+            await session.execute(
+                update(Message).where(Message.conversation_id == conversation_id,
+                                      Message.parent_id == message_id)
+                .values(parent_id=row.parent_id, updated_at=now)
+            )
+            if conversation.current_leaf_id == message_id:
+                conversation.current_leaf_id = row.parent_id
+            if conversation.trim_start_id == message_id:
+                conversation.trim_start_id = None
+            conversation.updated_at = now
+            await session.flush()
+            await session.delete(row)
+            return True
+
     async def branch(self, conversation_id: str, leaf_id: str | None) -> list[MessageRecord]:
         """The path root..leaf, in order: one recursive query. Empty when leaf_id is None or
         not a message of this conversation."""
@@ -127,6 +174,7 @@ class MessageStore(StoreBase):
         user: dict[str, Any] | None,
         trim_start_id: str | None,
         fence: int | None = None,
+        reply: dict[str, Any] | None = None,
     ) -> tuple[MessageRecord | None, MessageRecord]:
         """A turn's writes before generation, in one transaction: the user's message (fields as
         add_message's, under parent_id) when there is one, the assistant's reply under it with
@@ -136,7 +184,11 @@ class MessageStore(StoreBase):
         `fence`: the turn lock's fence. It must be above the conversation's `turn_fence`
         (StaleFence otherwise: a newer lock holder started a turn since) and becomes it; and
         since the caller holds the turn lock, any reply still `generating` in the conversation
-        is a dead turn's: it becomes `interrupted`. LookupError for an unknown conversation."""
+        is a dead turn's: it becomes `interrupted`. LookupError for an unknown conversation.
+
+        `reply`: further fields of the reply (as add_message's), e.g. `response`."""
+        reply_fields = dict(reply or {})
+        check_fields(reply_fields, MESSAGE_FIELDS)
         now = utcnow()
         rows: list[Message] = []
         if user is not None:
@@ -157,6 +209,7 @@ class MessageStore(StoreBase):
             id=new_id("msg_"), conversation_id=conversation_id,
             parent_id=rows[0].id if rows else parent_id, role="assistant", content=None,
             status="generating", created_at=reply_at, updated_at=reply_at,
+            **_json_ready(reply_fields),
         ))
         async with self._write() as session:
             if fence is not None:

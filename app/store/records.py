@@ -106,6 +106,8 @@ class MessageRecord:
     error: str | None
     created_at: datetime
     updated_at: datetime
+    # What a Responses API reply was asked with (None for other messages).
+    response: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, row: Message) -> MessageRecord:
@@ -119,6 +121,7 @@ class MessageRecord:
             completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
             ttft_ms=row.ttft_ms, total_ms=row.total_ms, error=row.error,
             created_at=row.created_at, updated_at=row.updated_at,
+            response=None if row.response is None else dict(row.response),
         )
 
 

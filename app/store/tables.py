@@ -149,6 +149,8 @@ class Message(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     total_ms: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None]
+    # A Responses API reply: what it was asked with (app/transports/responses.py).
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from history import (
+    ContextLengthExceeded,
     ContextPlan,
     HistoryPolicy,
     HistoryPolicyError,
@@ -71,10 +72,11 @@ class PreparedTurn:
     tools: list[dict[str, Any]] | None
     tool_format: str | None
     tool_names: set[str] | None
+    instructions: str | None = None  # this turn's system prompt instead of the conversation's
 
     @property
     def system(self) -> str | None:
-        return self.conversation.system_prompt
+        return turn_system(self.conversation, self.instructions)
 
     @property
     def trim_start_id(self) -> str | None:
@@ -147,6 +149,12 @@ def _setting(state: AppState, conv: ConversationRecord, name: str) -> Any:
     return value
 
 
+def turn_system(conv: ConversationRecord, instructions: str | None) -> str | None:
+    """The system prompt of a turn: its own `instructions` (the Responses API's, for that
+    turn only) when given, else the conversation's."""
+    return instructions if instructions is not None else conv.system_prompt
+
+
 def as_chat(message: MessageRecord) -> ChatMessage:
     """A stored message as the template renders it: a generated reply by its exact ids (its
     calls go along, so the history planner pairs them with their results; the template does
@@ -178,10 +186,16 @@ async def prepare_turn(
     *,
     new_message: ChatMessage | None,
     parent_id: str | None,
+    instructions: str | None = None,
+    truncation: bool = True,
 ) -> PreparedTurn:
     """Plan a turn (the caller holds the conversation's turn lock). `new_message` None
     regenerates the reply to `parent_id` (a user or tool message). Raises the request's
     errors (APIError, the planner's and the engine's) before anything is stored.
+
+    `instructions`: this turn's system prompt in place of the conversation's (not stored).
+    `truncation` False: the whole branch must fit the budget, or ContextLengthExceeded
+    (the Responses API's `truncation: "disabled"`); True plans under the history policy.
 
     The branch is read in one query; everything CPU-bound (tools and schemas, the new
     message's segment, the plan, the prompt's ids, the engine's checks) runs on the runtime's
@@ -201,8 +215,8 @@ async def prepare_turn(
     chat = [as_chat(m) for m in branch]
     if any(m.num_tokens is None for m in branch):  # stored before counts existed: once
         tools = await runtime.run_cpu(offered_tools, fields)
-        measured = await runtime.run_cpu(runtime.builder.count, conv.system_prompt, chat,
-                                         tools, branch_key(conv.id))
+        measured = await runtime.run_cpu(runtime.builder.count, turn_system(conv, instructions),
+                                         chat, tools, branch_key(conv.id))
         for m, c in zip(branch, measured):
             if m.num_tokens is None:
                 await store.update_message(m.id, num_tokens=c.num_tokens,
@@ -216,7 +230,7 @@ async def prepare_turn(
         if summary_record is not None else None
     )
     prepared = await runtime.run_cpu(_plan, state, conv, fields, branch, chat, new_message,
-                                     summary, parent)
+                                     summary, parent, instructions, truncation)
     check_capacity(state)
     return prepared
 
@@ -230,6 +244,8 @@ def _plan(
     new_message: ChatMessage | None,
     summary: SummaryState | None,
     parent: str | None,
+    instructions: str | None = None,
+    truncation: bool = True,
 ) -> PreparedTurn:
     """The CPU-bound part of prepare_turn (a worker thread runs it): the request's tools and
     schema, then the one planning step (inference.turn_planner), then the engine's checks."""
@@ -239,16 +255,28 @@ def _plan(
     tool_format = runtime.template.tool_call_format if tools else None
     grammar = output_grammar(fields, tool_format, runtime.grammars)
     policy = history_policy(state, conv)
+    start_id = conv.trim_start_id
+    if not truncation:  # the whole branch, or nothing: plan without trimming, cuts, summary
+        policy = replace(policy, policy="drop", high_watermark=1.0,
+                         max_tool_result_tokens=None)
+        start_id, summary = None, None
+    system = turn_system(conv, instructions)
+    budget = context_budget(state, conv)
     planned = plan_turn(
-        runtime.builder, system=conv.system_prompt,
+        runtime.builder, system=system,
         branch=[(m.id, c, _counts(m)) for m, c in zip(branch, chat)],
         new_message=new_message, tools=tools, policy=policy,
-        max_context_tokens=context_budget(state, conv),
+        max_context_tokens=budget,
         requested_max_tokens=fields.reply_budget,
         default_max_tokens=state.settings.default_max_tokens, summary=summary,
-        start_id=conv.trim_start_id, generation_prompt_tokens=runtime.generation_prompt_tokens,
+        start_id=start_id, generation_prompt_tokens=runtime.generation_prompt_tokens,
         conversation=conv.id,
     )
+    if not truncation and planned.plan.dropped:
+        whole = (runtime.builder.system_tokens(system, tools=tools)
+                 + sum(m.num_tokens or 0 for m in branch) + runtime.generation_prompt_tokens
+                 + (planned.new_counts.num_tokens if planned.new_counts else 0))
+        raise ContextLengthExceeded(whole + planned.max_tokens, budget, planned.max_tokens)
     params = sampling_params(fields, max_tokens=planned.max_tokens, grammar=grammar)
     request = runtime.engine.check_request(planned.prompt_ids, params, session_id=conv.id,
                                            budget=session_budget(state, conv))
@@ -265,7 +293,7 @@ def _plan(
         branch=branch, chat=chat, new_message=new_message,
         user_fields=user_fields,
         reply_parent_id=parent if user_fields is not None else branch[-1].id,
-        tools=tools, tool_format=tool_format, tool_names=tool_names,
+        tools=tools, tool_format=tool_format, tool_names=tool_names, instructions=instructions,
     )
 
 
@@ -286,8 +314,6 @@ def reply_counts(
 
 
 def _with_counts(m: MessageRecord, num_tokens: int, content_tokens: int) -> MessageRecord:
-    from dataclasses import replace
-
     return replace(m, num_tokens=num_tokens, content_tokens=content_tokens)
 
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EVENTS_TTL = 3600.0  # how long a reply's buffered events stay (resume from another process)
+RECENT_TURNS = 256  # ended turns whose events attach() still gives exactly as they were sent
 BUSY = "A reply is already being generated in this conversation; wait for it or stop it."
 
 EndHook = Callable[[Turn], Awaitable[None]]
@@ -96,6 +98,9 @@ class TurnService:
         self.clock = clock
         self.locks = Locks(state.coord, state.identity, state.settings.turn_lock_ttl)
         self._running: dict[str, Turn] = {}  # conversation id -> its turn in this process
+        # Reply id -> the latest turns that ended here, newest last: a client resuming one
+        # gets its events as they were published, not the stored reply's summary of them.
+        self._recent: OrderedDict[str, Turn] = OrderedDict()
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -139,10 +144,18 @@ class TurnService:
         new_message: ChatMessage | None,
         parent_id: str | None,
         on_end: EndHook | None = None,
+        instructions: str | None = None,
+        truncation: bool = True,
+        reply_fields: dict[str, Any] | None = None,
     ) -> Turn:
         """Plan, commit and start a turn. `new_message` None regenerates the reply to
         `parent_id` (a user or tool message). `on_end` runs when the turn has ended, before
-        its lock is released."""
+        its lock is released.
+
+        For the Responses API (the defaults change nothing): `instructions` is this turn's
+        system prompt instead of the conversation's, `truncation` False refuses a turn whose
+        history does not fit whole (pipeline.prepare_turn), `reply_fields` are stored with
+        the reply when it is committed (its `response` record)."""
         state = self.state
         await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
@@ -154,13 +167,15 @@ class TurnService:
             raise busy(BUSY)
         try:
             prepared = await pipeline.prepare_turn(state, conv, fields, new_message=new_message,
-                                                   parent_id=parent_id)
+                                                   parent_id=parent_id,
+                                                   instructions=instructions,
+                                                   truncation=truncation)
             state.runtime.engine.set_session_budget(conv.id,
                                                     pipeline.session_budget(state, conv))
             try:
                 user, reply = await state.store.start_reply(
                     conv.id, parent_id=prepared.reply_parent_id, user=prepared.user_fields,
-                    trim_start_id=prepared.trim_start_id, fence=held.fence,
+                    trim_start_id=prepared.trim_start_id, fence=held.fence, reply=reply_fields,
                 )
             except LookupError:
                 raise conversation_gone(conv.id) from None
@@ -292,6 +307,9 @@ class TurnService:
             unsubscribe()
             if self._running.get(turn.conversation_id) is turn:
                 del self._running[turn.conversation_id]
+            self._recent[turn.message_id] = turn
+            while len(self._recent) > RECENT_TURNS:
+                self._recent.popitem(last=False)
             await held.release()
             try:
                 if state.leases is not None:
@@ -348,11 +366,14 @@ class TurnService:
         self, conversation_id: str, message_id: str, offset: int = 0
     ) -> AsyncIterator[TurnEvent]:
         """The events of reply `message_id` for a client that has seen `offset` characters of
-        it: from this process's live turn, else (a reply another process generates) from the
+        it: from this process's live turn (or one of the RECENT_TURNS that ended here, as
+        they were published), else (a reply another process generates) from the
         coordination back end's buffer, else from the stored reply. The caller has checked
         the conversation's owner. 404 for no such reply."""
-        turn = self._running.get(conversation_id)
-        if turn is not None and turn.message_id == message_id:
+        running = self._running.get(conversation_id)
+        turn = running if running is not None and running.message_id == message_id \
+            else self._recent.get(message_id)
+        if turn is not None and turn.conversation_id == conversation_id:
             return from_offset(turn.events(), offset)
         stored = await self.state.store.get_message(conversation_id, message_id)
         if stored is None or stored.role != "assistant":

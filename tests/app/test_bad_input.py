@@ -36,6 +36,10 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "dev", "messages": USER, "max_tokens": 1, **fields}
 
 
+def respond(**fields: Any) -> dict[str, Any]:
+    return {"model": "dev", "input": "hi", "max_output_tokens": 1, **fields}
+
+
 def ui_chat(**fields: Any) -> dict[str, Any]:
     return {"id": "{conv}", "messages": [{"id": "m1", "role": "user", "parts": [
         {"type": "text", "text": "hi"}]}], **fields}
@@ -85,6 +89,7 @@ class Row:
 
 SCHEMA = "response_format.json_schema.schema"
 MESSAGES = "/v1/conversations/{conv}/messages"
+RESPONSES = "/v1/responses"
 TOO_DEEP = MAX_SCHEMA_DEPTH + 8  # deeper than a schema may be, shallower than a body may be
 assert TOO_DEEP + 4 < MAX_JSON_DEPTH
 
@@ -195,6 +200,54 @@ ROWS = [
     Row("query-nul", "GET", "/v1/conversations/{conv}/messages?leaf=%00", None,
         400, "invalid_unicode", "leaf"),
     Row("path-nul", "GET", "/v1/conversations/%00", None, 400, "invalid_unicode", None),
+    # -- the Responses and Conversations APIs (issue 21) ---------------------------------------
+    Row("responses-seed-2^64", "POST", RESPONSES, respond(seed=2**64), 400, None, "seed"),
+    Row("responses-max-output-tokens", "POST", RESPONSES, respond(max_output_tokens=2**64),
+        400, None, "max_output_tokens"),
+    Row("responses-stream-max-output-tokens", "POST", RESPONSES,
+        respond(max_output_tokens=INT32_MAX + 1, stream=True), 400, None, "max_output_tokens"),
+    Row("responses-schema-200-deep", "POST", RESPONSES, respond(text={"format": {
+        "type": "json_schema", "name": "s", "schema": nested_schema(400)}}),
+        400, "json_too_deep", "text"),
+    Row("responses-schema-past-its-depth", "POST", RESPONSES, respond(text={"format": {
+        "type": "json_schema", "name": "s", "schema": nested_schema(TOO_DEEP)}}),
+        400, "schema_too_deep", "text.format.schema"),
+    Row("responses-tool-parameters-past-their-depth", "POST", RESPONSES, respond(tools=[
+        {"type": "function", "name": "f", "parameters": nested_schema(TOO_DEEP)}]),
+        400, "schema_too_deep", "tools.0.parameters"),
+    Row("responses-input-surrogate", "POST", RESPONSES, respond(input="x\ud800"),
+        400, "invalid_unicode", "input"),
+    Row("responses-item-text-surrogate", "POST", RESPONSES, respond(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "x\ud800"}]}]),
+        400, "invalid_unicode", "input.0.content.0.text"),
+    Row("responses-instructions-nul", "POST", RESPONSES, respond(instructions="a\x00b"),
+        400, "invalid_unicode", "instructions"),
+    Row("responses-metadata-surrogate", "POST", RESPONSES, respond(metadata={"k": "v\ud800"}),
+        400, "invalid_unicode", "metadata.k"),
+    Row("responses-output-for-no-call", "POST", RESPONSES, respond(
+        previous_response_id="{resp}", input=[{"type": "function_call_output",
+                                               "call_id": "call_nope", "output": "x"}]),
+        400, None, "input.0.call_id"),
+    Row("responses-conversation-and-previous", "POST", RESPONSES, respond(
+        previous_response_id="{resp}", conversation="{conv}"), 400, None, "conversation"),
+    Row("responses-input-items-limit", "GET", "/v1/responses/{resp}/input_items?limit=1000",
+        None, 400, None, "limit"),
+    Row("responses-resume-starting-after", "GET",
+        "/v1/responses/{resp}?stream=true&starting_after=-1", None, 400, None,
+        "starting_after"),
+    Row("items-text-surrogate", "POST", "/v1/conversations/{conv}/items",
+        {"items": [{"role": "user", "content": "x\ud800"}]}, 400, "invalid_unicode",
+        "items.0.content"),
+    Row("items-bad-role", "POST", "/v1/conversations/{conv}/items",
+        {"items": [{"role": "robot", "content": "x"}]}, 400, None, "items.0.role"),
+    Row("items-output-for-no-call", "POST", "/v1/conversations/{conv}/items",
+        {"items": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+        400, None, "items.0.call_id"),
+    Row("create-items-bad-arguments", "POST", "/v1/conversations", {"items": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+        400, None, "items.0.arguments"),
+    Row("items-list-order", "GET", "/v1/conversations/{conv}/items?order=sideways", None,
+        400, None, "order"),
     # -- 10: a body over the cap, refused on its Content-Length --------------------------------
     Row("body-over-the-cap", "POST", MESSAGES,
         {"content": "x" * (4 * 2**20), "max_tokens": 0}, 413, "request_too_large", None),
@@ -276,7 +329,8 @@ class World:
 
     @property
     def names(self) -> dict[str, str]:
-        return {"conv": self.conv, "reply": self.reply}
+        return {"conv": self.conv, "reply": self.reply,
+                "resp": "resp_" + self.reply.removeprefix("msg_")}
 
     def snapshot(self) -> Any:
         """Everything a bad request could have changed."""

@@ -1,0 +1,370 @@
+"""OpenAI's Responses API over the turn service: a response is a stored assistant reply.
+
+- `previous_response_id` names the reply a response continues: its conversation is the one
+  the chain lives in, and the new input goes under that reply. A chain is a branch of the
+  conversation's tree; two responses continuing one response are sibling branches, and the
+  session's pinned KV is reused up to where they diverge (the engine matches the prompt
+  against the session's tokens). `conversation` continues a conversation's current leaf.
+  With neither, a stored response starts a new conversation. Another owner's response or
+  conversation, a deleted response and an unknown id are 404s.
+- The input items become stored messages in order (app/transports/response_items.py): all
+  but the last are stored first, as useChat's imported history is; the last one is the turn's
+  new message (a user, system or developer message, or a function_call_output). When the turn
+  cannot start (a 400 from planning, a 409), what was stored for it is taken out again.
+- `instructions` are that turn's system prompt (not carried along a chain, as OpenAI's);
+  `truncation` "auto" plans under the conversation's history policy, "disabled" (OpenAI's
+  default) needs the whole branch to fit, else 400 context_length_exceeded.
+- `store: false`: run like a stateless chat completion (nothing written; the prompt is the
+  branch `previous_response_id` or `conversation` names, then the input), in no session,
+  under the owner's cache salt, so the prefix cache serves it and keeps its blocks. Its id is
+  not retrievable.
+- What a stored response was asked with (instructions, tools, text format, metadata, where its
+  input starts) is kept with the reply (`messages.response`), so retrieve, input_items and
+  the stream read the tree.
+
+Outcomes: finish_reason stop/tool_calls -> `completed`; length -> `incomplete`
+(`max_output_tokens`); stopped or cut off by a restart -> `cancelled`; the engine failing ->
+`failed` with `error`. Usage: input/output/total tokens, `cached_tokens` (prompt tokens served
+from KV already in memory), `cache_write_tokens` (the rest: prefilled now, kept pinned)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from inference.chat_template import ChatMessage
+
+from app.errors import APIError, api_error, invalid_request, not_found
+from app.ops.limits import check_capacity, spend_on_finish
+from app.schemas.chat import (
+    SamplingFields,
+)
+from app.schemas.conversations import ROOT
+from app.schemas.response_items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ItemList,
+    MessageItem,
+    parse_items,
+)
+from app.schemas.responses import ResponseCreate, ResponseObject
+from app.state import AppState
+from app.store import ConversationRecord, KeyRecord, MessageRecord
+from app.transports.chat_completions import check_model
+from app.transports.response_requests import (
+    check_supported,
+    renamed,
+    response_record,
+    sampling_fields,
+)
+from app.transports.response_objects import (
+    Reply,
+    Stateless,
+    response_object,
+    skeleton,
+    stored_response,
+)
+from app.transports.response_items import (
+    visible_text,
+    call_ids,
+    items_of,
+    message_of_response,
+    joined,
+    page,
+    split_system,
+    store_messages,
+    to_messages,
+)
+from app.transports import sse
+from app.transports.responses_stream import (
+    drained,
+    final_stored,
+    response_events,
+    sse_lines,
+    stateless_stream,
+    watched,
+)
+from app.turns.events import TurnDelta, TurnEvent
+from app.turns.generation import Generation
+from app.turns.pipeline import as_chat, turn_system, usable
+from app.turns.prompting import offered_tools, sampling_params
+from app.turns.structured import output_grammar
+from app.turns.turn import Turn
+
+TITLE_CHARS = 80
+
+
+# -- where a response goes ------------------------------------------------------------------------
+
+
+async def find_reply(
+    state: AppState, owner: str, response: str
+) -> tuple[ConversationRecord, MessageRecord]:
+    """The stored reply a response id names, with its conversation; 404 for an unknown,
+    deleted or another owner's one."""
+    message_id = message_of_response(response)
+    found = await state.store.owned_message(owner, message_id) if message_id else None
+    message = found[1] if found is not None else None
+    if found is None or message is None or message.role != "assistant" or (
+            message.response is not None and message.response.get("deleted")):
+        raise not_found(f"response {response!r}")
+    return found
+
+
+async def find_response(state: AppState, owner: str, response: str) -> MessageRecord:
+    return (await find_reply(state, owner, response))[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    conversation: ConversationRecord | None  # None: a new one (when stored)
+    parent_id: str  # where the input goes (ROOT: a new root)
+    parent_calls: frozenset[str] = frozenset()  # the calls of the message it continues
+
+
+async def place(state: AppState, owner: str, body: ResponseCreate) -> Placement:
+    if body.previous_response_id is not None:
+        try:
+            conv, previous = await find_reply(state, owner, body.previous_response_id)
+        except APIError as e:
+            raise APIError(404, e.message, param="previous_response_id", code="not_found") from e
+        return Placement(conv, previous.id, frozenset(call_ids([previous])))
+    conversation_id = body.conversation_id
+    if conversation_id is not None:
+        found = await state.store.get_conversation(owner, conversation_id)
+        if found is None:
+            raise not_found(f"conversation {conversation_id!r}", "conversation")
+        return Placement(found, found.current_leaf_id or ROOT)
+    return Placement(None, ROOT)
+
+
+async def branch_of(state: AppState, placement: Placement) -> list[MessageRecord]:
+    conv = placement.conversation
+    if conv is None or placement.parent_id == ROOT:
+        return []
+    return await state.store.branch(conv.id, placement.parent_id)
+
+
+async def input_messages(state: AppState, body: ResponseCreate, placement: Placement
+                         ) -> tuple[str | None, list[ChatMessage]]:
+    """The input's leading system and developer messages (joined), and its other messages
+    to store. Outputs answer the calls of the input or of the branch (read only when the
+    message continued does not have them)."""
+    raw = body.input
+    items = [MessageItem(role="user", content=raw)] if isinstance(raw, str) else parse_items(
+        raw, "input")
+    given = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
+    answered = {i.call_id for i in items if isinstance(i, FunctionCallOutputItem)}
+    known: set[str] = set(placement.parent_calls)
+    if answered - given - known:
+        known = call_ids(await branch_of(state, placement))
+    system, messages = split_system(to_messages(items, "input", known), "input")
+    if not messages or messages[-1].role == "assistant":
+        raise invalid_request("the last input item must be a user message or a "
+                              "function_call_output", "input")
+    return system, messages
+
+
+# -- starting one ---------------------------------------------------------------------------------
+
+
+async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn | Stateless:
+    """Check the request, place it on the tree, store its input and start its turn (or, with
+    `store: false`, its stateless generation)."""
+    model = state.runtime.model_name
+    check_model(state, body.model or model)
+    check_supported(body)
+    fields = sampling_fields(body)
+    placement = await place(state, key.owner, body)
+    system, messages = await input_messages(state, body, placement)
+    if body.store is False:
+        return await _start_stateless(state, key, body, fields, placement, messages, system)
+    conv, created = placement.conversation, False
+    instructions = body.instructions
+    if conv is None:  # its system messages are the new conversation's system prompt
+        first_user = next((m.content for m in messages if m.role == "user" and m.content), None)
+        conv = await state.store.create_conversation(
+            key.owner, title=first_user[:TITLE_CHARS] if first_user else None,
+            system_prompt=system)
+        created = True
+    elif system is not None:  # continuing one: this turn's, with the instructions
+        instructions = joined(instructions or conv.system_prompt, system)
+    await _previous_turn_ended(state, conv.id)
+    parent, imported = await store_messages(state, conv.id, placement.parent_id,
+                                            messages[:-1], move_leaf=False)
+    record = response_record(body, model, imported[0].id if imported else None)
+    try:
+        return await state.turns.start(
+            key, conv.id, fields, new_message=messages[-1], parent_id=parent,
+            instructions=instructions, truncation=body.truncation == "auto",
+            reply_fields={"response": record},
+        )
+    except Exception as e:
+        # Nothing of a request that did not start stays behind.
+        if created:
+            await state.store.delete_conversation(key.owner, conv.id)
+        else:
+            for message in reversed(imported):
+                await state.store.delete_message(conv.id, message.id)
+        raise renamed(api_error(e)) from e
+
+
+async def _previous_turn_ended(state: AppState, conversation_id: str) -> None:
+    """Wait for this process's previous turn of the conversation to let go of it: its
+    client has its terminal event (an agent sends the next step at once) a moment before the
+    turn has released its lock."""
+    turn = state.turns.running(conversation_id)
+    if turn is not None and turn.is_done and turn.task is not None:
+        await asyncio.shield(turn.task)
+
+
+async def _start_stateless(
+    state: AppState,
+    key: KeyRecord,
+    body: ResponseCreate,
+    fields: SamplingFields,
+    placement: Placement,
+    messages: list[ChatMessage],
+    input_system: str | None,
+) -> Stateless:
+    runtime = state.runtime
+    conv = placement.conversation
+    system = turn_system(conv, body.instructions) if conv is not None else body.instructions
+    system = joined(system, input_system)
+    chat = ([ChatMessage("system", system)] if system else []) + [
+        as_chat(m) for m in usable(await branch_of(state, placement))] + messages
+    try:
+        prompt, params, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields,
+                                                           chat)
+        check_capacity(state)
+    except Exception as e:
+        raise renamed(api_error(e)) from e
+    generation = Generation(runtime, prompt, params, cache_salt=key.owner, tool_format=fmt,
+                            tool_names=names, on_finish=spend_on_finish(state, key.id))
+    hex_id = uuid.uuid4().hex
+    record = response_record(body, runtime.model_name, None) | {"store": False}
+    return Stateless(f"msg_{hex_id}", generation, record, int(time.time()))
+
+
+def _prepare_stateless(
+    state: AppState, fields: SamplingFields, chat: list[ChatMessage]
+) -> tuple[list[int], Any, str | None, set[str] | None]:
+    """The prompt's ids and the sampling parameters (CPU-bound: a worker thread runs it)."""
+    runtime = state.runtime
+    tools = offered_tools(fields)
+    names = {t.function.name for t in fields.tools} if fields.tools else None
+    fmt = runtime.template.tool_call_format if tools else None
+    grammar = output_grammar(fields, fmt, runtime.grammars)
+    prompt = runtime.builder.renderer.render_ids(chat, tools=tools)
+    params = sampling_params(fields, max_tokens=fields.reply_budget, grammar=grammar)
+    runtime.engine.validate_prompt(prompt, params)
+    return prompt, params, fmt, names
+
+
+# -- the other routes -------------------------------------------------------------------------
+
+
+async def delete(state: AppState, owner: str, response: str) -> None:
+    """A deleted response reads as not found and cannot be continued. Its message stays in
+    the tree as history of the responses that continue it (their prompts are exact
+    extensions of it), marked deleted in its record."""
+    message = await find_response(state, owner, response)
+    if message.status == "generating":
+        raise APIError(409, "This response is still being generated; cancel it first.",
+                       code="conversation_busy")
+    record = dict(message.response or {}) | {"deleted": True}
+    await state.store.update_message(message.id, response=record)
+
+
+async def cancel(state: AppState, owner: str, response: str) -> ResponseObject:
+    """Stop a response being generated (stored as cancelled with what it has) and return it;
+    a response that has ended is returned as it is."""
+    message = await find_response(state, owner, response)
+    if message.status == "generating":
+        turn = state.turns.running(message.conversation_id)
+        await state.turns.stop(owner, message.conversation_id)
+        if turn is not None and turn.message_id == message.id:
+            await turn.ended()
+        stored = await state.store.get_message(message.conversation_id, message.id)
+        message = stored or message
+    return stored_response(state, message)
+
+
+async def input_items(
+    state: AppState, owner: str, response: str, *, order: str, after: str | None, limit: int
+) -> ItemList:
+    """The items given as the response's input: the messages stored for it, oldest first."""
+    message = await find_response(state, owner, response)
+    if message.parent_id is None:
+        return page([], order=order, after=after, limit=limit)
+    branch = await state.store.branch(message.conversation_id, message.parent_id)
+    start_id = (message.response or {}).get("input_start")
+    ids = [m.id for m in branch]
+    start = ids.index(start_id) if start_id in ids else len(branch) - 1
+    fmt = state.runtime.template.tool_call_format
+    items = [item for m in branch[start:] for item in items_of(m, fmt)]
+    return page(items, order=order, after=after, limit=limit)
+
+
+
+# -- answering: whole, streamed, resumed ----------------------------------------------------------
+
+
+async def create(
+    state: AppState, key: KeyRecord, body: ResponseCreate, request: Request
+) -> ResponseObject | StreamingResponse:
+    """`POST /v1/responses`: the response once it has ended, or with `stream` its events. A
+    client that leaves a stream lets the reply go on for the WebSocket's grace period (it may
+    resume it with `GET /v1/responses/{id}?stream=true`); one that leaves a whole request
+    stops it."""
+    started = await start(state, key, body)
+    model = state.runtime.model_name
+    if isinstance(started, Stateless):
+        if body.stream:
+            return sse.sse_response(sse_lines(stateless_stream(state, started)))
+        generation = started.generation
+        result = await sse.run_unless_disconnected(request, drained(generation),
+                                                   generation.stop)
+        return response_object(Reply.generated(started, result), model)
+    turn = started
+    if body.stream:
+        return sse.sse_response(sse_lines(watched(state, turn)))
+    final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
+    return stored_response(state, final)
+
+
+async def resume(
+    state: AppState, owner: str, response: str, starting_after: int | None
+) -> StreamingResponse:
+    """`GET /v1/responses/{id}?stream=true`: the response's events from the start, or those
+    after `starting_after` (the turn service's attach() is the source: the live turn, one that
+    ended here lately, another process's buffer, else the stored reply)."""
+    message = await find_response(state, owner, response)
+    events = await state.turns.attach(message.conversation_id, message.id, 0)
+    visible = visible_text(message, state.runtime.template.tool_call_format)
+    return sse.sse_response(sse_lines(
+        response_events(_without_markup(events, message, visible), skeleton(state, message),
+                        message.id, final_stored(state, message)), starting_after))
+
+
+async def _without_markup(events: AsyncIterator[TurnEvent], message: MessageRecord,
+                          visible: str | None) -> AsyncIterator[TurnEvent]:
+    """A stored reply's events (attach()'s last source) tell its stored text, which for a
+    reply with calls holds their markup; a live turn's deltas never do. That text is shown as
+    the response shows it."""
+    async for event in events:
+        if (isinstance(event, TurnDelta) and message.tool_calls and event.offset == 0
+                and event.text == message.content and visible != message.content):
+            if visible:
+                yield TurnDelta(event.message_id, visible, 0)
+            continue
+        yield event
+
+
