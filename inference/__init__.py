@@ -44,7 +44,13 @@ if TYPE_CHECKING:
     from .scheduler import SchedulerConfig
     from .tokenizer import Tokenizer, TokenizerError
     from .tokenizer_files import load_tokenizer
-    from .tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamParser
+    from .tool_calls import (
+        ContentDelta,
+        ToolCall,
+        ToolCallDelta,
+        ToolCallStreamParser,
+        parse_tool_calls,
+    )
     from .turn_planner import NEW, TurnPlan, branch_key, plan_turn, prompt_key
 
 # name -> the module (in this package) that defines it
@@ -78,7 +84,8 @@ _MODULE_OF = {
     **dict.fromkeys(("Tokenizer", "TokenizerError"), "tokenizer"),
     "load_tokenizer": "tokenizer_files",
     **dict.fromkeys(
-        ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser"), "tool_calls"
+        ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser",
+         "parse_tool_calls"), "tool_calls"
     ),
     **dict.fromkeys(("NEW", "TurnPlan", "branch_key", "plan_turn", "prompt_key"),
                     "turn_planner"),

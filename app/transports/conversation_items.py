@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage
 
 from app.errors import APIError, busy, not_found
 from app.schemas.conversations import ROOT, ConversationCreate

@@ -19,8 +19,7 @@ import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from inference.chat_template import ChatMessage
-from inference.tool_calls import parse_tool_calls
+from inference import ChatMessage, parse_tool_calls
 
 from app.errors import APIError, invalid_request
 from app.schemas.conversations import ROOT

@@ -34,12 +34,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from inference.chat_template import ChatMessage
+from inference import ChatMessage, CheckedRequest
 
 from app.errors import APIError, api_error, invalid_request, not_found
 from app.ops.limits import check_capacity, spend_on_finish
@@ -241,12 +240,11 @@ async def _start_stateless(
     chat = ([ChatMessage("system", system)] if system else []) + [
         as_chat(m) for m in usable(await branch_of(state, placement))] + messages
     try:
-        prompt, params, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields,
-                                                           chat)
+        request, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields, chat)
         check_capacity(state)
     except Exception as e:
         raise renamed(api_error(e)) from e
-    generation = Generation(runtime, prompt, params, cache_salt=key.owner, tool_format=fmt,
+    generation = Generation(runtime, request, cache_salt=key.owner, tool_format=fmt,
                             tool_names=names, on_finish=spend_on_finish(state, key.id))
     hex_id = uuid.uuid4().hex
     record = response_record(body, runtime.model_name, None) | {"store": False}
@@ -255,8 +253,9 @@ async def _start_stateless(
 
 def _prepare_stateless(
     state: AppState, fields: SamplingFields, chat: list[ChatMessage]
-) -> tuple[list[int], Any, str | None, set[str] | None]:
-    """The prompt's ids and the sampling parameters (CPU-bound: a worker thread runs it)."""
+) -> tuple[CheckedRequest, str | None, set[str] | None]:
+    """The checked engine request (prompt ids and sampling parameters), the tool-call format
+    and the tool names (CPU-bound: a worker thread runs it)."""
     runtime = state.runtime
     tools = offered_tools(fields)
     names = {t.function.name for t in fields.tools} if fields.tools else None
@@ -264,8 +263,7 @@ def _prepare_stateless(
     grammar = output_grammar(fields, fmt, runtime.grammars)
     prompt = runtime.builder.renderer.render_ids(chat, tools=tools)
     params = sampling_params(fields, max_tokens=fields.reply_budget, grammar=grammar)
-    runtime.engine.validate_prompt(prompt, params)
-    return prompt, params, fmt, names
+    return runtime.engine.check_request(prompt, params), fmt, names
 
 
 # -- the other routes -------------------------------------------------------------------------
