@@ -93,6 +93,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
         await state.leases.close()
         await coord.close()
+        runtime.close()
         identity.retire()
         await store.close()
 

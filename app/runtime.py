@@ -66,6 +66,10 @@ class Runtime:
     async def shutdown(self, drain_timeout: float) -> None:
         """Finish or abort in-flight requests (their callers store them), stop the thread."""
         await asyncio.to_thread(self.async_engine.shutdown, drain_timeout)
+
+    def close(self) -> None:
+        """Stop the worker threads: last, once every turn has stored its reply (storing one
+        measures it on a worker)."""
         self._cpu.shutdown(wait=False, cancel_futures=True)
 
     @property
