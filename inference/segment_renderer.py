@@ -51,12 +51,15 @@ class SegmentRenderer:
         self,
         template: ChatTemplate,
         *,
-        max_cached_tokens: int = 8_000_000,
-        max_states: int = 4096,
+        max_cached_tokens: int = 1_000_000,
+        max_states: int = 1024,
+        max_state_chars: int = 16_000_000,
     ) -> None:
         self.template = template
         self.max_cached_tokens = max_cached_tokens
         self.max_states = max_states
+        self.max_state_chars = max_state_chars  # the kept renders' text, all conversations
+        self._state_chars = 0
         self._lock = threading.Lock()
         self._segments: OrderedDict[MessageKey, array[int]] = OrderedDict()
         self._cached_tokens = 0
@@ -97,7 +100,8 @@ class SegmentRenderer:
     def forget(self, state_key: Hashable) -> None:
         """Drop a conversation's kept segments (it was deleted)."""
         with self._lock:
-            self._states.pop(state_key, None)
+            dropped = self._states.pop(state_key, None)
+            self._state_chars -= len(dropped.text) if dropped is not None else 0
 
     # -- local templates -------------------------------------------------------------------------
 
@@ -204,8 +208,12 @@ class SegmentRenderer:
             previous=previous)
         if state_key is not None:
             with self._lock:
+                old = self._states.pop(state_key, None)
+                self._state_chars -= len(old.text) if old is not None else 0
                 self._states[state_key] = rendered
-                self._states.move_to_end(state_key)
-                while len(self._states) > self.max_states:
-                    self._states.popitem(last=False)
+                self._state_chars += len(rendered.text)
+                while len(self._states) > 1 and (len(self._states) > self.max_states
+                                                  or self._state_chars > self.max_state_chars):
+                    _, dropped = self._states.popitem(last=False)
+                    self._state_chars -= len(dropped.text)
         return rendered.segments
