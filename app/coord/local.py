@@ -161,6 +161,10 @@ class LocalCoordinator(Coordinator):
             return existing
         record = IdempotencyRecord(fingerprint, attempt=dict(attempt or {}))
         self._idempotency[key] = (record, self.clock() + ttl)
+        if len(self._idempotency) % 1024 == 0:  # now and then, drop the expired ones
+            now = self.clock()
+            for stale in [k for k, (_, expires) in self._idempotency.items() if expires <= now]:
+                del self._idempotency[stale]
         return None
 
     def _running(self, key: str, attempt_id: str) -> tuple[IdempotencyRecord, float] | None:
