@@ -188,7 +188,7 @@ def main() -> None:
         parser.error(f"--steps must be at least {LATE + 1}")
     load_start = os.getloadavg()
     ensure_model(args.model, "dev")
-    from tests.service import free_port
+    from bench.serve_rest import free_port
 
     runs: dict[str, list[list[Step]]] = {"resend": [], "responses": []}
     counted: dict[str, int] = {"resend": 0, "responses": 0}

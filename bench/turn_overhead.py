@@ -204,7 +204,7 @@ def main() -> None:
         parser.error(f"--turns must be at least {EARLY[1] + 10}")
     load_start = os.getloadavg()
     ensure_model(args.model, "dev")
-    from tests.service import free_port
+    from bench.serve_rest import free_port
 
     with tempfile.TemporaryDirectory() as data:
         process, key = start_server(args.model, Path(data), port := free_port())
