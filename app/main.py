@@ -177,7 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_origins=settings.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["x-request-id", "retry-after"],
+            expose_headers=["x-request-id", "retry-after", "x-kvchat-replica"],
         )
 
     app.add_middleware(RequestIdMiddleware)

@@ -42,15 +42,6 @@ def haproxy_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent goes (prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
         return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
@@ -70,14 +61,18 @@ class Process:
 
     def spawn(self, command: list[str], env: dict[str, str]) -> None:
         """Start `command` in a process group of its own (a terminal's Ctrl-C reaches the
-        fleet, which stops its processes in order) that dies with the thread that started it
-        (Linux: no replica outlives a killed fleet)."""
+        fleet, which stops its processes in order) that, where util-linux's `setpriv` is
+        there, gets SIGTERM when the thread that started it ends (no replica outlives a killed
+        fleet; set before exec by setpriv, not by Python code in the forked child, which is
+        unsafe in a process with threads)."""
         assert self.process is None or self.process.poll() is not None, "already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None and sys.platform.startswith("linux"):
+            command = [setpriv, "--pdeathsig", "TERM", *command]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, process_group=0,
-                                        preexec_fn=_die_with_parent)
+                                        stdin=subprocess.DEVNULL, env=env, process_group=0)
 
     @property
     def pid(self) -> int | None:
