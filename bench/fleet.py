@@ -57,8 +57,7 @@ _WORD_LIST = (
 )
 WORDS = tuple(_WORD_LIST.split(" "))
 MAX_RETRIES = 4  # connection errors, 409 (a lock another replica still holds), 5xx
-REPLICA_ENV = {"KVCHAT_KV_CACHE_BYTES": str(256 * 2**20), "KVCHAT_LOG_LEVEL": "warning",
-               "OMP_NUM_THREADS": "1", "KVCHAT_SEED": "0"}
+REPLICA_ENV = {"KVCHAT_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1", "KVCHAT_SEED": "0"}
 
 
 @dataclass(frozen=True)
@@ -301,7 +300,9 @@ def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], s
     from app.fleet import Fleet, FleetConfig
     from tests.service import postgres_database
 
-    env = {**REPLICA_ENV, **dict(variant.replica_env)}
+    env = {**REPLICA_ENV, "KVCHAT_KV_CACHE_BYTES": str(args.kv_cache_mib * 2**20),
+           "KVCHAT_HOST_CACHE_BYTES": str(args.host_cache_mib * 2**20),
+           **dict(variant.replica_env)}
     with postgres_database() as url:
         config = FleetConfig(
             model=args.model, database_url=url, redis_url=args.redis_url,
@@ -433,6 +434,11 @@ def main() -> None:
     parser.add_argument("--opening-words", type=int, default=120)
     parser.add_argument("--question-words", type=int, default=100)
     parser.add_argument("--think", type=float, default=0.3, help="seconds between rounds")
+    parser.add_argument("--kv-cache-mib", type=int, default=96,
+                        help="each replica's KV pool (the bench preset: 12 KiB a token, so 96 "
+                        "MiB hold 8k tokens: a replica's share of the histories, not all)")
+    parser.add_argument("--host-cache-mib", type=int, default=64,
+                        help="each replica's host pool for offloaded sessions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "fleet.md")
     args = parser.parse_args()
@@ -477,6 +483,9 @@ def main() -> None:
                     f"{args.system_words} words, openings of {args.opening_words}, questions "
                     f"of {args.question_words}; {args.max_tokens}-token greedy replies; "
                     f"{args.think} s think time",
+        "memory": f"each replica's KV pool {args.kv_cache_mib} MiB, host pool "
+                  f"{args.host_cache_mib} MiB: about its share of the users' histories (what "
+                  "a fleet is for: more live conversations than one replica holds)",
     }, load_start=load_start, load_end=load_end)
     table = markdown_table(
         ["variant", "calls", "replicas used", "cached / ideal (replies)",
