@@ -1,5 +1,6 @@
-# kvchat — the two commands the README names:
+# kvchat — the commands the README names:
 #   make serve   set up and run the service on the embedded defaults
+#   make fleet   HAProxy + FLEET_REPLICAS replicas on this machine's Postgres and Redis
 #   make test    set up and run the test suite
 # and the attack campaign CI runs after it:
 #   make attack  fuzz, abuse and crash started servers (tests/attack)
@@ -10,8 +11,11 @@ MODEL_DIR   ?= models/dev
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+FLEET_REPLICAS ?= 2
+FLEET_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/kvchat_fleet
+FLEET_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: setup serve test attack lint bench clean
+.PHONY: setup serve fleet test attack lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +34,15 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 # start the server makes an admin API key and prints it with the URL.
 serve: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvchat serve --model $(MODEL_DIR)
+
+# A fleet on one machine: HAProxy on :8080 (stats on :8404) in front of FLEET_REPLICAS replicas of
+# the dev model on free ports, against the local Postgres (database kvchat_fleet, created and
+# migrated when missing) and Redis (keys under kvchat-fleet:). Prints the URL and, on first
+# start, an admin key; Ctrl-C stops them all.
+fleet: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/kvchat fleet --model $(MODEL_DIR) --replicas $(FLEET_REPLICAS) \
+		--database-url $(FLEET_DATABASE_URL) --redis-url $(FLEET_REDIS_URL) \
+		--redis-prefix kvchat-fleet: --create-database
 
 # tests/attack is `make attack`: it drives started servers from outside, so it runs once,
 # not a second time under python -O.

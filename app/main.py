@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import FrameType
 from typing import Any
 from contextlib import asynccontextmanager
 
@@ -69,6 +70,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     coord = make_coordinator(settings.redis_url, settings.redis_prefix)
     await coord.start()
     identity = ProcessIdentity(settings.replica_id or default_replica_id(settings.port))
+    runtime.metrics.name_replica(identity.replica_id)
     state = AppState(settings=settings, store=store, runtime=runtime, coord=coord,
                      identity=identity)
     state.turns = TurnService(state)
@@ -91,6 +93,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await runtime.shutdown(settings.drain_timeout)
         if state.background:
             await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
+        # The engine thread has stopped; its KV pool and pinned sessions are still here.
+        await state.drain.before_exit(state)
         await state.leases.close()
         await coord.close()
         runtime.close()
@@ -103,19 +107,33 @@ def announce_key(plaintext: str) -> None:
     print(f"kvchat: created an admin API key (shown once, keep it): {plaintext}", flush=True)
 
 
+REPLICA_HEADER = b"x-kvchat-replica"
+
+
+def _replica_of(scope: Scope) -> bytes | None:
+    """This process's replica id (KVCHAT_REPLICA_ID) once the lifespan has started."""
+    state = getattr(scope["app"].state, "kvchat", None) if "app" in scope else None
+    return state.replica_id.encode() if state is not None else None
+
+
 class RequestIdMiddleware:
-    """An `x-request-id` on every response, as OpenAI's API sends, and the headers a route
-    left in `request.state.extra_headers`. Plain ASGI (not BaseHTTPMiddleware), so a client's
+    """An `x-request-id` on every response, as OpenAI's API sends, `x-kvchat-replica` (the
+    replica that served it; on a WebSocket's handshake too) and the headers a route left in
+    `request.state.extra_headers`. Plain ASGI (not BaseHTTPMiddleware), so a client's
     disconnect still reaches the routes."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, self._with_replica(scope, send))
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = f"req_{uuid.uuid4().hex}".encode()
+        replica = _replica_of(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -123,6 +141,8 @@ class RequestIdMiddleware:
                 names = {k.lower() for k, _ in headers}
                 if b"x-request-id" not in names:
                     headers.append((b"x-request-id", request_id))
+                if replica is not None:
+                    headers.append((REPLICA_HEADER, replica))
                 # Headers a route left in request.state (rate-limit counters).
                 extra = scope.get("state", {}).get("extra_headers", {})
                 headers += [(k.encode(), v.encode()) for k, v in extra.items()
@@ -131,6 +151,18 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+    @staticmethod
+    def _with_replica(scope: Scope, send: Send) -> Send:
+        replica = _replica_of(scope)
+
+        async def send_accept(message: Message) -> None:
+            if message["type"] == "websocket.accept" and replica is not None:
+                headers = [*message.get("headers", []), (REPLICA_HEADER, replica)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return send_accept
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -151,7 +183,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_origins=settings.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["x-request-id", "retry-after"],
+            expose_headers=["x-request-id", "retry-after", "x-kvchat-replica"],
         )
 
     app.add_middleware(RequestIdMiddleware)
@@ -172,14 +204,35 @@ def configure_logging(level: str) -> None:
 
 
 def serve(settings: Settings) -> None:
-    """Run the app under uvicorn until SIGINT/SIGTERM. On the signal, open connections get
-    `drain_timeout` seconds; replies still being generated are then stopped by the engine's
-    drain and stored as interrupted (not as cancelled by a client)."""
+    """Run the app under uvicorn until SIGINT/SIGTERM. With a `drain_grace`, the first signal
+    starts a drain (app/ops/drain.py): /readyz answers 503 `draining` while the server goes on
+    serving until its load balancer has seen that; a second signal stops it at once. Then
+    open connections get `drain_timeout` seconds; replies still being generated are stopped
+    by the engine's drain and stored as interrupted (not as cancelled by a client), and the
+    exit hooks run."""
     import uvicorn
 
     app = create_app(settings)
 
     class Server(uvicorn.Server):
+        drain_requested = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # A signal handler: it only sets flags, which on_tick (every 0.1 s) acts on.
+            state = getattr(app.state, "kvchat", None)
+            if state is not None and state.drain.is_graceful and not self.drain_requested:
+                self.drain_requested = True
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            state = getattr(app.state, "kvchat", None)
+            if state is not None and self.drain_requested:
+                state.drain.begin()
+                if state.drain.is_grace_over():
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets: list[Any] | None = None) -> None:
             state = getattr(app.state, "kvchat", None)
             if state is not None:

@@ -73,11 +73,23 @@ class Settings(BaseSettings):
     redis_prefix: str = Field("kvchat:", description="Prefix of every Redis key and channel.")
     cors_origins: list[str] = Field(default_factory=list)
     drain_timeout: float = Field(10.0, description="Seconds in-flight turns get at shutdown.")
+    drain_grace: float = Field(
+        0.0, ge=0, description="Seconds a replica keeps serving after SIGTERM while /readyz "
+        "answers 503 `draining`, so a load balancer takes it out of rotation before it stops "
+        "listening (0: stop at once, a single process's default; app/ops/drain.py).")
+    drain_probes: int = Field(
+        0, ge=0, description="The grace ends early once /readyz has answered `draining` this "
+        "many times: the balancer's health check has seen it (0: only drain_grace counts).")
     log_level: str = "info"
     replica_id: str | None = Field(
         None, description="This process's name in session leases (default: host:port:pid)."
     )
     lease_ttl: float = Field(30.0, description="Session ownership leases expire unless renewed.")
+    keyless_sessions: bool = Field(
+        False, description="Stateless chat completions without X-Session-Id run in a session "
+        "named by their opening (the first message, and the second when the first is a system "
+        "message), as a load balancer routes them: each call reuses the last one's KV "
+        "exactly, its replies spliced back by their ids. A fleet turns it on.")
     turn_lock_ttl: float = Field(
         10.0, gt=0, description="A conversation's turn lock expires this long after its "
         "holder last renewed it (renewed every third of it while the turn runs): a crashed "

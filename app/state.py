@@ -13,6 +13,7 @@ from fastapi import Depends, Header, Request
 
 from app.coord import Coordinator, ProcessIdentity
 from app.errors import APIError, invalid_api_key
+from app.ops.drain import Drain, persist_pinned_sessions
 from app.turns.prompting import GeneratedIds
 from app.runtime import Runtime
 from app.settings import Settings
@@ -58,9 +59,12 @@ class AppState:
     websockets: dict[str, int] = field(default_factory=dict)  # key id -> open sockets
     leases: Any = None  # LeaseKeeper: this process's session ownership leases
     shutting_down: bool = False  # set on SIGTERM: replies are left to the engine's drain
+    drain: Drain = field(init=False)  # SIGTERM to exit: not ready, grace, exit hooks
 
     def __post_init__(self) -> None:
         self.defaults = SessionDefaults.of(self.settings)
+        self.drain = Drain(self.settings.drain_grace, self.settings.drain_probes,
+                           exit_hooks=[persist_pinned_sessions])
 
     @property
     def replica_id(self) -> str:

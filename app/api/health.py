@@ -1,4 +1,5 @@
-"""`/healthz` (the process is up) and `/readyz` (database, engine, migrations)."""
+"""`/healthz` (the process is up) and `/readyz` (database, engine, migrations; 503
+`draining` from SIGTERM on, so a load balancer stops sending it requests: app/ops/drain.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(state: StateDep) -> JSONResponse:
+    if state.drain.is_draining:
+        state.drain.probed()
+        return JSONResponse({"status": "draining", "replica": state.replica_id},
+                            status_code=503)
     checks: dict[str, Any] = {}
     try:
         checks["database"] = await state.store.ping()
@@ -33,4 +38,5 @@ async def readyz(state: StateDep) -> JSONResponse:
     checks["coordination"] = {"backend": state.coord.name, "healthy": coordination}
     ready = bool(checks["database"] and checks["migrations"] and checks["engine"])
     status = "ready" if ready and coordination else ("degraded" if ready else "not_ready")
-    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
+    return JSONResponse({"status": status, "replica": state.replica_id, "checks": checks},
+                        status_code=200 if ready else 503)

@@ -1,4 +1,5 @@
-"""The `kvchat` command line: serve, db, keys, admin, generate, init-model, memory."""
+"""The `kvchat` command line: serve, fleet, db, keys, admin, generate,
+init-model, memory."""
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import typer
 
 from app.cli.admin import admin_app
 from app.cli.db import db_app, keys_app
+from app.cli.fleet import fleet_cmd
 
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
@@ -238,6 +239,8 @@ def serve(
     except _user_errors() as e:
         fail(str(e))
 
+
+app.command("fleet")(fleet_cmd)
 
 memory_app = typer.Typer(help="Plan and inspect KV-cache memory.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")

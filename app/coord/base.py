@@ -316,6 +316,12 @@ class Coordinator(abc.ABC):
         """Hold `name` for `holder` (or renew it) unless another holder has it."""
 
     @abc.abstractmethod
+    async def take_lease(self, name: str, holder: str, ttl: float) -> str | None:
+        """Hold `name` for `holder` whoever holds it now; returns the holder it had (None when
+        none or expired). For a replica that has just served a conversation's turn under its
+        fenced turn lock: its copy of the session is the newest, wherever the last one was."""
+
+    @abc.abstractmethod
     async def release_lease(self, name: str, holder: str) -> None: ...
 
     @abc.abstractmethod

@@ -1,7 +1,22 @@
-"""Session ownership leases: which process holds a conversation's pinned KV. A lease is taken
-when a turn leaves its session pinned, renewed while the session holds KV (on the device or
-the host), and released when the session is dropped or evicted, and at shutdown. The base
-for routing a conversation to the replica that holds it."""
+"""Session ownership leases: which process holds a conversation's newest pinned KV. A lease is
+taken when a turn leaves its session pinned — taken over from another replica if that one
+held it (the turn ran under the conversation's fenced turn lock, so this replica's copy is now
+the newest) — renewed while the session holds KV (on the device or the host), and released
+when the session is dropped or evicted, and at shutdown. A replica whose lease was taken over
+stops renewing it and keeps its copy for the LRU to age out.
+
+Why a replica's copy that another replica's turns made stale is harmless: KV is a function of
+token ids and their positions only (causal attention: the K and V of token i depend on tokens
+0..i and nothing after). The engine reuses a session's pinned KV only over the longest common
+prefix of its pinned token ids and the new prompt (memory/sessions.py, `claim`), and the
+prompt is rendered from the stored history, including what other replicas added. Whatever
+those turns changed — new messages, an edit, a regenerated reply, a trim or a summary — makes
+the token ids diverge at the first changed token, and the KV past that point is released, never
+read; the KV before it is exactly what a recompute would produce. Windowed turns pin only KV
+that full attention would have computed (inference/scheduler.py, `remove`). So a stale copy is
+reused as far as it is right and no further, with no epoch to compare; the lease only says
+where the newest copy is, and a turn that finds another replica held it counts in
+`kvchat:session_moves`."""
 
 from __future__ import annotations
 
@@ -57,13 +72,15 @@ class LeaseKeeper:
         return info is not None and info.holds_kv
 
     async def hold(self, conversation_id: str) -> None:
-        """After a turn: lease the session if it pinned KV."""
+        """After a turn (which held the conversation's turn lock): lease the session if it
+        pinned KV, from whichever replica held it before."""
         if await self._holds_kv(conversation_id):
-            if await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
-                                              self.ttl):
-                self.held.add(conversation_id)
-            else:
-                log.warning("session %s is leased to another process", conversation_id)
+            previous = await self.coord.take_lease(lease_name(conversation_id), self.holder,
+                                                   self.ttl)
+            self.held.add(conversation_id)
+            if previous is not None and previous != self.holder:
+                self.runtime.metrics.session_moves.inc()
+                log.info("session %s moved here from %s", conversation_id, previous)
         else:
             await self.release(conversation_id)
 
@@ -72,13 +89,14 @@ class LeaseKeeper:
         await self.coord.release_lease(lease_name(conversation_id), self.holder)
 
     async def sync(self) -> None:
-        """Renew the leases of sessions that still hold KV; release the others."""
+        """Renew the leases of sessions that still hold KV; release the others; forget those
+        another replica took over (its turns made this copy stale)."""
         for conversation_id in list(self.held):
-            if await self._holds_kv(conversation_id):
-                await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
-                                               self.ttl)
-            else:
+            if not await self._holds_kv(conversation_id):
                 await self.release(conversation_id)
+            elif not await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
+                                                    self.ttl):
+                self.held.discard(conversation_id)
 
     async def _renew_forever(self) -> None:
         while True:

@@ -261,6 +261,11 @@ class LocalCoordinator(Coordinator):
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> bool:
         return self._hold(self._leases, name, holder, ttl)
 
+    async def take_lease(self, name: str, holder: str, ttl: float) -> str | None:
+        previous = await self.lease_holder(name)
+        self._leases[name] = (holder, self.clock() + ttl)
+        return previous
+
     async def release_lease(self, name: str, holder: str) -> None:
         held = self._leases.get(name)
         if held is not None and held[0] == holder:

@@ -439,6 +439,14 @@ class RedisCoordinator(Coordinator):
 
         return await self._call(work, lambda: self.local.acquire_lease(name, holder, ttl))
 
+    async def take_lease(self, name: str, holder: str, ttl: float) -> str | None:
+        async def work() -> str | None:
+            previous = await self.redis.set(f"{self.prefix}lease:{name}", holder,
+                                            px=int(ttl * 1000), get=True)
+            return None if previous is None else str(previous)
+
+        return await self._call(work, lambda: self.local.take_lease(name, holder, ttl))
+
     async def release_lease(self, name: str, holder: str) -> None:
         async def work() -> None:
             await self.redis.eval(RELEASE, 1, f"{self.prefix}lease:{name}", holder)

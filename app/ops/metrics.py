@@ -1,7 +1,9 @@
 """Prometheus metrics (prometheus-client), named after vLLM's v1 metrics under a `kvchat:`
 prefix with the same histogram buckets, plus kvchat's own: pinned sessions, session reuse,
 offloads / restores / drops, history trims and summaries, cached tokens by source, WebSocket
-connections, rate-limited requests.
+connections, rate-limited requests, the replica's name (`kvchat:replica_info{replica=...}`, the
+name HAProxy's server and the `X-Kvchat-Replica` header carry) and sessions that moved here from
+another replica.
 
 Engine-side values come from the EngineStats the engine thread publishes after each step (the
 snapshot admission control reads), and the history counters from the service's own
@@ -12,7 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -121,6 +130,12 @@ class Metrics:
                                     "Requests refused by a rate limit.", registry=r)
         self.websocket_connections = Gauge(PREFIX + "websocket_connections",
                                            "Open WebSocket connections.", registry=r)
+        self.replica = Info(PREFIX + "replica", "The replica this process is (its replica id).",
+                            registry=r)
+        self.session_moves = Counter(
+            PREFIX + "session_moves", "Turns of a conversation whose session lease another "
+            "replica held: its KV here, if any, was reused only as far as its token ids match.",
+            registry=r)
         r.register(EngineCollector(stats, history))
 
     def finished(self, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
@@ -132,6 +147,9 @@ class Metrics:
             self.queue.observe(queue_s)
         self.generation_tokens.inc(completion_tokens)
         self.request_success.labels(finish_reason).inc()
+
+    def name_replica(self, replica_id: str) -> None:
+        self.replica.info({"replica": replica_id})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

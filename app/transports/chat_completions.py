@@ -1,8 +1,10 @@
 """Stateless chat completions (OpenAI's `POST /v1/chat/completions`): the client sends the whole
 history every call. With an `X-Session-Id` the call runs in that session (scoped to the key's
 owner), so its pinned KV is reused exactly as in the conversations API; without one the prefix
-cache still serves. Nothing is stored. Operators see such a session, evict it and set its
-budget by its `sess_...` id (app.turns.prompting.session_key)."""
+cache still serves, and with KVCHAT_KEYLESS_SESSIONS the call runs in a session named by the
+conversation's opening (app.turns.prompting.opening_session_key). Nothing is stored. Operators
+see such a session, evict it and set its budget by its `sess_...` id
+(app.turns.prompting.session_key)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,13 @@ from app.transports import sse
 from app.errors import APIError, engine_failure
 from app.ops.limits import check_capacity, spend_on_finish
 from app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
-from app.turns.prompting import chat_messages, offered_tools, sampling_params, session_key
+from app.turns.prompting import (
+    chat_messages,
+    offered_tools,
+    opening_session_key,
+    sampling_params,
+    session_key,
+)
 from app.schemas import chat as schema
 from app.state import AppState
 from app.turns.structured import output_grammar
@@ -46,6 +54,8 @@ async def create(
     runtime = state.runtime
     check_model(state, body.model)
     skey = session_key(key.owner, session_header)
+    if skey is None and state.settings.keyless_sessions:
+        skey = opening_session_key(key.owner, body.messages)
     requests, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
     check_capacity(state)
     started = time.monotonic()

@@ -226,3 +226,32 @@ def session_key(owner: str, session_id: str | None) -> str | None:
         )
     digest = hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()
     return f"{STATELESS_SESSION_PREFIX}{digest[:32]}"
+
+
+OPENING_ROLES = ("system", "developer")  # a first message of these: the opening takes two
+
+
+def opening(messages: Sequence[Message]) -> list[str] | None:
+    """What names a conversation whose client sends no session key and resends its history
+    each call: the text of its first message, and of the second too when the first is a
+    system (or developer) message (a system prompt shared by many conversations names none of
+    them). The same on every call of the conversation, since the history only grows; the rule
+    HAProxy's routing key for such calls follows (app/fleet/haproxy.cfg.j2). None when there
+    is no such text (a first message of tool calls only)."""
+    count = 2 if messages and messages[0].role in OPENING_ROLES else 1
+    texts = [m.text for m in messages[:count]]
+    if len(texts) < count or any(t is None for t in texts):
+        return None
+    return [t for t in texts if t is not None]
+
+
+def opening_session_key(owner: str, messages: Sequence[Message]) -> str | None:
+    """The engine session of a keyless stateless call (KVCHAT_KEYLESS_SESSIONS): `sess_` and
+    32 hex digits of sha256(owner, NUL, NUL, the opening's texts each after a NUL): never an
+    X-Session-Id's key (a header has no NUL). Conversations that open alike share a session:
+    harmless, since the engine reuses a session's KV only as far as the token ids match."""
+    texts = opening(messages)
+    if texts is None:
+        return None
+    digest = hashlib.sha256("\0".join([owner, "", *texts]).encode()).hexdigest()
+    return f"{STATELESS_SESSION_PREFIX}{digest[:32]}"

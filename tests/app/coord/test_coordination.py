@@ -218,6 +218,22 @@ async def test_leases(coord: Coordinator) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_lease_is_taken_over_by_the_replica_that_served_the_last_turn(
+    coord: Coordinator,
+) -> None:
+    assert await coord.take_lease("session:m", "replica-a", 30) is None
+    assert await coord.take_lease("session:m", "replica-a", 30) == "replica-a"
+    # replica-b served a turn: the lease is its now, and a's renewal says so.
+    assert await coord.take_lease("session:m", "replica-b", 30) == "replica-a"
+    assert await coord.lease_holder("session:m") == "replica-b"
+    assert not await coord.acquire_lease("session:m", "replica-a", 30)
+    await coord.release_lease("session:m", "replica-a")  # not a's: kept
+    assert await coord.lease_holder("session:m") == "replica-b"
+    await coord.release_lease("session:m", "replica-b")
+    assert await coord.take_lease("session:m", "replica-a", 30) is None
+
+
+@pytest.mark.anyio
 async def test_buffered_events_replay_then_follow(coord: Coordinator) -> None:
     await coord.append_event("reply:m", {"type": "start"}, 60)
     await coord.append_event("reply:m", {"type": "delta", "text": "ab", "offset": 0}, 60)

@@ -1,0 +1,128 @@
+"""A replica's drain: what happens between SIGTERM and the process's exit, so a rolling restart
+behind a load balancer loses no request and no message.
+
+1. `begin()` (the first SIGTERM or SIGINT): `/readyz` answers 503 `draining` from now on, so
+   the balancer's health checks take the replica out of rotation; the replica still serves
+   whatever reaches it meanwhile.
+2. The grace: the process keeps listening until the balancer has seen it draining — `probes`
+   answers of `/readyz` since `begin()` (when `probes` > 0), or `grace` seconds, whichever
+   comes first. A request that reaches the replica after it stopped listening is refused at
+   the connection, which a balancer retries on another replica (HAProxy's `retries` with
+   `option redispatch`), so the grace spares retries; it is not what makes the drain safe.
+3. uvicorn stops listening and waits for open connections; in-flight turns finish within
+   `drain_timeout` (past it the engine stops them and they are stored interrupted, as on
+   any shutdown).
+4. `before_exit()`: the exit hooks, with the engine stopped and its KV pool still in memory.
+   The one registered by default, `persist_pinned_sessions`, is where pinned sessions' blocks
+   go to the KV store so the replicas their conversations move to load them instead of
+   recomputing; kvchat has no KV store yet, so it reports what leaves with the process.
+5. Leases are released, connections closed, the process exits.
+
+With `grace` 0 (the default of a single process) a signal stops the server at once, as
+before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memory import SessionState
+
+if TYPE_CHECKING:
+    from app.state import AppState
+
+log = logging.getLogger(__name__)
+
+ExitHook = Callable[["AppState"], Awaitable[None]]
+
+
+@dataclass
+class Drain:
+    """The drain state of one replica. `grace`: the most seconds it keeps serving after
+    `begin()`; `probes`: readiness answers after which the balancer has seen it (0: only
+    time counts). `clock` is injectable (monotonic seconds)."""
+
+    grace: float = 0.0
+    probes: int = 0
+    clock: Callable[[], float] = time.monotonic
+    exit_hooks: list[ExitHook] = field(default_factory=list)
+    since: float | None = None
+    probes_answered: int = 0
+
+    def __post_init__(self) -> None:
+        if self.grace < 0:
+            raise ValueError(f"drain grace must be >= 0, got {self.grace}")
+        if self.probes < 0:
+            raise ValueError(f"drain probes must be >= 0, got {self.probes}")
+
+    @property
+    def is_draining(self) -> bool:
+        return self.since is not None
+
+    @property
+    def is_graceful(self) -> bool:
+        """Whether a signal should start a drain (a grace is configured) rather than stop
+        the server at once."""
+        return self.grace > 0
+
+    def begin(self) -> None:
+        """Not ready from now on (idempotent: a second call keeps the first start)."""
+        if self.since is None:
+            self.since = self.clock()
+            log.warning("draining: /readyz answers 503; serving for up to %.1f s more", self.grace)
+
+    def probed(self) -> None:
+        """`/readyz` answered `draining` once more."""
+        if self.is_draining:
+            self.probes_answered += 1
+
+    def is_grace_over(self) -> bool:
+        """Whether the server may stop listening: the balancer has seen the replica draining
+        (`probes` answers), or the grace has run out."""
+        if self.since is None:
+            return False
+        if self.probes and self.probes_answered >= self.probes:
+            return True
+        return self.clock() - self.since >= self.grace
+
+    async def before_exit(self, state: AppState) -> None:
+        """Run the exit hooks in order; a failing hook is logged and the next ones run."""
+        for hook in self.exit_hooks:
+            try:
+                await hook(state)
+            except Exception:
+                log.exception("exit hook %s failed", getattr(hook, "__name__", hook))
+
+
+@dataclass(frozen=True)
+class PinnedSessions:
+    """The sessions holding KV on this replica (on the device or the host) and their tokens."""
+
+    num_sessions: int
+    num_tokens: int
+
+
+def pinned_sessions(state: AppState) -> PinnedSessions:
+    """Read from the engine directly: the drain calls it once the engine thread has stopped."""
+    report = state.runtime.engine.memory_report()
+    pinned = [s for s in report.sessions
+              if s.state in (SessionState.RESIDENT, SessionState.OFFLOADED)]
+    return PinnedSessions(len(pinned), sum(s.num_tokens for s in pinned))
+
+
+async def persist_pinned_sessions(state: AppState) -> None:
+    """Make sure every pinned session's KV blocks are in the KV store before the process
+    exits, so the replica each conversation moves to loads its KV instead of recomputing it.
+
+    kvchat keeps KV only in the replica's memory so far (the KV store on a shared volume is
+    part 2 of issue 22, which fills this hook in): the sessions are logged, and each of their
+    conversations recomputes its history once, on the replica its next turn lands on."""
+    pinned = pinned_sessions(state)
+    if pinned.num_sessions:
+        log.warning("exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
+                    "their conversations recompute on their next turn", pinned.num_sessions,
+                    pinned.num_tokens)
