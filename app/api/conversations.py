@@ -176,10 +176,11 @@ async def post_message(
         state, key.owner, conversation_id, idempotency_key,
         body.model_dump(mode="json", exclude_unset=True),
         start=lambda on_end: service.start(key, conversation_id, body, new_message=new_message,
-                                           parent_id=body.parent_id, on_end=on_end),
+                                           parent_id=body.parent_id, on_end=on_end,
+                                           key_verified=True),
         rerun=lambda user_id, on_end: service.start(key, conversation_id, body,
                                                     new_message=None, parent_id=user_id,
-                                                    on_end=on_end),
+                                                    on_end=on_end, key_verified=True),
     )
     return await _respond(state, request, result, body.stream)
 
@@ -202,9 +203,11 @@ async def regenerate(
         {"regenerate": body.message_id or parent,
          **body.model_dump(mode="json", exclude_unset=True)},
         start=lambda on_end: service.start(key, conversation_id, body, new_message=None,
-                                           parent_id=parent, on_end=on_end),
+                                           parent_id=parent, on_end=on_end,
+                                           key_verified=True),
         rerun=lambda _user, on_end: service.start(key, conversation_id, body, new_message=None,
-                                                  parent_id=parent, on_end=on_end),
+                                                  parent_id=parent, on_end=on_end,
+                                                  key_verified=True),
     )
     return await _respond(state, request, result, body.stream)
 

@@ -10,7 +10,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, and_, delete, or_, select
 
 from app.store.column_types import utcnow
-from app.store.queries import has_message, owned_conversation
+from app.store.queries import bump_tree, has_message, owned_conversation
 from app.store.records import OVERRIDE_FIELDS, ConversationRecord
 from app.store.store_base import StoreBase, check_fields
 from app.store.tables import Conversation, new_id
@@ -96,6 +96,8 @@ class ConversationStore(StoreBase):
                     session, conversation_id, message_id
                 ):
                     raise ValueError(f"{name}: no message {message_id!r} in {conversation_id}")
+            if {"current_leaf_id", "trim_start_id", "system_prompt"} & fields.keys():
+                await bump_tree(session, conversation_id, row)
             for name, value in fields.items():
                 if name == "metadata":
                     row.meta = _metadata(value)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, literal_column, select, update
+from sqlalchemy import exists, literal_column, select, update
 from sqlalchemy.orm import aliased
 
 from app.store.column_types import utcnow
 from app.store.errors import StaleFence
-from app.store.queries import has_message
+from app.store.queries import bump_tree, has_message
 from app.store.records import (
     ROLES,
     STATUSES,
@@ -20,7 +20,14 @@ from app.store.records import (
     SummaryRecord,
 )
 from app.store.store_base import StoreBase, check_fields
-from app.store.tables import Conversation, Message, Summary, new_id
+from app.store.tables import (
+    MESSAGE_TEXT,
+    Conversation,
+    Message,
+    Summary,
+    new_id,
+    without_nul,
+)
 
 # start_reply(trim_start_id=NEW_USER): the history starts at the user message it adds.
 NEW_USER = "<new user message>"
@@ -66,6 +73,7 @@ class MessageStore(StoreBase):
                 session, conversation_id, parent_id
             ):
                 raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
+            await bump_tree(session, conversation_id, conversation)
             session.add(row)
             if move_leaf:
                 conversation.current_leaf_id = row.id
@@ -74,18 +82,24 @@ class MessageStore(StoreBase):
             return MessageRecord.of(row)
 
     async def update_message(self, message_id: str, **fields: Any) -> MessageRecord:
-        """Set any of UPDATABLE_FIELDS and bump updated_at; LookupError for an unknown id."""
+        """Set any of UPDATABLE_FIELDS and bump updated_at; LookupError for an unknown id.
+        One statement (UPDATE ... RETURNING): a turn writes its reply with it, checkpoints
+        included."""
         check_fields(fields, UPDATABLE_FIELDS)
         if "status" in fields:
             _check_status(fields["status"])
+        values = _json_ready(fields)
+        for name in MESSAGE_TEXT:
+            if name in values:
+                values[name] = without_nul(values[name])
         async with self._write() as session:
-            row = await session.get(Message, message_id)
+            row = await session.scalar(
+                update(Message).where(Message.id == message_id)
+                .values(**values, updated_at=utcnow()).returning(Message)
+                .execution_options(populate_existing=True)
+            )
             if row is None:
                 raise LookupError(f"no message {message_id!r}")
-            for name, value in _json_ready(fields).items():
-                setattr(row, name, value)
-            row.updated_at = utcnow()
-            await session.flush()
             return MessageRecord.of(row)
 
     async def get_message(self, conversation_id: str, message_id: str) -> MessageRecord | None:
@@ -123,6 +137,7 @@ class MessageStore(StoreBase):
                 return False
             conversation = await session.get(Conversation, conversation_id)
             assert conversation is not None  # messages cascade with their conversation
+            await bump_tree(session, conversation_id, conversation)
             now = utcnow()
             await session.execute(
                 update(Message).where(Message.conversation_id == conversation_id,
@@ -211,40 +226,51 @@ class MessageStore(StoreBase):
             status="generating", created_at=reply_at, updated_at=reply_at,
             **_json_ready(reply_fields),
         ))
+        if trim_start_id == NEW_USER:
+            trim_start_id = rows[0].id if user is not None else None
+        new_ids = {r.id for r in rows}
+        # One statement moves the conversation on (its leaf, trim start, fence and tree
+        # version) and checks what the turn relies on: the fence is newer than the last one,
+        # the parent and the trim start are messages of this conversation.
+        where = [Conversation.id == conversation_id]
+        values: dict[str, Any] = dict(
+            current_leaf_id=rows[-1].id, trim_start_id=trim_start_id, updated_at=now,
+            tree_version=Conversation.tree_version + 1,
+        )
+        if fence is not None:
+            where.append(Conversation.turn_fence < fence)
+            values["turn_fence"] = fence
+        if parent_id is not None:
+            where.append(_message_of(conversation_id, parent_id))
+        if trim_start_id is not None and trim_start_id not in new_ids:
+            where.append(_message_of(conversation_id, trim_start_id))
         async with self._write() as session:
-            if fence is not None:
-                fenced = cast(CursorResult[Any], await session.execute(
-                    update(Conversation)
-                    .where(Conversation.id == conversation_id, Conversation.turn_fence < fence)
-                    .values(turn_fence=fence)
-                ))
-                if fenced.rowcount != 1:
-                    if await session.get(Conversation, conversation_id) is None:
-                        raise LookupError(f"no conversation {conversation_id!r}")
+            moved = await session.scalar(
+                update(Conversation).where(*where).values(**values)
+                .returning(Conversation.tree_version)
+                .execution_options(synchronize_session=False)
+            )
+            if moved is None:  # which check failed (a refused turn: the slow path is fine)
+                conversation = await session.get(Conversation, conversation_id)
+                if conversation is None:
+                    raise LookupError(f"no conversation {conversation_id!r}")
+                if fence is not None and conversation.turn_fence >= fence:
                     raise StaleFence(f"the turn lock of {conversation_id} was taken over")
+                if parent_id is not None and not await has_message(
+                    session, conversation_id, parent_id
+                ):
+                    raise ValueError(
+                        f"parent {parent_id!r} is not a message of {conversation_id}")
+                raise ValueError(f"trim_start_id: no message {trim_start_id!r}")
+            if fence is not None:  # the caller holds the turn lock: a generating reply is dead
                 await session.execute(
                     update(Message)
                     .where(Message.conversation_id == conversation_id,
                            Message.status == "generating")
                     .values(status="interrupted", updated_at=now)
+                    .execution_options(synchronize_session=False)
                 )
-            conversation = await session.get(Conversation, conversation_id)
-            if conversation is None:
-                raise LookupError(f"no conversation {conversation_id!r}")
-            if parent_id is not None and not await has_message(
-                session, conversation_id, parent_id
-            ):
-                raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
             session.add_all(rows)
-            if trim_start_id == NEW_USER:
-                trim_start_id = rows[0].id if user is not None else None
-            if trim_start_id is not None and trim_start_id not in {r.id for r in rows} and not (
-                await has_message(session, conversation_id, trim_start_id)
-            ):
-                raise ValueError(f"trim_start_id: no message {trim_start_id!r}")
-            conversation.current_leaf_id = rows[-1].id
-            conversation.trim_start_id = trim_start_id
-            conversation.updated_at = now
             await session.flush()
             records = [MessageRecord.of(r) for r in rows]
             return (records[0] if user is not None else None), records[-1]
@@ -287,6 +313,11 @@ class MessageStore(StoreBase):
                 row.updated_at = now
             await session.flush()
             return [MessageRecord.of(row) for row in rows]
+
+
+def _message_of(conversation_id: str, message_id: str) -> Any:
+    """SQL: message_id is a message of the conversation."""
+    return exists().where(Message.id == message_id, Message.conversation_id == conversation_id)
 
 
 def _check_status(status: str) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm.attributes import set_committed_value
 
 from app.store.tables import Conversation, Message
 
@@ -25,3 +26,21 @@ async def has_message(session: AsyncSession, conversation_id: str, message_id: s
         )
     )
     return found is not None
+
+
+async def bump_tree(
+    session: AsyncSession, conversation_id: str, row: Conversation | None = None
+) -> int:
+    """Count a change to the conversation's message tree or running summary (tree_version
+    + 1, in SQL: concurrent writers never lose one); returns the new version and, given the
+    conversation's loaded `row`, sets it there as read (no second write at flush)."""
+    version = await session.scalar(
+        update(Conversation)
+        .where(Conversation.id == conversation_id)
+        .values(tree_version=Conversation.tree_version + 1)
+        .returning(Conversation.tree_version)
+        .execution_options(synchronize_session=False)
+    )
+    if row is not None and version is not None:
+        set_committed_value(row, "tree_version", version)
+    return int(version or 0)

@@ -63,6 +63,7 @@ class ConversationRecord:
     current_leaf_id: str | None
     trim_start_id: str | None
     turn_fence: int
+    tree_version: int
     created_at: datetime
     updated_at: datetime
 
@@ -78,7 +79,8 @@ class ConversationRecord:
             id=row.id, owner=row.owner, title=row.title, system_prompt=row.system_prompt,
             metadata=dict(row.meta), **{name: getattr(row, name) for name in OVERRIDE_FIELDS},
             current_leaf_id=row.current_leaf_id, trim_start_id=row.trim_start_id,
-            turn_fence=row.turn_fence or 0, created_at=row.created_at,
+            turn_fence=row.turn_fence or 0, tree_version=row.tree_version or 0,
+            created_at=row.created_at,
             updated_at=row.updated_at,
         )
 

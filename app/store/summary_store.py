@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from app.store.column_types import utcnow
+from app.store.queries import bump_tree
 from app.store.records import SummaryRecord
 from app.store.store_base import StoreBase
 from app.store.tables import Conversation, Summary, new_id
@@ -25,6 +26,7 @@ class SummaryStore(StoreBase):
         async with self._write() as session:
             if await session.get(Conversation, conversation_id) is None:
                 raise LookupError(f"no conversation {conversation_id!r}")
+            await bump_tree(session, conversation_id)
             session.add(row)
             await session.flush()
             return SummaryRecord.of(row)

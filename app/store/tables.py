@@ -44,6 +44,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+def without_nul(value: str | None) -> str | None:
+    """NUL as U+FFFD (what the text columns store; see nul_free)."""
+    return None if value is None else value.replace("\x00", "\ufffd")
+
+
+# The Message columns nul_free guards (a statement that writes them applies without_nul).
+MESSAGE_TEXT = ("content", "name", "tool_call_id", "error")
+
+
 def nul_free(*names: str) -> Callable[[object, str, str | None], str | None]:
     """A validator for text attributes: NUL becomes U+FFFD. Postgres rejects NUL in text while
     SQLite keeps it; replaced on both (a byte-level tokenizer can decode a NUL), no reply is
@@ -110,6 +119,9 @@ class Conversation(Base):
     # The fence of the last turn lock that started a reply here (app/coord/locks.py): a
     # turn whose lock's fence is not above it lost its lock and is refused.
     turn_fence: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Counts every change to the message tree and the running summary (app/store/queries.py
+    # bump_tree): a process keeping the conversation's branch in memory checks it.
+    tree_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -154,7 +166,7 @@ class Message(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
-    _nul_free = nul_free("content", "name", "tool_call_id", "error")
+    _nul_free = nul_free(*MESSAGE_TEXT)
 
 
 class Summary(Base):

@@ -203,7 +203,7 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
         return await state.turns.start(
             key, conv.id, fields, new_message=messages[-1], parent_id=parent,
             instructions=instructions, truncation=body.truncation == "auto",
-            reply_fields={"response": record},
+            reply_fields={"response": record}, key_verified=True,
         )
     except Exception as e:
         # Nothing of a request that did not start stays behind.

@@ -208,4 +208,4 @@ async def start_chat_turn(state: AppState, key: KeyRecord, request: UIChatReques
         conv = await create_chat(state, owner, request)
     parent = await store_imported(state, conv, placement)
     return await state.turns.start(key, conv.id, request, new_message=placement.new_message,
-                                   parent_id=parent)
+                                   parent_id=parent, key_verified=True)

@@ -49,7 +49,7 @@ from app.schemas.conversations import (
     setting_in_range,
 )
 from app.state import AppState
-from app.store import NEW_USER, ConversationRecord, MessageRecord
+from app.store import NEW_USER, ConversationRecord, MessageRecord, SummaryRecord
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ class PreparedTurn:
     tools: list[dict[str, Any]] | None
     tool_format: str | None
     tool_names: set[str] | None
+    # The stored path root..parent as read (every status) and the running summary read with
+    # it: the branch cache keeps them, with the new messages, once the turn is stored.
+    path: tuple[MessageRecord, ...] = ()
+    summary_record: SummaryRecord | None = None
     instructions: str | None = None  # this turn's system prompt instead of the conversation's
 
     @property
@@ -197,14 +201,19 @@ async def prepare_turn(
     `truncation` False: the whole branch must fit the budget, or ContextLengthExceeded
     (the Responses API's `truncation: "disabled"`); True plans under the history policy.
 
-    The branch is read in one query; everything CPU-bound (tools and schemas, the new
-    message's segment, the plan, the prompt's ids, the engine's checks) runs on the runtime's
-    worker threads, never on the event loop."""
+    The branch is read in one query, or not at all when this process ran the conversation's
+    last turn and its tree has not changed since (BranchCache); everything CPU-bound (tools
+    and schemas, the new message's segment, the plan, the prompt's ids, the engine's checks)
+    runs on the runtime's worker threads, never on the event loop."""
     runtime, store = state.runtime, state.store
     check_settings(state, conv)
     parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
                                                              else parent_id)
-    stored, summary_record = await store.turn_context(conv.id, parent)
+    known = state.turns.branches.get(conv, parent)
+    if known is not None:  # nothing changed since this process's last turn here
+        stored, summary_record = known
+    else:
+        stored, summary_record = await store.turn_context(conv.id, parent)
     if parent is not None and not stored:
         raise not_found(f"message {parent!r}", "parent_id")
     branch = usable(stored)
@@ -232,7 +241,7 @@ async def prepare_turn(
     prepared = await runtime.run_cpu(_plan, state, conv, fields, branch, chat, new_message,
                                      summary, parent, instructions, truncation)
     check_capacity(state)
-    return prepared
+    return replace(prepared, path=tuple(stored), summary_record=summary_record)
 
 
 def _plan(

@@ -44,6 +44,7 @@ from app.ops.limits import spend_on_finish
 from app.schemas.chat import SamplingFields
 from app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
 from app.turns import pipeline
+from app.turns.branches import BranchCache
 from app.turns.events import (
     TurnDelta,
     TurnDone,
@@ -98,6 +99,7 @@ class TurnService:
         self.clock = clock
         self.locks = Locks(state.coord, state.identity, state.settings.turn_lock_ttl)
         self._running: dict[str, Turn] = {}  # conversation id -> its turn in this process
+        self.branches = BranchCache()
         # Reply id -> the latest turns that ended here, newest last: a client resuming one
         # gets its events as they were published, not the stored reply's summary of them.
         self._recent: OrderedDict[str, Turn] = OrderedDict()
@@ -147,17 +149,20 @@ class TurnService:
         instructions: str | None = None,
         truncation: bool = True,
         reply_fields: dict[str, Any] | None = None,
+        key_verified: bool = False,
     ) -> Turn:
         """Plan, commit and start a turn. `new_message` None regenerates the reply to
         `parent_id` (a user or tool message). `on_end` runs when the turn has ended, before
-        its lock is released.
+        its lock is released. `key_verified`: the request authenticated `key` just now (an
+        HTTP route); a connection's key (a WebSocket's) is checked for revocation here.
 
         For the Responses API (the defaults change nothing): `instructions` is this turn's
         system prompt instead of the conversation's, `truncation` False refuses a turn whose
         history does not fit whole (pipeline.prepare_turn), `reply_fields` are stored with
         the reply when it is committed (its `response` record)."""
         state = self.state
-        await self.check_key(key)
+        if not key_verified:
+            await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
         held = await self.locks.acquire(lock_key(conv.id), purpose="turn",
                                         fence_floor=conv.turn_fence)
@@ -282,6 +287,9 @@ class TurnService:
                 fields.update(num_tokens=counts.num_tokens, content_tokens=counts.content_tokens)
             final = await state.store.update_message(turn.message_id, **fields)
             turn.final = final
+            new = (turn.user_message, final) if turn.user_message is not None else (final,)
+            self.branches.put(prepared.conversation, prepared.path, new,
+                              prepared.summary_record)
             if error is not None:
                 failure = engine_failure(error)
                 turn.publish(TurnFailed(final.id, failure.code or "engine_error",
@@ -410,6 +418,7 @@ class TurnService:
         try:
             if not await state.store.delete_conversation(owner, conv.id):
                 raise not_found(f"conversation {conversation_id!r}")
+            self.branches.forget(conv.id)
             await state.runtime.async_engine.close_session(conv.id)  # its KV freed now
             state.runtime.history.forget(conv.id)
             state.runtime.builder.renderer.forget(branch_key(conv.id))

@@ -72,3 +72,68 @@ def test_per_turn_rendering_work_is_flat(app_and_key: tuple[TestClient, Any, str
     # the same text tokenized, give or take the reply's (3 generated tokens, spliced)
     assert abs(late[1] - early[1]) <= 16, work
     assert threads and all(name.startswith("kvchat-cpu") for name in threads), threads
+
+
+def test_the_branch_is_read_from_the_store_only_when_the_tree_changed(
+    app_and_key: tuple[TestClient, Any, str],
+) -> None:
+    """A conversation's next turn in this process reuses the branch its last turn left
+    (no store read); any change to the tree since (a message added, the leaf moved, a
+    message removed, a summary stored) makes it read the branch again, and the prompt has
+    the change."""
+    client, state, key = app_and_key
+    headers = {"Authorization": f"Bearer {key}"}
+    store, portal = state.store, client.portal
+    conv = client.post("/v1/conversations", json={}, headers=headers).json()["id"]
+    reads: list[str] = []
+    real = store.turn_context
+
+    async def counted(conversation_id: str, leaf: str | None) -> Any:
+        reads.append(conversation_id)
+        return await real(conversation_id, leaf)
+
+    store.turn_context = counted
+
+    def say(text: str) -> dict[str, Any]:
+        r = client.post(f"/v1/conversations/{conv}/messages", headers=headers,
+                        json={"content": text, "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    try:
+        first = say("one")
+        assert len(reads) == 1  # nothing kept yet
+        second = say("two")
+        third = say("three")
+        assert len(reads) == 1, reads  # both from the kept branch
+        assert third["usage"]["prompt_tokens"] > second["usage"]["prompt_tokens"]
+        # A message added by another route: the next turn reads the branch, and its prompt
+        # holds the message (the prompt grows by more than the new turn).
+        leaf = portal.call(lambda: store.get_conversation("alice", conv)).current_leaf_id
+        portal.call(lambda: store.add_message(conv, parent_id=leaf, role="user",
+                                              content="an added message " * 5))
+        fourth = say("four")
+        assert len(reads) == 2
+        assert fourth["usage"]["prompt_tokens"] > third["usage"]["prompt_tokens"] + 12
+        say("five")
+        assert len(reads) == 2
+        # The leaf moved back (a branch switch): read again; the prompt is the old branch's.
+        r = client.patch(f"/v1/conversations/{conv}", headers=headers,
+                         json={"current_leaf_id": first["id"]})
+        assert r.status_code == 200, r.text
+        sixth = say("six")
+        assert len(reads) == 3
+        assert sixth["usage"]["prompt_tokens"] < fourth["usage"]["prompt_tokens"]
+        # A regenerate of a kept reply: the path up to its parent, no read.
+        r = client.post(f"/v1/conversations/{conv}/regenerate", headers=headers,
+                        json={"message_id": sixth["id"], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == sixth["usage"]["prompt_tokens"]
+        assert len(reads) == 3
+        # A summary stored: read again.
+        portal.call(lambda: store.add_summary(conv, text="s", num_tokens=1, covers=[]))
+        say("seven")
+        assert len(reads) == 4
+    finally:
+        store.turn_context = real
+    assert state.turns.branches.hits >= 4
