@@ -5,6 +5,7 @@ are stopped and stored as interrupted before the engine thread goes)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import time
@@ -84,6 +85,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     if settings.is_embedded_database and await store.count_keys() == 0:
         _, plaintext = await store.create_key("default", admin=True)
         announce_key(plaintext)
+    # What start-up made (the model, modules, caches) lives as long as the process: out of
+    # the collector's generations, so a full collection does not walk it and stall the loop.
+    gc.collect()
+    gc.freeze()
     log.info("serving %s", runtime.model_name)
     try:
         yield

@@ -149,8 +149,12 @@ def message_key(message: ChatMessage) -> MessageKey:
             message.tool_call_id)
 
 
-def _tools_key(tools: list[dict[str, Any]] | None) -> str | None:
-    return json.dumps(tools, sort_keys=True, default=str) if tools else None
+def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """What a `tools` argument renders from, hashable."""
+    return json.dumps(list(tools), sort_keys=True, default=str) if tools else None
+
+
+_tools_key = tools_key
 
 
 @dataclass(frozen=True)

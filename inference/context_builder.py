@@ -79,8 +79,9 @@ class ContextBuilder:
         """The counts of the last of `messages` (a new one) as rendered after the others:
         with the `state_key` of the conversation's branch, only the new message is
         rendered and tokenized."""
-        lengths = self._lengths(system, messages, tools, state_key)
-        return MessageCounts(lengths[-1], self.content_tokens(messages[-1]))
+        head = [ChatMessage("system", system)] if system else []
+        length = self.renderer.last_length([*head, *messages], tools=tools, state_key=state_key)
+        return MessageCounts(length, self.content_tokens(messages[-1]))
 
     def _lengths(
         self,

@@ -34,9 +34,11 @@ from inference.chat_template import (
     RenderedSegments,
     Segment,
     message_key,
+    tools_key as _tools_key,
 )
 
 Tools = Sequence[Mapping[str, Any]] | None
+MAX_HEADS = 4096  # heads (system prompt, summary, tools) kept
 
 # Conversation shapes the locality probes render (with and without tools).
 _CALL = {"id": "call_1", "type": "function",
@@ -64,6 +66,7 @@ class SegmentRenderer:
         self._segments: OrderedDict[MessageKey, array[int]] = OrderedDict()
         self._cached_tokens = 0
         self._states: OrderedDict[Hashable, RenderedSegments] = OrderedDict()
+        self._heads: OrderedDict[Hashable, tuple[Segment, ...]] = OrderedDict()
         self._generation_prompt: tuple[int, ...] | None = None
         self.is_local = self._probe_locality()
 
@@ -93,6 +96,8 @@ class SegmentRenderer:
         tools: Tools = None,
         state_key: Hashable | None = None,
     ) -> list[int]:
+        if self.is_local and messages:
+            return self._local_ids(messages, add_generation_prompt, tools)
         segments = self.render_segments(messages, add_generation_prompt=add_generation_prompt,
                                         tools=tools, state_key=state_key)
         return [token_id for segment in segments for token_id in segment.token_ids]
@@ -117,29 +122,75 @@ class SegmentRenderer:
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Tools
     ) -> list[Segment]:
         head = self._head_length(messages, tools)
-        segments: list[Segment] = []
-        if head:
-            segments = self.template.render_segments(messages[:head],
-                                                     add_generation_prompt=False, tools=tools)
+        segments = list(self._head(messages[:head], tools)) if head else []
         for index in range(head, len(messages)):
-            segments.append(Segment(index, self._alone(messages[index])))
+            segments.append(Segment(index, tuple(self._alone(messages[index]))))
         if add_generation_prompt:
             segments.append(Segment(None, self._prompt_ids()))
         return segments
 
-    def _alone(self, message: ChatMessage) -> tuple[int, ...]:
+    def _local_ids(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Tools
+    ) -> list[int]:
+        """The local segments' ids, concatenated from what is kept (no per-token Python)."""
+        head = self._head_length(messages, tools)
+        ids: list[int] = []
+        for segment in self._head(messages[:head], tools) if head else ():
+            ids.extend(segment.token_ids)
+        for message in messages[head:]:
+            ids.extend(self._alone(message))
+        if add_generation_prompt:
+            ids.extend(self._prompt_ids())
+        return ids
+
+    def last_length(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Tools = None,
+        state_key: Hashable | None = None,
+    ) -> int:
+        """Tokens of the last message's segment (no generation prompt): what measuring a new
+        message costs, its own rendering only on local templates."""
+        if not messages:
+            return len(self.render_segments(messages))  # raises its error
+        if self.is_local and len(messages) - 1 >= self._head_length(messages, tools):
+            return len(self._alone(messages[-1]))
+        last = len(messages) - 1
+        segments = self.render_segments(messages, add_generation_prompt=False, tools=tools,
+                                        state_key=state_key)
+        return sum(len(s.token_ids) for s in segments if s.message_index == last)
+
+    def _head(self, head: Sequence[ChatMessage], tools: Tools) -> tuple[Segment, ...]:
+        """The leading messages' segments (the system prompt, a summary, with the tools),
+        kept by what they are: a conversation's head is the same turn after turn."""
+        key = (tuple(message_key(m) for m in head), _tools_key(tools))
+        with self._lock:
+            cached = self._heads.get(key)
+            if cached is not None:
+                self._heads.move_to_end(key)
+                return cached
+        segments = tuple(self.template.render_segments(head, add_generation_prompt=False,
+                                                       tools=tools))
+        with self._lock:
+            self._heads[key] = segments
+            while len(self._heads) > MAX_HEADS:
+                self._heads.popitem(last=False)
+        return segments
+
+    def _alone(self, message: ChatMessage) -> array[int]:
         key = message_key(message)
         with self._lock:
             cached = self._segments.get(key)
             if cached is not None:
                 self._segments.move_to_end(key)
-                return tuple(cached)
+                return cached
         self.template._validate([message])
         segments = self.template.render_segments([message], add_generation_prompt=False)
-        ids = tuple(t for s in segments for t in s.token_ids)
+        ids = array("l", (t for s in segments for t in s.token_ids))
         with self._lock:
             if key not in self._segments:
-                self._segments[key] = array("l", ids)
+                self._segments[key] = ids
                 self._cached_tokens += len(ids)
                 while self._cached_tokens > self.max_cached_tokens and len(self._segments) > 1:
                     _, dropped = self._segments.popitem(last=False)
@@ -186,6 +237,7 @@ class SegmentRenderer:
         finally:
             with self._lock:
                 self._segments.clear()
+                self._heads.clear()
                 self._cached_tokens = 0
             self._generation_prompt = None
         return True

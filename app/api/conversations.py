@@ -231,6 +231,8 @@ async def _respond(state: StateDep, request: Request, result: Turn | Replayed,
     if stream:
         return sse.sse_response(_stream(state, turn))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
+    if turn.user_message is not None and final.parent_id == turn.user_message.id:
+        return message_out(final, [final.id])  # the new message's only reply: no siblings
     return await _message_out(state, final)
 
 

@@ -95,6 +95,14 @@ def test_the_renderer_gives_exactly_render_segments_as_a_conversation_grows(
                 got = renderer.render_segments(messages, add_generation_prompt=prompt,
                                                tools=tools, state_key=("conv", prompt))
                 assert got == expected, (name, index, prompt)
+                ids = renderer.render_ids(messages, add_generation_prompt=prompt, tools=tools,
+                                          state_key=("ids", prompt))
+                assert ids == [t for seg in expected for t in seg.token_ids]
+            last = len(messages) - 1
+            assert renderer.last_length(messages, tools=tools, state_key="last") == sum(
+                len(seg.token_ids) for seg in template.render_segments(
+                    messages, add_generation_prompt=False, tools=tools)
+                if seg.message_index == last)
 
 
 def test_a_branch_and_an_edit_reuse_nothing_stale(

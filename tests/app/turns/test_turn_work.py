@@ -48,13 +48,13 @@ def test_per_turn_rendering_work_is_flat(app_and_key: tuple[TestClient, Any, str
     conv = client.post("/v1/conversations", json={"system": "Be brief."}, headers=headers)
     conv_id = conv.json()["id"]
     threads: set[str] = set()
-    original = renderer.render_segments
+    original = template.render_segments
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         threads.add(threading.current_thread().name)
         return original(*args, **kwargs)
 
-    renderer.render_segments = watched  # type: ignore[method-assign]
+    template.render_segments = watched  # type: ignore[method-assign]
     try:
         work = []
         for index in range(30):
@@ -66,7 +66,7 @@ def test_per_turn_rendering_work_is_flat(app_and_key: tuple[TestClient, Any, str
             work.append((template.num_renders - renders,
                          template.num_tokenized_chars - chars))
     finally:
-        renderer.render_segments = original  # type: ignore[method-assign]
+        template.render_segments = original  # type: ignore[method-assign]
     early, late = work[5], work[29]
     assert late[0] == early[0], work  # the same number of renders
     # the same text tokenized, give or take the reply's (3 generated tokens, spliced)
