@@ -71,6 +71,7 @@ class Runtime:
         """Stop the worker threads: last, once every turn has stored its reply (storing one
         measures it on a worker)."""
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.engine.close_kv_store()
 
     @property
     def is_running(self) -> bool:

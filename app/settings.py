@@ -37,6 +37,14 @@ class Settings(BaseSettings):
     kv_cache_bytes: int | None = Field(None, description="KV pool size (CPU, or CUDA override).")
     gpu_memory_utilization: float = 0.9
     host_cache_bytes: int = Field(256 * 2**20, description="Host pool for offloaded sessions.")
+    kv_store_dir: Path | None = Field(
+        None, description="The KV store: full KV blocks on disk, written behind each turn and "
+        "loaded instead of recomputing (a shared volume in a fleet). Default: data_dir/kv."
+    )
+    kv_store_bytes: int = Field(
+        4 * 2**30, ge=0, description="The KV store's byte cap (least recently used files are "
+        "evicted past it); 0 turns the store off."
+    )
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -163,6 +171,10 @@ class Settings(BaseSettings):
             max_summary_tokens=self.max_summary_tokens,
         )
 
+    @property
+    def kv_store_path(self) -> Path:
+        return self.kv_store_dir if self.kv_store_dir is not None else self.data_dir / "kv"
+
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
         from inference import EngineConfig, SchedulerConfig
@@ -182,6 +194,8 @@ class Settings(BaseSettings):
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 host_cache_bytes=self.host_cache_bytes,
+                kv_store_dir=str(self.kv_store_path),
+                kv_store_bytes=self.kv_store_bytes,
                 default_budget=SessionBudget(
                     max_kv_tokens=self.max_kv_tokens, max_context_tokens=self.max_context_tokens
                 ),

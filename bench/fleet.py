@@ -15,16 +15,22 @@ Variants, each on a fleet of its own (fresh caches), in one run:
 - roundrobin: `balance roundrobin`, every call to the next replica;
 - restart: affinity, with the replica most calls went to restarted (SIGTERM: drain, exit,
   start) halfway, while every user thinks between two rounds, and no KV store: its
-  conversations recompute their history on their first turn after it.
-  Part 2 of issue 22 (the KV store) adds its twin with the store on, in RESTART_VARIANTS.
+  conversations recompute their history on their first turn after it;
+- restart+kvstore: the same with the KV store on (a directory the replicas share): the
+  drain makes sure the pinned sessions' blocks are on disk, and the first turns after the
+  restart load them instead of recomputing.
+The first three run without the store, so what they measure is the replicas' memory alone.
 
 Per variant: prompt tokens served from cache (each reply's `cached_tokens`, kvchat's own
 count) against the ideal (every token of the history the fleet has seen: the previous call's
 prompt and reply), the same from the replicas' /metrics counters, TTFT p50/p99 overall and
 for each user's first turn after the restart, requests failed after retries, messages lost
-(stored conversations checked against what their clients were answered). Goals (issue 22):
-affinity serves >= 0.95 of the ideal from cache (round-robin near 1/3); TTFT p50 with
-affinity >= 3x lower than round-robin at 1-2k-token histories; 0 failed, 0 lost.
+(stored conversations checked against what their clients were answered), and the KV store's
+write-behind (the engine thread's copies plus the writer thread's time, from the replicas'
+/metrics) as a share of the time the calls took. Goals (issue 22): affinity serves >= 0.95
+of the ideal from cache (round-robin near 1/3); TTFT p50 with affinity >= 3x lower than
+round-robin at 1-2k-token histories; the first turn after a restart with the store <= 0.3x
+of its TTFT without; write-behind <= 5% of turn time; 0 failed, 0 lost.
 Writes bench/results/fleet.md and fleet.png."""
 
 from __future__ import annotations
@@ -71,15 +77,17 @@ class Variant:
     replica_env: tuple[tuple[str, str], ...] = ()
 
 
+STORE_OFF = (("KVCHAT_KV_STORE_BYTES", "0"),)
 VARIANTS = {
-    "affinity": Variant("affinity"),
-    "roundrobin": Variant("roundrobin", balance="roundrobin"),
+    "affinity": Variant("affinity", replica_env=STORE_OFF),
+    "roundrobin": Variant("roundrobin", balance="roundrobin", replica_env=STORE_OFF),
 }
-# A rolling restart mid-run. Part 2 of issue 22 adds `Variant("restart+kvstore",
-# restart_mid_run=True, replica_env=(...the KV store's settings...))` here: the same run with
-# the store on, whose first turns after the restart must compute only their new tokens.
+# A rolling restart mid-run, without the KV store and with it (the fleet's run directory
+# holds the store every replica shares: app.fleet sets KVCHAT_KV_STORE_DIR).
 RESTART_VARIANTS = {
-    "restart": Variant("restart", restart_mid_run=True),
+    "restart": Variant("restart", restart_mid_run=True, replica_env=STORE_OFF),
+    "restart+kvstore": Variant("restart+kvstore", restart_mid_run=True,
+                               replica_env=(("KVCHAT_KV_STORE_BYTES", str(8 * 2**30)),)),
 }
 ALL_VARIANTS = {**VARIANTS, **RESTART_VARIANTS}
 
@@ -91,6 +99,7 @@ class Call:
     api: str
     started: float  # monotonic
     ttft_s: float
+    total_s: float
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -209,10 +218,11 @@ class Driver:
                 time.sleep(0.5 * 2**attempt)
                 continue
             ttft, text, usage, replica = result
+            total = time.monotonic() - started
             history.append({"role": "assistant", "content": text})
             user.answered.append((content, text))
             ideal = (previous.prompt_tokens + previous.completion_tokens) if previous else 0
-            call = Call(user.index, round_, user.api, started, ttft, usage["prompt_tokens"],
+            call = Call(user.index, round_, user.api, started, ttft, total, usage["prompt_tokens"],
                         usage["completion_tokens"], usage["cached_tokens"], ideal, replica)
             user.calls.append(call)
             return call
@@ -265,14 +275,23 @@ class Driver:
         return ttft, text, usage, replica
 
 
+COUNTERS = {"kvchat:prompt_tokens_total": "prompt",
+            "kvchat:kv_store_copy_seconds_total": "store_copy_s",
+            "kvchat:kv_store_write_seconds_total": "store_write_s",
+            'kvchat:cached_tokens_total{source="kv_store"}': "from_store"}
+
+
 def counters(url: str) -> dict[str, float]:
-    """The replica's cache counters: prompt tokens and cached tokens by source."""
-    out = {"prompt": 0.0, "cached": 0.0}
+    """The replica's counters: prompt tokens, cached tokens (all sources, and the KV store's),
+    the KV store's write-behind seconds."""
+    out = {"prompt": 0.0, "cached": 0.0, "store_copy_s": 0.0, "store_write_s": 0.0,
+           "from_store": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("kvchat:prompt_tokens_total "):
-            out["prompt"] = float(line.split()[-1])
-        elif line.startswith("kvchat:cached_tokens_total{"):
-            out["cached"] += float(line.split()[-1])
+        name, _, value = line.rpartition(" ")
+        if name in COUNTERS:
+            out[COUNTERS[name]] = float(value)
+        if line.startswith("kvchat:cached_tokens_total{"):
+            out["cached"] += float(value)
     return out
 
 
@@ -321,7 +340,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], s
             threads = [threading.Thread(target=driver.run, args=(u,)) for u in users]
             for thread in threads:
                 thread.start()
-            totals = {"prompt": 0.0, "cached": 0.0}
+            totals = dict.fromkeys(counters(fleet.replicas[0].url), 0.0)
             restart_s, busiest = None, None
             if driver.paused is not None:
                 # Half the rounds are in: restart the replica most calls went to (SIGTERM:
@@ -386,6 +405,9 @@ def summarize(outcome: Outcome) -> dict[str, Any]:
         "failed": outcome.failed, "lost": outcome.lost, "calls": len(outcome.calls),
         "max_prompt": max(c.prompt_tokens for c in outcome.calls),
         "replicas": len({c.replica for c in outcome.calls}),
+        "write_behind": (outcome.counters["store_copy_s"] + outcome.counters["store_write_s"])
+        / sum(c.total_s for c in outcome.calls),
+        "from_store": outcome.counters["from_store"],
     }
 
 
@@ -472,7 +494,9 @@ def main() -> None:
             outcome.variant.name, s["calls"], s["replicas"], f"{s['cache_fraction']:.3f}",
             f"{s['metrics_fraction']:.3f}", f"{s['ttft_p50']:.0f}", f"{s['ttft_p99']:.0f}",
             f"{s['ttft_long_p50']:.0f}", "-" if after is None else f"{after:.0f}",
-            s["failed"], s["lost"], s["max_prompt"],
+            s["failed"], s["lost"], s["max_prompt"], int(s["from_store"]),
+            "-" if not s["from_store"] and not s["write_behind"]
+            else f"{100 * s['write_behind']:.2f}%",
         ])
     header = machine_header("A fleet behind HAProxy: affinity vs round-robin (bench/fleet.py)", {
         "fleet": f"HAProxy in front of {args.replicas} replicas of `kvchat serve --model "
@@ -492,7 +516,8 @@ def main() -> None:
          "cached / prompt (/metrics)", "TTFT p50 (ms)", "TTFT p99 (ms)",
          "TTFT p50, 1-2k-token prompts (ms)",
          "TTFT p50, first turn after the restart of its replica (ms)",
-         "failed", "lost", "largest prompt (tokens)"], rows)
+         "failed", "lost", "largest prompt (tokens)", "tokens loaded from the KV store",
+         "KV store write-behind / turn time"], rows)
     goals = []
     if "affinity" in summaries:
         a = summaries["affinity"]
@@ -505,6 +530,18 @@ def main() -> None:
                          "1/3 expected with 3 replicas)")
             goals.append(f"- TTFT p50 at 1-2k-token prompts: round-robin / affinity = "
                          f"{ratio:.2f}x (goal >= 3x: {'met' if ratio >= 3 else 'not met'})")
+    if "restart" in summaries and "restart+kvstore" in summaries:
+        without = summaries["restart"]["after_restart_p50"]
+        with_store = summaries["restart+kvstore"]["after_restart_p50"]
+        if without and with_store:
+            ratio = with_store / without
+            goals.append(f"- first turn after the restart of its replica, TTFT p50: with the "
+                         f"KV store {with_store:.0f} ms, without {without:.0f} ms = "
+                         f"{ratio:.2f}x (goal <= 0.3x: {'met' if ratio <= 0.3 else 'not met'})")
+        share = summaries["restart+kvstore"]["write_behind"]
+        goals.append(f"- KV store write-behind (engine-thread copies + writer thread) = "
+                     f"{100 * share:.2f}% of the calls' time (goal <= 5%: "
+                     f"{'met' if share <= 0.05 else 'not met'})")
     failed = sum(s["failed"] for s in summaries.values())
     lost = sum(s["lost"] for s in summaries.values())
     goals.append(f"- failed requests {failed}, lost messages {lost} (goal 0 and 0: "
@@ -518,7 +555,10 @@ def main() -> None:
         "through HAProxy, to the first streamed token. The restart variant restarts the "
         "replica most calls had gone to after half the rounds, while every user waits "
         "between two rounds, without a KV store: the first turns of its conversations "
-        "after it recompute their history.\n\n![TTFT and reuse by round]"
+        "after it recompute their history; restart+kvstore does the same with the store on "
+        "(shared by the replicas), so they load it. Write-behind counts both the engine "
+        "thread's block copies (on the turn's path) and the writer thread's serializing "
+        "(beside it), over the summed wall time of every call.\n\n![TTFT and reuse by round]"
         "(fleet.png)\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -50,7 +50,7 @@ from .engine_reports import (
     SessionEviction,
     SessionInfo,
 )
-from .engine_setup import invalid_token_mask, kv_spec_for, size_kv_pools
+from .engine_setup import invalid_token_mask, kv_spec_for, open_kv_store, size_kv_pools
 from .errors import InvalidRequestError
 from .grammar_compiler import GrammarCompiler
 from .host_memory import keep_freed_memory
@@ -104,9 +104,10 @@ class Engine:
         self.block_pool = BlockPool(self.layout.num_blocks)
         self.host_pool = BlockPool(self.layout.num_host_blocks)
         self.stats = CacheStats()
+        self.kv_store = open_kv_store(cache, config.model, self.kv_spec, self.kv_cache)
         self.kv_manager = KVCacheManager(
             self.block_pool, self.kv_cache, cache.block_size, cache.enable_prefix_caching,
-            host_pool=self.host_pool, stats=self.stats,
+            host_pool=self.host_pool, stats=self.stats, store=self.kv_store,
         )
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
@@ -387,6 +388,25 @@ class Engine:
         freed when it ends)."""
         return self.submit(lambda: self.sessions.close(session_id))
 
+    def persist_sessions(self, timeout: float | None = 30.0) -> int:
+        """Queue every pinned session's blocks the KV store lacks and wait (up to `timeout`)
+        until they are written. Called with the stepping thread stopped (a drain's exit hook):
+        every finished turn already queued its blocks, so this is mostly the wait. Returns the
+        blocks queued here."""
+        if self.kv_store is None:
+            return 0
+        queued = 0
+        for session in list(self.sessions.sessions.values()):
+            if session.kv.block_hashes:
+                queued += self.kv_manager.persist(session.kv, session.token_ids)
+        self.kv_store.flush(timeout)
+        return queued
+
+    def close_kv_store(self) -> None:
+        """Write what is queued, then stop the store's writer (the process is exiting)."""
+        if self.kv_store is not None:
+            self.kv_store.close()
+
     # -- reports (stepping thread; other threads submit them, or read published_stats) --------
 
     def session_info(self, session_id: str) -> SessionInfo | None:
@@ -410,7 +430,8 @@ class Engine:
 
     def _stats(self) -> EngineStats:
         return engine_reports.engine_stats(
-            self.scheduler, self.sessions, self.block_pool, self.host_pool, self.stats
+            self.scheduler, self.sessions, self.block_pool, self.host_pool, self.stats,
+            self.kv_store.snapshot() if self.kv_store is not None else None,
         )
 
     # -- convenience ------------------------------------------------------------------------------

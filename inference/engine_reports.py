@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from memory.block_pool import BlockPool
 from memory.config import SessionBudget
 from memory.sessions import Session, SessionState, SessionStore
-from memory.stats import CacheStats
+from memory.stats import CacheStats, KVStoreStats
 
 from .scheduler import Scheduler
 
@@ -40,6 +40,7 @@ class EngineStats:
     num_offloaded_sessions: int  # idle, KV in the host pool
     num_pinned_blocks: int  # device blocks the resident sessions hold
     cache: CacheStats
+    kv_store: KVStoreStats | None = None  # None: no KV store
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,7 +106,7 @@ class MemoryReport:
 
 def engine_stats(
     scheduler: Scheduler, sessions: SessionStore, pool: BlockPool, host_pool: BlockPool,
-    cache: CacheStats,
+    cache: CacheStats, kv_store: KVStoreStats | None = None,
 ) -> EngineStats:
     tally = sessions.tally()
     return EngineStats(
@@ -121,6 +122,7 @@ def engine_stats(
         num_offloaded_sessions=tally.num_offloaded,
         num_pinned_blocks=tally.num_pinned_blocks,
         cache=dataclasses.replace(cache),
+        kv_store=kv_store,
     )
 
 

@@ -12,6 +12,7 @@ from memory.config import CacheConfig
 from memory.kv_cache import KVCache
 from memory.kv_cache_manager import KVState
 from memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
+from memory.kv_store import KVStore, store_fingerprint, weights_fingerprint
 from memory.kv_spec import KVCacheSpec, cdiv
 
 from .errors import ModelLoadError
@@ -87,6 +88,23 @@ def profile_cuda_memory(
     del scratch, runner
     torch.cuda.empty_cache()
     return DeviceMemory(total_bytes=total, peak_bytes=peak, non_torch_bytes=non_torch)
+
+
+def open_kv_store(
+    cache: CacheConfig, model_dir: str, spec: KVCacheSpec, kv: KVCache
+) -> KVStore | None:
+    """The KV store the cache settings ask for (None: no directory or a cap of 0), under a
+    directory named by everything its bytes depend on: the weights, the model's dtype, the KV
+    dtype, the block size and the KV's shape."""
+    if not cache.kv_store_dir or cache.kv_store_bytes <= 0:
+        return None
+    kv_shape, scales_shape = kv.block_byte_shapes()
+    fingerprint = store_fingerprint(weights_fingerprint(model_dir), {
+        "model_dtype": str(spec.model_dtype), "kv_cache_dtype": cache.kv_cache_dtype,
+        "storage_dtype": str(spec.storage_dtype), "block_size": spec.block_size,
+        "kv_shape": kv_shape, "scales_shape": scales_shape, "format": 1,
+    })
+    return KVStore(cache.kv_store_dir, fingerprint, cache.kv_store_bytes, kv_shape, scales_shape)
 
 
 def invalid_token_mask(

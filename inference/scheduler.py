@@ -145,6 +145,7 @@ class Scheduler:
             keep = min(seq.kv.leading_tokens(self.kv_manager.block_size),
                        seq.window.exact_tokens)
             self.kv_manager.truncate(seq.kv, keep)
+        self.kv_manager.persist(seq.kv, seq.token_ids)  # write-behind to the KV store
         if seq.session_id is not None:
             self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv)
         else:
@@ -230,6 +231,9 @@ class Scheduler:
                 seq.pending_reuse.from_prefix_cache += self.kv_manager.match_prefix(
                     seq.kv, seq.token_ids
                 )
+                seq.pending_reuse.from_store += self.kv_manager.load_from_store(
+                    seq.kv, seq.token_ids
+                )
             if self._prefix_in_flight(seq):
                 continue  # a running prefill is computing its next blocks: wait for them
             n = seq.chunk(min(seq.num_uncomputed_tokens, step.budget))
@@ -257,6 +261,7 @@ class Scheduler:
             reuse.from_host = claimed.from_host
             reuse.from_prefix_cache = claimed.from_prefix_cache
         reuse.from_prefix_cache += self.kv_manager.match_prefix(seq.kv, seq.token_ids)
+        reuse.from_store = self.kv_manager.load_from_store(seq.kv, seq.token_ids)
         seq.pending_reuse = reuse
         seq.reuse_checked = True
 
@@ -302,6 +307,7 @@ class Scheduler:
             stats.from_session += reuse.from_session
             stats.from_host += reuse.from_host
             stats.from_prefix_cache += reuse.from_prefix_cache
+            stats.from_store += reuse.from_store
             stats.computed += seq.num_prompt_tokens - reuse.cached
         else:
             stats.recomputed += seq.num_tokens - reuse.cached

@@ -31,10 +31,11 @@ class PrefillAccounting:
     from_session: int = 0
     from_prefix_cache: int = 0
     from_host: int = 0
+    from_store: int = 0
 
     @property
     def cached(self) -> int:
-        return self.from_session + self.from_prefix_cache + self.from_host
+        return self.from_session + self.from_prefix_cache + self.from_host + self.from_store
 
 
 @dataclass

@@ -15,7 +15,7 @@ from .kv_layout import KVCacheLayout
 from .kv_spec import KV_CACHE_DTYPES, KVCacheSpec
 from .planner import MemoryPlan, parse_bytes
 from .sessions import SessionState
-from .stats import CacheStats, HistoryStats
+from .stats import CacheStats, HistoryStats, KVStoreStats
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -24,6 +24,7 @@ __all__ = [
     "HistoryStats",
     "KVCacheLayout",
     "KVCacheSpec",
+    "KVStoreStats",
     "MemoryConfigError",
     "MemoryPlan",
     "SessionBudget",

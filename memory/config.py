@@ -38,6 +38,8 @@ class CacheConfig:
     gpu_memory_utilization: on CUDA, pool = utilization x total - peak after a profiling pass.
     num_blocks_override: exact number of blocks (tests, benchmarks).
     host_cache_bytes: host memory for offloaded sessions and swapped-out sequences.
+    kv_store_dir / kv_store_bytes: the KV store on disk (memory.kv_store): where, and its
+    byte cap (0 or no directory: no store).
     watermark_low / watermark_high: when free blocks fall below low x pool, idle sessions are
     offloaded or dropped (coldest first) until high x pool is free again.
     """
@@ -48,6 +50,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks_override: int | None = None
     host_cache_bytes: int = 0
+    kv_store_dir: str | None = None
+    kv_store_bytes: int = 0
     enable_prefix_caching: bool = True
     enable_sessions: bool = True
     max_pinned_sessions: int | None = None
@@ -78,6 +82,8 @@ class CacheConfig:
             )
         if self.host_cache_bytes < 0:
             raise MemoryConfigError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.kv_store_bytes < 0:
+            raise MemoryConfigError(f"kv_store_bytes must be >= 0, got {self.kv_store_bytes}")
         if self.max_pinned_sessions is not None and self.max_pinned_sessions < 0:
             raise MemoryConfigError(
                 f"max_pinned_sessions must be >= 0, got {self.max_pinned_sessions}"

@@ -72,6 +72,39 @@ class KVCache:
     def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
         self._copy(self.host_kv, self.host_scales, host_ids, self.kv, self.scales, device_ids)
 
+    def block_bytes(
+        self, ids: Sequence[int], on_host: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Copies (on the CPU, as bytes) of whole blocks of the device pool, or of the host
+        pool when `on_host`: per block (kv [layers, 2, block_size, kv_heads, head bytes],
+        scales [layers, 2, block_size, kv_heads * 4] or None). The KV store writes them."""
+        if not ids:
+            return []
+        kv, scales = (self.host_kv, self.host_scales) if on_host else (self.kv, self.scales)
+        index = torch.tensor(list(ids), dtype=torch.long, device=kv.device)
+        kv_bytes = _bytes(kv).index_select(2, index).to("cpu")
+        scale_bytes = None
+        if scales is not None:
+            scale_bytes = _bytes(scales).index_select(2, index).to("cpu")
+        return [(kv_bytes[:, :, i].clone(),
+                 None if scale_bytes is None else scale_bytes[:, :, i].clone())
+                for i in range(len(ids))]
+
+    def write_block(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Fill one device block from bytes shaped as `block_bytes` gives them."""
+        _bytes(self.kv)[:, :, block_id].copy_(kv.to(self.kv.device))
+        if self.scales is not None and scales is not None:
+            _bytes(self.scales)[:, :, block_id].copy_(scales.to(self.kv.device))
+
+    def block_byte_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """The shapes `block_bytes` gives a block's kv and scales."""
+        shape = _bytes(self.kv).shape
+        kv = (shape[0], shape[1], *shape[3:])
+        if self.scales is None:
+            return kv, None
+        s = _bytes(self.scales).shape
+        return kv, (s[0], s[1], *s[3:])
+
     @staticmethod
     def _copy(
         src_kv: torch.Tensor,

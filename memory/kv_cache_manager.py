@@ -1,6 +1,8 @@
 """KVCacheManager: every movement of KV between blocks, for running sequences and, between
 turns, sessions: allocation, prefix-cache reuse, copy-on-write, commit and release, and the
-host tier (swap out / swap in of preempted sequences, offload / restore of idle sessions).
+host tier (swap out / swap in of preempted sequences, offload / restore of idle sessions),
+and the disk tier (memory.kv_store: full blocks written behind each finished stream, loaded on
+a prefix-cache miss).
 
 It owns the device pool, the host pool and the KV tensors; callers (the scheduler, the session
 store) decide *what* moves and *when*, never *how*. State (`KVState`) is kept apart from that
@@ -8,17 +10,19 @@ policy."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool
 from .kv_spec import cdiv
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, hash_block
 from .stats import CacheStats
 
 if TYPE_CHECKING:  # the tensors are only ever handed in: this module imports no torch
     from .kv_cache import KVCache
+    from .kv_store import KVStore
 
 
 HOLE = -1  # a block table entry whose block was released (fell out of a sink + window)
@@ -114,8 +118,10 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         host_pool: BlockPool | None = None,
         stats: CacheStats | None = None,
+        store: KVStore | None = None,
     ) -> None:
         self.pool = pool
+        self.store = store
         self.host_pool = host_pool if host_pool is not None else BlockPool(0)
         self.stats = stats if stats is not None else CacheStats()
         self.kv = kv
@@ -175,6 +181,68 @@ class KVCacheManager:
         reused = len(hits) * self.block_size
         state.num_computed_tokens += reused
         return reused
+
+    def load_from_store(self, state: KVState, token_ids: Sequence[int]) -> int:
+        """After `match_prefix`: load the next full blocks from the KV store into free device
+        blocks (registered, so the prefix cache finds them next), as long as the store has
+        them and blocks are free, leaving at least the last token to compute. Returns the
+        number of tokens loaded."""
+        store = self.store
+        bs = self.block_size
+        if store is None or not self.prefix_cache.enabled or state.num_computed_tokens % bs:
+            return 0
+        index = state.num_computed_tokens // bs
+        if index != len(state.block_ids) or index != len(state.block_hashes):
+            return 0
+        kv = self._kv()
+        loaded = 0
+        while (index + 1) * bs <= len(token_ids) - 1 and self.pool.can_allocate(1):
+            chunk = token_ids[index * bs : (index + 1) * bs]
+            parent = state.block_hashes[-1] if state.block_hashes else None
+            block_hash = hash_block(parent, chunk, state.salt)
+            hit = self.pool.lookup(block_hash, chunk)
+            if hit is not None:  # computed by another stream since match_prefix looked
+                self.pool.incref(hit)
+                block_id = hit
+            else:
+                data = store.load(block_hash, chunk)
+                if data is None:
+                    break
+                (block_id,) = self.pool.allocate(1)
+                kv.write_block(block_id, data.kv, data.scales)
+                self.pool.register(block_id, block_hash, chunk)
+                self.stats.blocks_from_store += 1
+                loaded += bs
+            state.block_ids.append(block_id)
+            state.block_hashes.append(block_hash)
+            state.num_computed_tokens += bs
+            index += 1
+        return loaded
+
+    def persist(self, state: KVState, token_ids: Sequence[int]) -> int:
+        """Queue the stream's hashed blocks that the KV store does not hold yet (its copy is
+        taken now; the writing is the store's thread's). Returns how many were queued."""
+        store = self.store
+        if store is None or not state.block_hashes:
+            return 0
+        from .kv_store import BlockData  # torch: only reached when a store exists
+
+        on_host = state.is_on_host
+        table = state.host_block_ids if on_host else state.block_ids
+        bs = self.block_size
+        wanted = [(i, h) for i, h in enumerate(state.block_hashes)
+                  if i < len(table) and table[i] != HOLE and not store.knows(h)]
+        if not wanted:
+            return 0
+        began = time.perf_counter()
+        copies = self._kv().block_bytes([table[i] for i, _ in wanted], on_host)
+        store.put([
+            BlockData(h, tuple(token_ids[i * bs : (i + 1) * bs]), kv, scales)
+            for (i, h), (kv, scales) in zip(wanted, copies)
+        ])
+        store.note_copy(time.perf_counter() - began)
+        self.stats.blocks_to_store += len(wanted)
+        return len(wanted)
 
     def make_writable(self, state: KVState, position: int) -> bool:
         """Copy-on-write: make the block that will receive `position` exclusively ours and

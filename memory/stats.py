@@ -10,7 +10,7 @@ class CacheStats:
     """Monotonic counters (tokens unless named otherwise).
 
     Every prompt token admitted is counted once in `prompt_tokens` and once in exactly one
-    of: computed, from_session, from_prefix_cache, from_host. Tokens recomputed after a
+    of: computed, from_session, from_prefix_cache, from_host, from_store. Tokens recomputed after a
     preemption or a dropped session are counted again as computed.
     """
 
@@ -19,6 +19,7 @@ class CacheStats:
     from_session: int = 0
     from_prefix_cache: int = 0
     from_host: int = 0
+    from_store: int = 0  # loaded from the KV store (disk) instead of recomputed
     recomputed: int = 0  # tokens computed again after a preemption
     session_offloads: int = 0
     session_drops: int = 0
@@ -28,10 +29,12 @@ class CacheStats:
     cow_copies: int = 0  # blocks copied on write
     blocks_to_host: int = 0  # blocks copied device -> host (offloads, swap-outs)
     blocks_from_host: int = 0  # blocks copied host -> device (restores, swap-ins)
+    blocks_to_store: int = 0  # blocks queued for the KV store (write-behind)
+    blocks_from_store: int = 0  # blocks loaded from the KV store into the device pool
 
     @property
     def reused(self) -> int:
-        return self.from_session + self.from_prefix_cache + self.from_host
+        return self.from_session + self.from_prefix_cache + self.from_host + self.from_store
 
     @property
     def hit_rate(self) -> float:
@@ -42,6 +45,22 @@ class CacheStats:
         data["reused"] = self.reused
         data["hit_rate"] = self.hit_rate
         return data
+
+
+@dataclass
+class KVStoreStats:
+    """The KV store (memory.kv_store): monotonic counters, and its size as this process last
+    saw it (other processes sharing its directory write and evict too)."""
+
+    hits: int = 0  # blocks loaded
+    misses: int = 0  # lookups that found no usable file
+    skipped: int = 0  # files found but not used (corrupt, partial, another model's)
+    writes: int = 0  # blocks written
+    write_seconds: float = 0.0  # the writer thread's time
+    copy_seconds: float = 0.0  # the engine thread's: copying blocks out for the writer
+    evictions: int = 0  # files removed to stay under the cap
+    num_blocks: int = 0
+    num_bytes: int = 0
 
 
 @dataclass

@@ -89,6 +89,8 @@ class Fleet:
             "KVCHAT_REDIS_URL": c.redis_url,
             "KVCHAT_REDIS_PREFIX": c.redis_prefix,
             "KVCHAT_DATA_DIR": str(c.run_dir / replica.name),
+            # One KV store for the fleet: a conversation that moves loads its blocks there.
+            "KVCHAT_KV_STORE_DIR": str(c.run_dir / "kv"),
             "KVCHAT_KEYLESS_SESSIONS": "true",
             "KVCHAT_DRAIN_GRACE": str(h.drain_grace),
             "KVCHAT_DRAIN_PROBES": str(h.drain_probes),

@@ -14,8 +14,8 @@ behind a load balancer loses no request and no message.
    any shutdown).
 4. `before_exit()`: the exit hooks, with the engine stopped and its KV pool still in memory.
    The one registered by default, `persist_pinned_sessions`, is where pinned sessions' blocks
-   go to the KV store so the replicas their conversations move to load them instead of
-   recomputing; kvchat has no KV store yet, so it reports what leaves with the process.
+   go to the KV store (each finished turn queued its blocks already: this waits for the
+   writer) so the replicas their conversations move to load them instead of recomputing.
 5. Leases are released, connections closed, the process exits.
 
 With `grace` 0 (the default of a single process) a signal stops the server at once, as
@@ -24,6 +24,7 @@ before.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -116,13 +117,19 @@ def pinned_sessions(state: AppState) -> PinnedSessions:
 
 async def persist_pinned_sessions(state: AppState) -> None:
     """Make sure every pinned session's KV blocks are in the KV store before the process
-    exits, so the replica each conversation moves to loads its KV instead of recomputing it.
-
-    kvchat keeps KV only in the replica's memory so far (the KV store on a shared volume is
-    part 2 of issue 22, which fills this hook in): the sessions are logged, and each of their
-    conversations recomputes its history once, on the replica its next turn lands on."""
+    exits, so the replica each conversation moves to (or this one, restarted) loads its KV
+    instead of recomputing it. Each finished turn queued its blocks already (write-behind);
+    this queues what is left (none, normally) and waits for the writer."""
     pinned = pinned_sessions(state)
-    if pinned.num_sessions:
-        log.warning("exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
-                    "their conversations recompute on their next turn", pinned.num_sessions,
-                    pinned.num_tokens)
+    engine = state.runtime.engine
+    if engine.kv_store is None:
+        if pinned.num_sessions:
+            log.warning("exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
+                        "their conversations recompute on their next turn",
+                        pinned.num_sessions, pinned.num_tokens)
+        return
+    began = time.monotonic()
+    queued = await asyncio.to_thread(engine.persist_sessions, state.settings.drain_timeout)
+    log.info("KV store: %d pinned sessions (%d tokens) kept on disk (%d blocks written at "
+             "exit) in %.2f s", pinned.num_sessions, pinned.num_tokens, queued,
+             time.monotonic() - began)

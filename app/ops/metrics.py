@@ -40,6 +40,19 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# memory.KVStoreStats' counters, as kvchat:kv_store_<name>_total.
+KV_STORE_COUNTERS = {
+    "hits": "Blocks loaded from the KV store.",
+    "misses": "KV store lookups that found no usable block.",
+    "skipped": "KV store files not used (corrupt, partial, another model's).",
+    "writes": "Blocks written to the KV store.",
+    "evictions": "KV store files evicted by its byte cap.",
+    "write_seconds": "The KV store writer thread's time.",
+    "copy_seconds": "The engine thread's time copying blocks out for the KV store's writer "
+                    "(the write-behind's share of the turn's path).",
+}
+
+
 class EngineCollector(Collector):
     """What the engine and the history planner know, read at scrape time."""
 
@@ -88,7 +101,15 @@ class EngineCollector(Collector):
         cached.add_metric(["session"], stats.from_session)
         cached.add_metric(["prefix_cache"], stats.from_prefix_cache)
         cached.add_metric(["host"], stats.from_host)
+        cached.add_metric(["kv_store"], stats.from_store)
         yield cached
+        store = report.kv_store
+        if store is not None:
+            yield gauge("kv_store_bytes", "Bytes in the KV store (as this replica last saw it).",
+                        store.num_bytes)
+            yield gauge("kv_store_blocks", "Blocks in the KV store.", store.num_blocks)
+            for name, doc in KV_STORE_COUNTERS.items():
+                yield counter("kv_store_" + name, doc, getattr(store, name))
         yield counter("computed_prompt_tokens", "Prompt tokens computed (prefilled).",
                       stats.computed + stats.recomputed)
         yield counter("session_offloads", "Idle sessions moved to the host pool.",

@@ -10,11 +10,12 @@ budget."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from history import HistoryPolicy
 from inference import SessionInfo
-from memory import HistoryStats, SessionState
+from memory import CacheStats, HistoryStats, KVStoreStats, SessionState
 
 from app.errors import invalid_request, not_found
 from app.coord.leases import lease_name
@@ -94,8 +95,11 @@ async def memory(state: AppState) -> dict[str, Any]:
             "session": cache.from_session,
             "prefix_cache": cache.from_prefix_cache,
             "host": cache.from_host,
+            "store": cache.from_store,
             "recomputed": cache.recomputed,
         },
+        "kv_store": kv_store_view(stats.kv_store, cache, state.settings.kv_store_path,
+                                  state.settings.kv_store_bytes),
         "evictions": {"offloads": cache.session_offloads, "drops": cache.session_drops,
                       "restores": cache.session_restores},
         "preemptions": {"swap": cache.preemptions_swap,
@@ -104,6 +108,22 @@ async def memory(state: AppState) -> dict[str, Any]:
         "history": dataclasses.asdict(history.total()),
         "defaults": dataclasses.asdict(state.defaults),
         "replica": state.replica_id,
+    }
+
+
+def kv_store_view(store: KVStoreStats | None, cache: CacheStats, path: Path,
+                  max_bytes: int) -> dict[str, Any]:
+    """The KV store as operators see it (`enabled` false: no store; counters are blocks)."""
+    if store is None:
+        return {"enabled": False}
+    return {
+        "enabled": True, "path": str(path), "max_bytes": max_bytes,
+        "blocks": store.num_blocks, "bytes": store.num_bytes,
+        "hits": store.hits, "misses": store.misses, "skipped": store.skipped,
+        "writes": store.writes, "evictions": store.evictions,
+        "write_seconds": store.write_seconds, "copy_seconds": store.copy_seconds,
+        "blocks_queued": cache.blocks_to_store, "blocks_loaded": cache.blocks_from_store,
+        "tokens_loaded": cache.from_store,
     }
 
 

@@ -99,7 +99,7 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
 
         seen.append((state.runtime.is_running, pinned_sessions(state).num_sessions))
 
-    with caplog.at_level(logging.WARNING, logger="app.ops.drain"), TestClient(app) as client:
+    with caplog.at_level(logging.INFO, logger="app.ops.drain"), TestClient(app) as client:
         state = app.state.kvchat
         state.drain.exit_hooks.append(hook)
         _, key = client.portal.call(lambda: state.store.create_key("alice"))
@@ -122,4 +122,8 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
         assert client.get("/healthz").status_code == 200
     # persist_pinned_sessions, then this hook: the engine stopped, the session still pinned.
     assert seen == [(False, 1)]
-    assert any("exiting with 1 pinned sessions" in r.getMessage() for r in caplog.records)
+    assert any("KV store: 1 pinned sessions" in r.getMessage() for r in caplog.records)
+    # Its blocks are on disk: every full block of the conversation, once.
+    usage = again.json()["usage"]
+    files = list(settings.kv_store_path.glob("*/*.safetensors"))
+    assert len(files) == (usage["prompt_tokens"] + usage["completion_tokens"]) // 16

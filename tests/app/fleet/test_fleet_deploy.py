@@ -40,8 +40,10 @@ def test_compose_runs_haproxy_two_replicas_sharing_a_kv_volume_postgres_and_redi
     config = HAProxyConfig.compose()
     for name in ("app1", "app2"):
         app = services[name]
-        assert "kv-store:/data/kv" in app["volumes"]  # one volume, both replicas
         env = app["environment"]
+        # One volume, both replicas, where their KV store is.
+        assert f"kv-store:{env['KVCHAT_KV_STORE_DIR']}" in app["volumes"]
+        assert int(env["KVCHAT_KV_STORE_BYTES"]) > 0
         assert env["KVCHAT_REPLICA_ID"] == name  # HAProxy's server name
         assert env["KVCHAT_REDIS_URL"].startswith("redis://redis:")
         assert env["KVCHAT_DATABASE_URL"].startswith("postgresql://") and "@postgres:" in env[

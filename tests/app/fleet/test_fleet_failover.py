@@ -18,11 +18,12 @@ import pytest
 from openai import OpenAI
 
 from app.fleet import Fleet
-from tests.app.fleet.conftest import Api
+from tests.app.fleet.conftest import Api, metric
 
 # The openai client's own policy (exponential backoff from 0.5 s, at most 8 s apart) on
 # connection errors, 409 (a turn lock another replica still holds), 429 and 5xx.
 MAX_RETRIES = 8
+BLOCK = 16  # the replicas' KV block size (the default)
 
 
 def sdk(fleet: Fleet) -> OpenAI:
@@ -78,6 +79,10 @@ def test_sigkill_mid_reply_the_retry_is_answered_by_another_replica(fleet: Fleet
     assert events[0]["type"] == "start" and events[0]["parent_id"] == start["parent_id"]
     assert events[-1]["type"] == "done" and events[-1]["status"] == "complete"
     text = "".join(e["text"] for e in events if e["type"] == "delta")
+    # The other replica never held the conversation: it loaded the acknowledged turns' full
+    # blocks from the KV store the holder wrote behind each of them, and computed the rest.
+    acked_tokens = acked[-1].usage["prompt_tokens"] + acked[-1].usage["completion_tokens"]
+    assert events[-1]["usage"]["cached_tokens"] >= acked_tokens // BLOCK * BLOCK
 
     tree = proxy.messages(conv, all="true")
     user = [m for m in tree if m["role"] == "user"]
@@ -106,6 +111,8 @@ class ChatClient:
     answered: list[tuple[str, str, str]] = field(default_factory=list)  # conv, user, reply
     failures: list[str] = field(default_factory=list)
     turns: int = 0
+    conversation: str | None = None  # a conversation client's current one
+    last_usage: dict[str, int] = field(default_factory=dict)  # of its last answered turn
 
 
 def conversation_client(fleet: Fleet, stop: threading.Event) -> Callable[[ChatClient], None]:
@@ -124,6 +131,7 @@ def conversation_client(fleet: Fleet, stop: threading.Event) -> Callable[[ChatCl
                                                  "temperature": 0}, f"{me.name}-{me.turns}")
                 assert reply["status"] == "complete", reply
                 me.answered.append((conv, content, reply["content"]))
+                me.conversation, me.last_usage = conv, reply["usage"]
             except Exception as e:
                 me.failures.append(f"{content}: {e!r}")
             me.turns += 1
@@ -204,3 +212,41 @@ def test_a_rolling_restart_fails_no_request_and_loses_no_message(fleet: Fleet) -
         answered = [(u, r) for conv, u, r in client.answered]
         assert [pair for conv in dict.fromkeys(c for c, _, _ in client.answered)
                 for pair in stored[conv]] == answered
+
+    # Every replica restarted, and none recomputes a conversation: the next turn of each
+    # reuses its whole history but the partial last block (from memory or from the KV store).
+    after = sdk(fleet)
+    for me in clients[:3]:
+        assert me.conversation is not None
+        reply = post_turn(after, me.conversation, {"content": "After the restarts",
+                                                    "max_tokens": 4, "temperature": 0},
+                          f"{me.name}-after")
+        history = me.last_usage["prompt_tokens"] + me.last_usage["completion_tokens"]
+        assert reply["usage"]["cached_tokens"] >= history // BLOCK * BLOCK, (me.name, reply)
+
+
+def test_a_restarted_replica_loads_its_conversations_from_the_kv_store(fleet: Fleet) -> None:
+    """SIGTERM (a drain: the pinned sessions' blocks are in the store before the exit), then
+    the same replica back: the conversation's next turn computes only its new tokens and the
+    partial last block, the rest loaded from the store."""
+    assert fleet.admin_key is not None
+    proxy = Api(fleet.url, fleet.admin_key)
+    conv = proxy.new_conversation()
+    turns = [proxy.turn(conv, f"A turn before the restart, number {i}", max_tokens=8)
+             for i in (1, 2, 3)]
+    holder = turns[0].replica
+    assert {t.replica for t in turns} == {holder}
+    assert fleet.restart(holder, signal.SIGTERM) in (0, -signal.SIGTERM)
+    direct = Api(fleet.replica(holder).url, fleet.admin_key)
+    loaded_before = metric(direct.http.get("/metrics").text,
+                           'kvchat:cached_tokens_total{source="kv_store"}')
+    after = proxy.turn(conv, "The first turn after the restart", max_tokens=8)
+    assert after.replica == holder  # the ring is the same: it comes back to its replica
+    history = turns[-1].usage["prompt_tokens"] + turns[-1].usage["completion_tokens"]
+    stored = history // BLOCK * BLOCK
+    assert after.usage["cached_tokens"] >= stored
+    computed = after.usage["prompt_tokens"] - after.usage["cached_tokens"]
+    assert computed <= after.usage["prompt_tokens"] - stored
+    loaded = metric(direct.http.get("/metrics").text,
+                    'kvchat:cached_tokens_total{source="kv_store"}') - loaded_before
+    assert loaded == after.usage["cached_tokens"]  # all of it from the store: memory was new

@@ -2,21 +2,38 @@
 stay on one replica and reuse its whole history; so do a keyless stateless client's calls;
 conversations spread over the replicas; a WebSocket streams, stops and resumes through the
 proxy; and a replica whose pinned copy of a session went stale (another replica served turns
-in between) reuses only the prefix both share and produces what a recompute does."""
+in between) reuses only the prefix both share and produces what a recompute does.
+
+These replicas run without the KV store, so every reuse seen here is a replica's own memory
+(the store's part is test_fleet_failover's)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from openai import OpenAI
 from websockets.sync.client import connect
 
 from app.fleet import Fleet
-from tests.app.fleet.conftest import Api, metric, wait_for
+from tests.app.fleet.conftest import Api, fleet_config, metric, wait_for
+from tests.service import postgres_database
+
+
+@pytest.fixture(scope="module")
+def fleet(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three replicas behind HAProxy, KV store off."""
+    with postgres_database() as url, Fleet(fleet_config(
+            dev_model, url, tmp_path_factory.mktemp("fleet"), num_replicas=3,
+            replica_env={"KVCHAT_KV_STORE_BYTES": "0"})) as running:
+        assert running.admin_key is not None
+        yield running
 
 
 def api(fleet: Fleet, replica: str | None = None) -> Api:
