@@ -36,6 +36,8 @@ Writes bench/results/fleet.md and fleet.png."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import random
@@ -317,18 +319,18 @@ class Outcome:
 def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], system: str,
                 run_dir: Path) -> Outcome:
     from app.fleet import Fleet, FleetConfig
-    from tests.service import postgres_database
 
     env = {**REPLICA_ENV, "KVCHAT_KV_CACHE_BYTES": str(args.kv_cache_mib * 2**20),
            "KVCHAT_HOST_CACHE_BYTES": str(args.host_cache_mib * 2**20),
            **dict(variant.replica_env)}
-    with postgres_database() as url:
+    with bench_database(f"{args.postgres_url}/kvchat_bench_fleet_{os.getpid()}_"
+                        f"{variant.name.replace('+', '_')}") as url:
         config = FleetConfig(
             model=args.model, database_url=url, redis_url=args.redis_url,
             num_replicas=args.replicas, run_dir=run_dir / variant.name,
             redis_prefix=f"kvchat-bench-{os.getpid()}-{variant.name}:",
             balance=variant.balance,  # type: ignore[arg-type]
-            check_interval_ms=500, replica_env=env,
+            check_interval_ms=500, replica_env=env, create_database=True,
         )
         with Fleet(config) as fleet:
             assert fleet.admin_key is not None
@@ -361,6 +363,18 @@ def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], s
                 totals = {k: totals[k] + now[k] for k in totals}
             return Outcome(variant, users, totals, restart_s, count_lost(driver, users),
                            driver.mark, busiest if driver.paused is not None else None)
+
+
+@contextlib.contextmanager
+def bench_database(url: str) -> Iterator[str]:
+    """A Postgres database of the run's own (the fleet creates and migrates it), dropped
+    after."""
+    from app.fleet import drop_postgres_database
+
+    try:
+        yield url
+    finally:
+        asyncio.run(drop_postgres_database(url))
 
 
 def count_lost(driver: Driver, users: list[User]) -> int:
@@ -451,6 +465,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="a model directory (default: models/<preset>)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--postgres-url", default="postgresql://postgres@127.0.0.1:5432",
+                        help="a Postgres server: each variant's fleet gets a database of its "
+                        "own there, dropped after")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--system-words", type=int, default=200)
     parser.add_argument("--opening-words", type=int, default=120)

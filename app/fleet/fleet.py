@@ -234,3 +234,23 @@ async def create_postgres_database(url: str) -> bool:
         return True
     finally:
         await connection.close()
+
+
+async def drop_postgres_database(url: str) -> None:
+    """Drop the database `url` names (its other connections are ended first), if it exists:
+    what a benchmark's fleet of its own leaves behind."""
+    import asyncpg
+
+    from app.store.database import database_url
+
+    parsed = database_url(url)
+    name = parsed.database
+    assert name, "a Postgres URL names its database"
+    admin = parsed.set(drivername="postgresql", database="postgres")
+    connection = await asyncpg.connect(admin.render_as_string(hide_password=False), timeout=10)
+    try:
+        await connection.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                 "WHERE datname = $1 AND pid <> pg_backend_pid()", name)
+        await connection.execute('DROP DATABASE IF EXISTS "' + name.replace('"', '""') + '"')
+    finally:
+        await connection.close()
