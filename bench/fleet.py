@@ -18,8 +18,11 @@ Variants, each on a fleet of its own (fresh caches), in one run:
   conversations recompute their history on their first turn after it;
 - restart+kvstore: the same with the KV store on (a directory the replicas share): the
   drain makes sure the pinned sessions' blocks are on disk, and the first turns after the
-  restart load them instead of recomputing.
-The first three run without the store, so what they measure is the replicas' memory alone.
+  restart load them instead of recomputing;
+- affinity+kvstore, roundrobin+kvstore: the first two with the store on (kvchat's default):
+  a session a replica had to drop, or one another replica holds, is loaded from disk.
+Variants without "+kvstore" run with the store off: what they measure is the replicas'
+memory alone.
 
 Per variant: prompt tokens served from cache (each reply's `cached_tokens`, kvchat's own
 count) against the ideal (every token of the history the fleet has seen: the previous call's
@@ -80,16 +83,19 @@ class Variant:
 
 
 STORE_OFF = (("KVCHAT_KV_STORE_BYTES", "0"),)
+STORE_ON = (("KVCHAT_KV_STORE_BYTES", str(8 * 2**30)),)
 VARIANTS = {
     "affinity": Variant("affinity", replica_env=STORE_OFF),
     "roundrobin": Variant("roundrobin", balance="roundrobin", replica_env=STORE_OFF),
+    "affinity+kvstore": Variant("affinity+kvstore", replica_env=STORE_ON),
+    "roundrobin+kvstore": Variant("roundrobin+kvstore", balance="roundrobin",
+                                  replica_env=STORE_ON),
 }
 # A rolling restart mid-run, without the KV store and with it (the fleet's run directory
 # holds the store every replica shares: app.fleet sets KVCHAT_KV_STORE_DIR).
 RESTART_VARIANTS = {
     "restart": Variant("restart", restart_mid_run=True, replica_env=STORE_OFF),
-    "restart+kvstore": Variant("restart+kvstore", restart_mid_run=True,
-                               replica_env=(("KVCHAT_KV_STORE_BYTES", str(8 * 2**30)),)),
+    "restart+kvstore": Variant("restart+kvstore", restart_mid_run=True, replica_env=STORE_ON),
 }
 ALL_VARIANTS = {**VARIANTS, **RESTART_VARIANTS}
 
@@ -278,6 +284,7 @@ class Driver:
 
 
 COUNTERS = {"kvchat:prompt_tokens_total": "prompt",
+            "kvchat:session_drops_total": "session_drops",
             "kvchat:kv_store_copy_seconds_total": "store_copy_s",
             "kvchat:kv_store_write_seconds_total": "store_write_s",
             'kvchat:cached_tokens_total{source="kv_store"}': "from_store"}
@@ -287,7 +294,7 @@ def counters(url: str) -> dict[str, float]:
     """The replica's counters: prompt tokens, cached tokens (all sources, and the KV store's),
     the KV store's write-behind seconds."""
     out = {"prompt": 0.0, "cached": 0.0, "store_copy_s": 0.0, "store_write_s": 0.0,
-           "from_store": 0.0}
+           "from_store": 0.0, "session_drops": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name, _, value = line.rpartition(" ")
         if name in COUNTERS:
@@ -403,12 +410,14 @@ def summarize(outcome: Outcome) -> dict[str, Any]:
     ttft = [c.ttft_s * 1000 for c in outcome.calls]
     long_history = [c.ttft_s * 1000 for c in later if 1000 <= c.prompt_tokens <= 2000]
     after = []  # the first turn after the restart of each conversation that was there
+    after_computed: list[int] = []  # the prompt tokens those turns computed
     if outcome.back_at is not None:
         for user in outcome.users:
             before = [c for c in user.calls if c.started < outcome.back_at]
             first = next((c for c in user.calls if c.started >= outcome.back_at), None)
             if first is not None and before and before[-1].replica == outcome.restarted:
                 after.append(first.ttft_s * 1000)
+                after_computed.append(first.prompt_tokens - first.cached_tokens)
     return {
         "cache_fraction": cached / ideal if ideal else float("nan"),
         "metrics_fraction": outcome.counters["cached"] / outcome.counters["prompt"]
@@ -416,6 +425,8 @@ def summarize(outcome: Outcome) -> dict[str, Any]:
         "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 99),
         "ttft_long_p50": statistics.median(long_history) if long_history else float("nan"),
         "after_restart_p50": statistics.median(after) if after else None,
+        "after_restart_computed": sum(after_computed),
+        "session_drops": outcome.counters["session_drops"],
         "failed": outcome.failed, "lost": outcome.lost, "calls": len(outcome.calls),
         "max_prompt": max(c.prompt_tokens for c in outcome.calls),
         "replicas": len({c.replica for c in outcome.calls}),
@@ -511,6 +522,7 @@ def main() -> None:
             outcome.variant.name, s["calls"], s["replicas"], f"{s['cache_fraction']:.3f}",
             f"{s['metrics_fraction']:.3f}", f"{s['ttft_p50']:.0f}", f"{s['ttft_p99']:.0f}",
             f"{s['ttft_long_p50']:.0f}", "-" if after is None else f"{after:.0f}",
+            "-" if after is None else s["after_restart_computed"], int(s["session_drops"]),
             s["failed"], s["lost"], s["max_prompt"], int(s["from_store"]),
             "-" if not s["from_store"] and not s["write_behind"]
             else f"{100 * s['write_behind']:.2f}%",
@@ -533,20 +545,26 @@ def main() -> None:
          "cached / prompt (/metrics)", "TTFT p50 (ms)", "TTFT p99 (ms)",
          "TTFT p50, 1-2k-token prompts (ms)",
          "TTFT p50, first turn after the restart of its replica (ms)",
-         "failed", "lost", "largest prompt (tokens)", "tokens loaded from the KV store",
+         "prompt tokens those first turns computed", "sessions dropped", "failed", "lost",
+         "largest prompt (tokens)", "tokens loaded from the KV store",
          "KV store write-behind / turn time"], rows)
     goals = []
-    if "affinity" in summaries:
-        a = summaries["affinity"]
-        goals.append(f"- affinity serves {a['cache_fraction']:.3f} of the ideal from cache "
-                     f"(goal >= 0.95: {'met' if a['cache_fraction'] >= 0.95 else 'not met'})")
-        if "roundrobin" in summaries:
-            r = summaries["roundrobin"]
+    for suffix in ("", "+kvstore"):
+        if "affinity" + suffix not in summaries:
+            continue
+        a = summaries["affinity" + suffix]
+        goals.append(f"- affinity{suffix} serves {a['cache_fraction']:.3f} of the ideal from "
+                     f"cache (goal >= 0.95: {'met' if a['cache_fraction'] >= 0.95 else 'not met'}"
+                     f"; {a['session_drops']:.0f} sessions dropped for room)")
+        if "roundrobin" + suffix in summaries:
+            r = summaries["roundrobin" + suffix]
             ratio = r["ttft_long_p50"] / a["ttft_long_p50"]
-            goals.append(f"- round-robin serves {r['cache_fraction']:.3f} of the ideal (about "
-                         "1/3 expected with 3 replicas)")
-            goals.append(f"- TTFT p50 at 1-2k-token prompts: round-robin / affinity = "
-                         f"{ratio:.2f}x (goal >= 3x: {'met' if ratio >= 3 else 'not met'})")
+            goals.append(f"- roundrobin{suffix} serves {r['cache_fraction']:.3f} of the ideal"
+                         + (" (about 1/3 expected with 3 replicas)" if not suffix else
+                            " (the rest loaded from the shared store)"))
+            goals.append(f"- TTFT p50 at 1-2k-token prompts: roundrobin{suffix} / "
+                         f"affinity{suffix} = {ratio:.2f}x (goal >= 3x: "
+                         f"{'met' if ratio >= 3 else 'not met'})")
     if "restart" in summaries and "restart+kvstore" in summaries:
         without = summaries["restart"]["after_restart_p50"]
         with_store = summaries["restart+kvstore"]["after_restart_p50"]
@@ -554,7 +572,10 @@ def main() -> None:
             ratio = with_store / without
             goals.append(f"- first turn after the restart of its replica, TTFT p50: with the "
                          f"KV store {with_store:.0f} ms, without {without:.0f} ms = "
-                         f"{ratio:.2f}x (goal <= 0.3x: {'met' if ratio <= 0.3 else 'not met'})")
+                         f"{ratio:.2f}x (goal <= 0.3x: {'met' if ratio <= 0.3 else 'not met'})"
+                         f"; the prompt tokens those turns computed: "
+                         f"{summaries['restart+kvstore']['after_restart_computed']} with the "
+                         f"store, {summaries['restart']['after_restart_computed']} without")
         share = summaries["restart+kvstore"]["write_behind"]
         goals.append(f"- KV store write-behind (engine-thread copies + writer thread) = "
                      f"{100 * share:.2f}% of the calls' time (goal <= 5%: "
