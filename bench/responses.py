@@ -92,14 +92,14 @@ def post_stream(client: httpx.Client, path: str, body: dict[str, Any], first: An
     return Streamed(events, ttft, first_event, len(raw))
 
 
-def resend_loop(client: httpx.Client, task: str, steps: int) -> list[Step]:
+def resend_loop(client: httpx.Client, task: str, steps: int, model: str) -> list[Step]:
     tools = [{"type": "function", "function": {"name": "step", "description": DESCRIPTION,
                                                "parameters": SCHEMA}}]
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": task}]
     out = []
     for _ in range(steps):
-        body = {"model": "dev", "messages": messages, "tools": tools, "tool_choice": "required",
+        body = {"model": model, "messages": messages, "tools": tools, "tool_choice": "required",
                 "parallel_tool_calls": False, "max_tokens": MAX_TOKENS, "temperature": 1.0,
                 "stream": True, "stream_options": {"include_usage": True}}
         streamed = post_stream(
@@ -128,14 +128,14 @@ def resend_loop(client: httpx.Client, task: str, steps: int) -> list[Step]:
     return out
 
 
-def responses_loop(client: httpx.Client, task: str, steps: int) -> list[Step]:
+def responses_loop(client: httpx.Client, task: str, steps: int, model: str) -> list[Step]:
     tools = [{"type": "function", "name": "step", "description": DESCRIPTION,
               "parameters": SCHEMA}]
     previous = None
     new_input: list[dict[str, Any]] = [{"role": "user", "content": task}]
     out = []
     for _ in range(steps):
-        body = {"model": "dev", "input": new_input, "instructions": SYSTEM, "tools": tools,
+        body = {"model": model, "input": new_input, "instructions": SYSTEM, "tools": tools,
                 "tool_choice": "required", "parallel_tool_calls": False,
                 "max_output_tokens": MAX_TOKENS, "temperature": 1.0, "stream": True,
                 **({"previous_response_id": previous} if previous else {})}
@@ -202,7 +202,8 @@ def main() -> None:
                         before = computed(client)
                         task = (f"Task {repeat}-{name}: get the key out of the box, then "
                                 "open the door to the north.")
-                        runs[name].append(loop(client, task, args.steps))
+                        runs[name].append(loop(client, task, args.steps,
+                                               args.model.resolve().name))
                         counted[name] += computed(client) - before
         finally:
             process.terminate()
@@ -238,8 +239,8 @@ def main() -> None:
              / max(1, sum(minimum(r, i) for r in runs["responses"] for i in later)))
     ttft = {name: statistics.median(s.ttft_ms for r in runs[name] for s in r[LATE - 1:])
             for name in runs}
-    before = {name: statistics.median(s.first_event_ms for r in runs[name] for s in r[LATE - 1:])
-              for name in runs}
+    first_event = {name: statistics.median(s.first_event_ms for r in runs[name]
+                                           for s in r[LATE - 1:]) for name in runs}
     bytes_growth = {name: statistics.median(r[-1].request_bytes / r[1].request_bytes
                                             for r in runs[name]) for name in runs}
     flat = bytes_growth["responses"] <= 1.1 < bytes_growth["resend"]
@@ -250,7 +251,7 @@ def main() -> None:
         f"{ttft['resend']:.1f} ms ({ttft['responses'] / ttft['resend']:.2f}x; goal <= 1x: "
         f"{'met' if ttft['responses'] <= ttft['resend'] else 'not met'}); of which before "
         f"generation starts (to the stream's first event): Responses "
-        f"{before['responses']:.1f} ms, resend {before['resend']:.1f} ms",
+        f"{first_event['responses']:.1f} ms, resend {first_event['resend']:.1f} ms",
         f"- request bytes, step {args.steps} / step 2: Responses "
         f"{bytes_growth['responses']:.2f}x, resend {bytes_growth['resend']:.2f}x (goal: flat "
         f"vs growing: {'met' if flat else 'not met'})",

@@ -127,9 +127,9 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
             prompt = template.render_ids(history)
             sent = time.perf_counter()
             first = None
-            async for out in runner.generate(
-                f"e{i}-{turn}-{sessions}", prompt, params, session_id=f"s{i}" if sessions else None
-            ):
+            request = engine.check_request(prompt, params,
+                                           session_id=f"s{i}" if sessions else None)
+            async for out in runner.generate(f"e{i}-{turn}-{sessions}", request):
                 if first is None and out.new_text:  # visible text, as the service's chunks
                     first = time.perf_counter()
                 if out.finished:
@@ -353,9 +353,9 @@ def main() -> None:
         + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_round)
         + ".\n"
     )
-    for r in runs:
-        for e in r.errors[:3]:
-            report += f"\n- {r.name}: {e}"
+    for each in runs:
+        for e in each.errors[:3]:
+            report += f"\n- {each.name}: {e}"
     report += "\n\n![tokens/s](serve_rest.png)\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
