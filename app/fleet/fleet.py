@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from app.fleet.haproxy_config import Balance, HAProxyConfig, ReplicaAddress
 from app.fleet.processes import FleetError, HAProxy, Replica, free_port
@@ -213,44 +214,47 @@ async def prepare_database(url: str, *, create: bool = False) -> str | None:
         await store.close()
 
 
+@contextlib.asynccontextmanager
+async def _server_connection(url: str) -> AsyncIterator[tuple[Any, str]]:
+    """An asyncpg connection to the server of the Postgres URL `url` (through its `postgres`
+    database), and the name of the database `url` names."""
+    import asyncpg
+
+    from app.store.database import database_url
+
+    parsed = database_url(url)
+    name = parsed.database
+    if not name:
+        raise ValueError(f"a Postgres URL names its database: {url!r}")
+    admin = parsed.set(drivername="postgresql", database="postgres")
+    connection = await asyncpg.connect(admin.render_as_string(hide_password=False), timeout=10)
+    try:
+        yield connection, name
+    finally:
+        await connection.close()
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 async def create_postgres_database(url: str) -> bool:
     """Create the database `url` names on its server if it does not exist (through the
     server's `postgres` database). Whether it was created."""
     import asyncpg
 
-    from app.store.database import database_url
-
-    parsed = database_url(url)
-    name = parsed.database
-    assert name, "a Postgres URL names its database"
-    admin = parsed.set(drivername="postgresql", database="postgres")
-    connection = await asyncpg.connect(admin.render_as_string(hide_password=False), timeout=10)
-    try:
+    async with _server_connection(url) as (connection, name):
         if await connection.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
             return False
-        quoted = '"' + name.replace('"', '""') + '"'
         with contextlib.suppress(asyncpg.DuplicateDatabaseError):  # another fleet won
-            await connection.execute(f"CREATE DATABASE {quoted}")
+            await connection.execute(f"CREATE DATABASE {_quoted(name)}")
         return True
-    finally:
-        await connection.close()
 
 
 async def drop_postgres_database(url: str) -> None:
     """Drop the database `url` names (its other connections are ended first), if it exists:
     what a benchmark's fleet of its own leaves behind."""
-    import asyncpg
-
-    from app.store.database import database_url
-
-    parsed = database_url(url)
-    name = parsed.database
-    assert name, "a Postgres URL names its database"
-    admin = parsed.set(drivername="postgresql", database="postgres")
-    connection = await asyncpg.connect(admin.render_as_string(hide_password=False), timeout=10)
-    try:
+    async with _server_connection(url) as (connection, name):
         await connection.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                                  "WHERE datname = $1 AND pid <> pg_backend_pid()", name)
-        await connection.execute('DROP DATABASE IF EXISTS "' + name.replace('"', '""') + '"')
-    finally:
-        await connection.close()
+        await connection.execute(f"DROP DATABASE IF EXISTS {_quoted(name)}")
