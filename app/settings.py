@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    linear_path: Literal["auto", "gemv", "torch", "onednn", "onednn-prepacked"] = Field(
+        "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
+    )
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     kv_cache_bytes: int | None = Field(None, description="KV pool size (CPU, or CUDA override).")
@@ -185,6 +188,7 @@ class Settings(BaseSettings):
             dtype=self.dtype,
             device=self.device,
             attention_backend=self.attention_backend,
+            linear_path=self.linear_path,
             max_model_len=self.max_model_len,
             seed=self.seed,
             grammar_checks_first=self.grammar_checks_first,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_gemv import cpu_isa, cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,8 +29,9 @@ def machine_header(
     lines = [
         f"# {title}",
         "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}, torch's "
-        f"CPU kernels: {torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}, "
+        f"{' '.join(cpu_isa())}; torch's CPU kernels: {torch.backends.cpu.get_cpu_capability()}"
+        f"), torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads"
         + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -40,18 +43,6 @@ def machine_header(
                      + ", ".join(f"{x:.2f}" for x in load_end))
     lines += [f"- {key}: {value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), or what the platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

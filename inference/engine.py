@@ -53,7 +53,7 @@ from .engine_reports import (
 from .engine_setup import invalid_token_mask, kv_spec_for, open_kv_store, size_kv_pools
 from .errors import InvalidRequestError
 from .grammar_compiler import GrammarCompiler
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory, release_freed_memory
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -89,7 +89,10 @@ class Engine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         weights = load_weights(config.model, mc, self.dtype, self.device)
-        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device)
+        self.model = LlamaModel(
+            mc, weights, self.max_model_len, self.dtype, self.device, config.linear_path
+        )
+        del weights  # what the model did not keep (q, k, v, gate, up before fusing) is freed
         self.ops = get_attention_ops(config.attention_backend, self.device)
 
         cache = config.cache
@@ -136,6 +139,8 @@ class Engine:
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
         self.published_stats: EngineStats = self._stats()
+        if self.device.type == "cpu":
+            release_freed_memory()  # what loading and the linear probe left behind
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -11,6 +11,7 @@ from kernels import ATTENTION_BACKENDS
 from memory.config import CacheConfig
 
 from .errors import InvalidRequestError
+from .linear_plan import LINEAR_PATHS
 from .scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +23,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"
+    # The linear layers' paths on the CPU: auto measures the candidates at start-up
+    # (inference/linear_plan.py); gemv, torch or onednn-prepacked forces one.
+    linear_path: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = 0  # for requests without their own seed
     # Structured output: check a constrained row's draws against its grammar before computing
@@ -41,6 +45,11 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}",
                 field="attention_backend",
+            )
+        if self.linear_path not in LINEAR_PATHS:
+            raise InvalidRequestError(
+                f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {self.linear_path!r}",
+                field="linear_path",
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise InvalidRequestError(

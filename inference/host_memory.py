@@ -38,12 +38,18 @@ def keep_freed_memory() -> bool:
         return _applied
 
 
-def _apply() -> bool:
+def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
+        return None
+
+
+def _apply() -> bool:
+    libc = _glibc()
+    if libc is None:
         return False
     ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
@@ -51,3 +57,14 @@ def _apply() -> bool:
     log.debug("glibc malloc: mmap threshold %d, trim threshold %d: %s",
               MMAP_THRESHOLD, TRIM_THRESHOLD, "set" if ok else "refused")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Return the heap freed so far to the system (glibc's malloc_trim): after loading, the
+    checkpoint's tensors before casting and fusing and the linear probe's copies are garbage
+    the trim threshold above would otherwise keep resident. True when glibc did it."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

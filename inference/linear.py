@@ -1,80 +1,49 @@
-"""Linear: y = x W^T + b, with W laid out once, at load, for the CPU's GEMM library.
+"""Linear: y = x W^T + b, through the paths a `LinearPlan` chose for this machine.
 
-On the CPU, torch's `F.linear` hands MKL the weight as stored on every call; for the few rows
-of a decode step (1 to a few dozen) MKL re-packs it each time and reaches a fraction of the
-memory bandwidth, and in bfloat16 it goes through a slow generic path. oneDNN's matmul with the
-weight reordered once into its blocked layout (what inductor's freezing pass does for CPU
-linears) keeps a batch-16 step close to a batch-1 step, and runs bfloat16 on AVX512-BF16 /
-AMX. Elsewhere (CUDA, a torch without oneDNN, a dtype oneDNN cannot run natively on this CPU)
-the weight stays as it is and `F.linear` runs.
-
-Half-precision weights without native support keep a fast prefill by computing chunks of
-many rows in float32 (the weight is upcast per call: an extra pass over the weight, far less
-than the emulated half-precision GEMM costs); decode steps stay in half precision.
+A call of a few rows (a decode step of a few sequences) is a weight stream and takes the
+plan's decode path for that many rows; a longer one (a prefill chunk) is a GEMM and takes its
+prefill path. The weight is held once: as stored (the plain [out, in] tensor, shared with the
+embedding when the lm_head is tied), or, where the plan chose oneDNN's prepacked matmul for the
+layers, only in oneDNN's blocked layout. See inference/linear_plan.py for how the plan is
+chosen.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
-# Rows from which a half-precision linear without native support computes in float32.
-UPCAST_MIN_ROWS = 32
-
-
-@functools.cache
-def _onednn_dtypes() -> frozenset[torch.dtype]:
-    """Weight dtypes oneDNN runs natively on this CPU."""
-    if not torch.backends.mkldnn.is_available():
-        return frozenset()
-    dtypes = {torch.float32}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        dtypes.add(torch.bfloat16)
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        dtypes.add(torch.float16)
-    return frozenset(dtypes)
-
-
-def prepacks(weight: torch.Tensor) -> bool:
-    """Whether `Linear` lays this weight out for oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype in _onednn_dtypes()
+from .linear_plan import PATH_FNS, PREPACKED, LinearFn, LinearPlan, prepack
 
 
 class Linear:
-    """A frozen linear layer (inference only). The prepacked weight is opaque: keep the
-    original elsewhere if anything else (a tied embedding) reads it."""
+    """A frozen linear layer (inference only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan,
+                 *, is_head: bool = False) -> None:
         assert weight.dim() == 2, "weight must be [out_features, in_features]"
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.bias = bias
-        self.is_prepacked = prepacks(weight)
-        # float32 keeps the weight as stored too, for single-row calls (a decode step of one
-        # sequence): MKL's GEMV streams it faster than oneDNN's (~4-7% on the bench model's
-        # layers), at the cost of a second copy. A tied lm_head shares it with the embedding.
-        self._plain = weight if self.is_prepacked and weight.dtype == torch.float32 else None
-        # [out, in] as stored, or oneDNN's blocked layout of it.
-        self.weight = (
-            torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            if self.is_prepacked
-            else weight
+        self.plan = plan
+        self.is_prepacked = plan.prepacked and not is_head
+        # [out, in] as stored, or (prepacked) oneDNN's blocked layout, which replaces it.
+        self.weight = prepack(weight) if self.is_prepacked else weight
+        table = plan.head_decode_paths if is_head else plan.decode_paths
+        # (max elements of x, path) in increasing size
+        self._decode: tuple[tuple[int, LinearFn], ...] = tuple(
+            (rows * self.in_features, PATH_FNS[path if path != "cuda" else "torch"])
+            for rows, path in table
         )
-        self._upcast_prefill = (
-            weight.device.type == "cpu"
-            and not self.is_prepacked
-            and weight.dtype in (torch.bfloat16, torch.float16)
-        )
+        prefill = plan.prefill_path
+        if is_head and prefill == PREPACKED:
+            prefill = "onednn"
+        self._prefill = PATH_FNS[prefill]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
-        if self._plain is not None and x.numel() == self.in_features:
-            return F.linear(x, self._plain, self.bias)
-        if self.is_prepacked:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self._upcast_prefill and x.numel() >= UPCAST_MIN_ROWS * self.in_features:
-            bias = self.bias.float() if self.bias is not None else None
-            return F.linear(x.float(), self.weight.float(), bias).to(self.dtype)
-        return F.linear(x, self.weight, self.bias)
+        n = x.numel()
+        if n:
+            for max_numel, fn in self._decode:
+                if n <= max_numel:
+                    return fn(x, self.weight, self.bias)
+        return self._prefill(x, self.weight, self.bias)

@@ -13,6 +13,7 @@ from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
 from .linear import Linear
+from .linear_plan import LinearPlan, plan_for
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -28,8 +29,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def fused_layer_weights(
+    config: ModelConfig, index: int, w: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """A layer's linear weights ([out, in]) and biases as its projections read them, in the
+    order a step does: one matmul for q|k|v and one for gate|up."""
+    p = f"model.layers.{index}."
+    names = ("q_proj", "k_proj", "v_proj")
+    return {
+        "qkv_proj": (
+            torch.cat([w[p + f"self_attn.{n}.weight"] for n in names]),
+            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None,
+        ),
+        "o_proj": (w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias")),
+        "gate_up_proj": (
+            torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+            if config.mlp_bias
+            else None,
+        ),
+        "down_proj": (w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias")),
+    }
+
+
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        w: dict[str, torch.Tensor],
+        linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+        plan: LinearPlan,
+    ) -> None:
         p = f"model.layers.{index}."
         self.config = config
         self.index = index
@@ -37,20 +68,10 @@ class DecoderLayer:
         self.scale = config.head_dim**-0.5
         self.input_norm = w[p + "input_layernorm.weight"]
         self.post_attention_norm = w[p + "post_attention_layernorm.weight"]
-        # Fused projections: one matmul for q|k|v and one for gate|up.
-        names = ("q_proj", "k_proj", "v_proj")
-        self.qkv_proj = Linear(
-            torch.cat([w[p + f"self_attn.{n}.weight"] for n in names]),
-            torch.cat([w[p + f"self_attn.{n}.bias"] for n in names]) if config.qkv_bias else None,
-        )
-        self.o_proj = Linear(w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
-        self.gate_up_proj = Linear(
-            torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
-            if config.mlp_bias
-            else None,
-        )
-        self.down_proj = Linear(w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
+        self.qkv_proj = Linear(*linears["qkv_proj"], plan)
+        self.o_proj = Linear(*linears["o_proj"], plan)
+        self.gate_up_proj = Linear(*linears["gate_up_proj"], plan)
+        self.down_proj = Linear(*linears["down_proj"], plan)
 
     def forward(
         self,
@@ -114,15 +135,30 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        linear_path: str = "auto",
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        # A tied lm_head is laid out apart from the embedding, which lookups read as stored.
-        self.lm_head = Linear(weights["lm_head.weight"])
+        linears = [fused_layer_weights(config, i, weights) for i in range(config.num_layers)]
+        # q, k, v, gate and up as loaded are now only in their fused copies: drop them, so the
+        # model is held once.
+        for i in range(config.num_layers):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                weights.pop(f"model.layers.{i}.self_attn.{name}.weight", None)
+            for name in ("gate_proj", "up_proj"):
+                weights.pop(f"model.layers.{i}.mlp.{name}.weight", None)
+        self.linear_plan = plan_for(
+            [w for layer in linears for w, _ in layer.values()], dtype, device, linear_path
+        )
+        # A tied lm_head reads the embedding's tensor as stored: one copy of the largest weight.
+        self.lm_head = Linear(weights["lm_head.weight"], None, self.linear_plan, is_head=True)
         self.final_norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(config, i, weights) for i in range(config.num_layers)]
+        self.layers = [
+            DecoderLayer(config, i, weights, linears[i], self.linear_plan)
+            for i in range(config.num_layers)
+        ]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self._views_of: KVCache | None = None
         self._views: list[LayerKV] = []

@@ -23,6 +23,13 @@ async def memory(key: AdminKey, state: StateDep) -> dict[str, Any]:
     return await operators.memory(state)
 
 
+@router.get("/engine")
+async def engine(key: AdminKey, state: StateDep) -> dict[str, Any]:
+    """How this replica runs the model: dtype, device, attention backend, the CPU, and the
+    paths its linear layers took (measured at start-up), with the probe's timings."""
+    return operators.engine_report(state)
+
+
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
     """A conversation's session (its id) or a stateless one (`sess_...`, as `GET /memory`

@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from history import HistoryPolicy
 from inference import SessionInfo
 from memory import CacheStats, HistoryStats, KVStoreStats, SessionState
@@ -31,6 +33,30 @@ from app.turns.prompting import STATELESS_SESSION_PREFIX
 
 TIERS = {SessionState.RESIDENT: "gpu", SessionState.OFFLOADED: "host",
          SessionState.ACTIVE: "gpu", SessionState.EMPTY: None}
+
+
+def engine_report(state: AppState) -> dict[str, Any]:
+    """Fixed at start-up: read without a trip to the engine thread."""
+    engine = state.runtime.engine
+    config = engine.config
+    return {
+        "object": "engine",
+        "model": config.model,
+        "num_parameters": engine.model_config.num_parameters,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "attention_backend": engine.ops.name,
+        "cpu": cpu_description(),
+        "torch_threads": torch.get_num_threads(),
+        "linear": engine.model.linear_plan.as_dict(),
+    }
+
+
+def cpu_description() -> dict[str, Any]:
+    from kernels.cpu_gemv import cpu_isa, cpu_model
+
+    return {"model": cpu_model(), "isa": cpu_isa(),
+            "torch_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 async def memory(state: AppState) -> dict[str, Any]:

@@ -10,8 +10,10 @@ import torch
 
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
+from inference.linear_plan import onednn_dtypes
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
+from kernels.cpu_gemv import load_gemv
 from memory.config import CacheConfig
 from tests.conftest import build_hf_model
 
@@ -77,13 +79,15 @@ class LogitsRecorder:
         return self.sampler(logits, params, generators, **kwargs)
 
 
-def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch") -> Engine:
+def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch",
+                linear_path: str = "auto") -> Engine:
     return Engine(
         EngineConfig(
             model=str(path),
             dtype="float32",
             device="cpu",
             attention_backend=backend,
+            linear_path=linear_path,
             cache=CacheConfig(block_size=block_size, num_blocks_override=64),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget),
         )
@@ -126,6 +130,29 @@ def test_logits_and_greedy_tokens_match_transformers(case: Any, tmp_path: Path) 
     engine = make_engine(tmp_path, block_size, budget)
     prompt = torch.randint(0, 512, (27,), generator=torch.Generator().manual_seed(7)).tolist()
     check_parity(engine, hf_model, prompt)
+
+
+@pytest.mark.parametrize("linear_path", ["gemv", "torch", "onednn", "onednn-prepacked"])
+def test_every_linear_path_matches_transformers(linear_path: str, tmp_path: Path) -> None:
+    """Whatever path the start-up probe picks on a CPU, the logits stay within float32
+    rounding of transformers' and the greedy tokens are the same; two sequences decode
+    together (two-row calls) beside the single-sequence check."""
+    if linear_path == "gemv" and load_gemv() is None:
+        pytest.skip("needs a C++ compiler")
+    if linear_path.startswith("onednn") and torch.float32 not in onednn_dtypes():
+        pytest.skip("needs oneDNN")
+    hf_model = build_hf_model(tmp_path, "qwen2", seed=11, hidden_size=256,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=True)
+    engine = make_engine(tmp_path, 16, 512, linear_path=linear_path)
+    assert engine.model.linear_plan.decode_path == linear_path
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (27, 18)]
+    check_parity(engine, hf_model, prompts[0])
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    alone = make_engine(tmp_path, 16, 512, linear_path="torch").generate(prompts, params)
+    assert [o.output_token_ids for o in together] == [o.output_token_ids for o in alone]
 
 
 TRITON_CASES = [

@@ -57,9 +57,26 @@ def settled(service: Service, conv: str, key: str | None = None) -> dict[str, An
     raise AssertionError("the session stayed active")
 
 
+def test_engine_view_names_the_cpu_and_the_measured_linear_paths(ops: Service) -> None:
+    view = ops.get("/v1/admin/engine").json()
+    assert view["object"] == "engine" and view["device"] == "cpu"
+    assert view["cpu"]["model"] and isinstance(view["cpu"]["isa"], list)
+    linear = view["linear"]
+    assert linear["weights"] in ("plain", "onednn-prepacked")
+    assert linear["reason"] == "measured"
+    # every chosen path was measured, and the single-row one is the fastest the layout holds
+    rows1 = linear["probe_ms"][linear["decode_paths"][0]["path"]]["1"]
+    held = ["onednn-prepacked"] if linear["weights"] == "onednn-prepacked" else [
+        n for n in ("gemv", "torch", "onednn") if n in linear["probe_ms"]]
+    assert rows1 == min(linear["probe_ms"][n]["1"] for n in held)
+    assert linear["prefill_path"] in ("torch", "onednn", "upcast", "onednn-prepacked")
+    assert linear == ops.state.runtime.engine.model.linear_plan.as_dict()
+
+
 def test_admin_routes_need_an_admin_key(ops: Service) -> None:
     for method, path in (
         ("GET", "/v1/admin/memory"),
+        ("GET", "/v1/admin/engine"),
         ("PUT", "/v1/admin/defaults"),
         ("GET", "/v1/admin/sessions/x"),
     ):

@@ -1,0 +1,116 @@
+"""kvchat's decode-step linear for the CPU (kernels/cpu_gemv.cpp), built for this machine.
+
+`gemv(x, weight, bias)` is `F.linear` for 1 to `GEMV_MAX_ROWS` rows of x, reading the weight as
+stored (float32, bfloat16 or float16). It is compiled once per machine with `-march=native`
+by torch's extension builder and cached under `$XDG_CACHE_HOME/kvchat/extensions` (or
+`KVCHAT_EXTENSIONS_DIR`), keyed by the source, its flags, torch's version and the CPU's flags, so a
+cache moved to another CPU is rebuilt, never run with instructions it lacks. Where it cannot
+be built (no C++ compiler), `load_gemv()` says why and returns None; `Linear` then chooses
+among the library paths only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
+# -fopenmp: at::parallel_for is OpenMP in a header, serial without it; the runtime it links is
+# the libgomp torch has already loaded (the same soname).
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+
+GemvFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags, the part of the build key that -march=native reads."""
+    import platform
+
+    return _cpuinfo("flags") or _cpuinfo("Features") or platform.processor()
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or what the platform says."""
+    import platform
+
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+# The instruction-set features that decide which kernels a CPU runs well.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+             "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_isa() -> list[str]:
+    flags = set(cpu_flags().split())
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def extensions_dir() -> Path:
+    configured = os.environ.get("KVCHAT_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvchat" / "extensions"
+
+
+def build_key() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def load_gemv() -> GemvFn | None:
+    """torch.ops.kvchat_cpu.gemv, built on first use; None (with the reason logged) where the
+    machine cannot build it."""
+    try:
+        from torch.utils import cpp_extension
+
+        key = build_key()
+        build_dir = extensions_dir() / f"cpu_gemv-{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's builder runs `ninja` from PATH: the one installed beside this interpreter
+        # (the `ninja` package) when the environment is not activated.
+        bin_dir = str(Path(sys.executable).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        cpp_extension.load(
+            name=f"kvchat_cpu_gemv_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # any build failure leaves the library paths
+        log.warning("kvchat's CPU gemv kernel could not be built (%s: %s); decode linears "
+                    "use the library paths", type(e).__name__, str(e).splitlines()[0][:200])
+        return None
+    op: GemvFn = torch.ops.kvchat_cpu.gemv
+    return op
