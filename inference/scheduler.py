@@ -176,8 +176,14 @@ class Scheduler:
 
     def _plan_finishing(self, step: _Step) -> None:
         """Last tokens of finished session turns: one each, in free blocks only (otherwise
-        the session pins one token less)."""
+        the session pins one token less). A session whose next turn is already waiting pins
+        one token less at once: that turn's prefill computes the token with the rest of its
+        new tokens, and it starts this step instead of waiting a step for the pin."""
+        next_turns = {s.session_id for s in self.waiting if s.session_id is not None}
         for seq in list(self.finishing):
+            if seq.session_id in next_turns:
+                self.remove(seq)
+                continue
             need = self.kv_manager.blocks_to_reserve(seq.kv, seq.num_tokens)
             if step.budget == 0 or not self.pool.can_allocate(need):
                 self.remove(seq)

@@ -95,6 +95,40 @@ def test_turn_two_prefills_only_the_new_tokens(tiny_llama: tuple[Path, Any]) -> 
     assert out2.output_token_ids == cold(path, p2)
 
 
+def test_a_turn_sent_as_the_last_one_ends_starts_at_once(tiny_llama: tuple[Path, Any]) -> None:
+    """The next turn of a session, added in the step its previous turn ended in (a client
+    that answers at once), is not held back a step to pin the previous turn's last token:
+    its own prefill computes that token with its new ones."""
+    path, _ = tiny_llama
+    engine = make_engine(path)
+    counter = ForwardCounter(engine)
+    p1 = random_prompt(2 * BLOCK + 3, seed=13)
+    engine.add_request("t1", p1, GREEDY, session_id="conv")
+    o1: list[int] | None = None
+    while o1 is None:
+        for out in engine.step():
+            if out.finished:
+                o1 = out.output_token_ids
+    assert o1 is not None and len(o1) == NEW
+    user2 = random_prompt(19, seed=14)
+    p2 = p1 + o1 + user2
+    engine.add_request("t2", p2, GREEDY, session_id="conv")
+    before = counter.tokens
+    first = engine.step()
+    # t2 started in this very step: its first token is out, and the step ran o1's last
+    # token and the new ones, nothing else.
+    assert [o.request_id for o in first] == ["t2"] and first[0].num_output_tokens == 1
+    assert counter.tokens - before == len(user2) + 1
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final is not None
+    assert final.num_cached_tokens == len(p1) + len(o1) - 1
+    assert final.output_token_ids == cold(path, p2)
+
+
 def test_divergence_mid_block_releases_only_what_follows(tiny_llama: tuple[Path, Any]) -> None:
     path, _ = tiny_llama
     engine = make_engine(path, enable_prefix_caching=False)
