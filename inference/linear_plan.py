@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import GEMV_MAX_ROWS, load_gemv
+from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ PREFILL_ROWS = 128
 # Weights the probe streams per pass (the first layers, as many as fit): well past any
 # last-level cache, so a pass runs from memory as a step does.
 PROBE_BYTES = 256 * 2**20
-PROBE_REPEATS = 3
+# Passes per candidate; the fastest counts (other work on the machine only ever adds time).
+PROBE_REPEATS = 5
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -232,7 +232,7 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
                 for name, (fn, ws) in runs.items():
                     seconds = _time_pass(fn, ws, widths, xs) * len(probe) / len(ws)
                     times[name].setdefault(rows, []).append(seconds)
-    probe_ms = {name: {rows: statistics.median(v) * 1e3 for rows, v in by_rows.items()}
+    probe_ms = {name: {rows: min(v) * 1e3 for rows, v in by_rows.items()}
                 for name, by_rows in times.items()}
 
     def fastest(names: Sequence[str], rows: int) -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionOps
+from kernels.cpu_ops import load_cpu_ops
 from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
@@ -22,11 +23,32 @@ LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, scaled in the model dtype (as Hugging Face does); one
-    fused op instead of six small ones on the per-token path."""
+    """RMSNorm computed in float32, scaled in the model dtype (as Hugging Face does); on the
+    CPU one C++ op (kernels/cpu_rms_norm.cpp) instead of four small ones on the per-token
+    path."""
+    if x.device.type == "cpu" and load_cpu_ops():
+        return torch.ops.kvchat_cpu.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # the same products, without the casts and a second op
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+# Rows up to which the CPU's silu_mul op beats torch's vectorised silu and multiply.
+SILU_MUL_MAX_ROWS = 16
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] -> silu(gate) * up [T, I]; a decode step's few rows in one C++ op on the CPU."""
+    if (gate_up.device.type == "cpu" and gate_up.shape[0] <= SILU_MUL_MAX_ROWS
+            and load_cpu_ops()):
+        out: torch.Tensor = torch.ops.kvchat_cpu.silu_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def fused_layer_weights(
@@ -86,16 +108,20 @@ class DecoderLayer:
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
-        # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
-        qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
-
         key_cache, value_cache, key_scales, value_scales = kv_views
-        ops.write_kv_cache(
-            k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
-        )
+        q = ops.rotary_cache_write(
+            qkv, cos, sin, key_cache, value_cache, meta.slot_mapping, c.num_heads,
+            c.num_kv_heads, key_scales,
+        ) if ops.rotary_cache_write is not None else None
+        if q is None:
+            # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
+            qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+            ops.write_kv_cache(
+                k, v, key_cache, value_cache, meta.slot_mapping, key_scales, value_scales
+            )
         attn = torch.empty_like(q)  # [T, Hq, D]
         scales = dict(key_scale_cache=key_scales, value_scale_cache=value_scales)
         group: AttentionMetadata | None = meta
@@ -123,8 +149,7 @@ class DecoderLayer:
         x = x + self.o_proj(attn.view(num_tokens, c.q_size))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_norm_eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaModel:

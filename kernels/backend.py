@@ -18,6 +18,10 @@ class AttentionOps:
     write_kv_cache: Callable[..., None]
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]
+    # RoPE on q and k with the cache write in one op, where the backend has one for these
+    # arguments: (qkv, cos, signed_sin, key_cache, value_cache, slot_mapping, num_heads,
+    # num_kv_heads, key_scale_cache) -> rotated q [T, Hq, D], or None (take the separate ops).
+    rotary_cache_write: Callable[..., torch.Tensor | None] | None = None
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -35,10 +39,12 @@ def get_attention_ops(backend: str, device: torch.device) -> AttentionOps:
     name = resolve_backend(backend, device)
     if name == "torch":
         from .prefill_attention import paged_prefill_attention_ref
-        from .torch_ops import StepCacheWrite, StepDecode
+        from .torch_ops import StepCacheWrite, StepDecode, rotary_cache_write_cpu
 
-        # The references, with what the layers of a step share derived once (per engine).
-        return AttentionOps("torch", StepCacheWrite(), StepDecode(), paged_prefill_attention_ref)
+        # The references, with what the layers of a step share derived once (per engine); on
+        # the CPU, kvchat's C++ ops where they apply.
+        return AttentionOps("torch", StepCacheWrite(), StepDecode(), paged_prefill_attention_ref,
+                            rotary_cache_write_cpu if device.type == "cpu" else None)
     from .cache_write import write_kv_cache
     from .decode_attention import paged_decode_attention
     from .prefill_attention import paged_prefill_attention

@@ -15,6 +15,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -69,6 +72,19 @@ inline float weight_at(const void* w, int64_t i) {
     return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
   } else {
     return f16_to_float(static_cast<const uint16_t*>(w)[i]);
+  }
+}
+
+// y[i] = v (+ bias[n]), rounded to the weight's type (round to nearest even, as torch does).
+template <WeightType WT>
+inline void store(void* y, int64_t i, float v, const void* bias, int64_t n) {
+  if (bias != nullptr) v += weight_at<WT>(bias, n);
+  if constexpr (WT == WeightType::f32) {
+    static_cast<float*>(y)[i] = v;
+  } else if constexpr (WT == WeightType::bf16) {
+    static_cast<c10::BFloat16*>(y)[i] = c10::BFloat16(v);
+  } else {
+    static_cast<c10::Half*>(y)[i] = c10::Half(v);
   }
 }
 
@@ -208,7 +224,8 @@ inline void dot_row_bf16(const uint16_t* w, int64_t n, const uint16_t* x, int64_
 }
 
 void gemv_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t num_x, int64_t in_features,
-                    int64_t out_features, int64_t begin, int64_t end, float* y) {
+                    int64_t out_features, int64_t begin, int64_t end, void* y,
+                    const void* bias) {
   float out[X_BLOCK];
   for (int64_t n = begin; n < end; ++n) {
     for (int64_t j0 = 0; j0 < num_x; j0 += X_BLOCK) {
@@ -220,7 +237,8 @@ void gemv_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t num_x, int64_t
         case 3: dot_row_bf16<3>(w, n, xj, in_features, out); break;
         default: dot_row_bf16<4>(w, n, xj, in_features, out); break;
       }
-      for (int64_t j = 0; j < nx; ++j) y[(j0 + j) * out_features + n] = out[j];
+      for (int64_t j = 0; j < nx; ++j)
+        store<WeightType::bf16>(y, (j0 + j) * out_features + n, out[j], bias, n);
     }
   }
 }
@@ -228,7 +246,7 @@ void gemv_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t num_x, int64_t
 
 template <WeightType WT>
 void gemv_rows(const void* w, const float* x, int64_t num_x, int64_t in_features,
-               int64_t out_features, int64_t begin, int64_t end, float* y) {
+               int64_t out_features, int64_t begin, int64_t end, void* y, const void* bias) {
   float out[X_BLOCK];
   // x rows in blocks of X_BLOCK: each weight row is read from memory once, then from L1.
   for (int64_t n = begin; n < end; ++n) {
@@ -241,7 +259,8 @@ void gemv_rows(const void* w, const float* x, int64_t num_x, int64_t in_features
         case 3: dot_row<WT, 3>(w, n, xj, in_features, out); break;
         default: dot_row<WT, 4>(w, n, xj, in_features, out); break;
       }
-      for (int64_t j = 0; j < nx; ++j) y[(j0 + j) * out_features + n] = out[j];
+      for (int64_t j = 0; j < nx; ++j)
+        store<WT>(y, (j0 + j) * out_features + n, out[j], bias, n);
     }
   }
 }
@@ -270,16 +289,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
-  at::Tensor y32 = at::empty({num_x, out_features}, x.options().dtype(at::kFloat));
-  float* yp = y32.data_ptr<float>();
+  at::Tensor y = at::empty(out_shape, x.options());
+  void* yp = y.data_ptr();
   const void* wp = weight.data_ptr();
+  const void* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
+    b = bias->to(dtype).contiguous();
+    bp = b.data_ptr();
+  }
 #if defined(__AVX512BF16__)
   if (wt == WeightType::bf16) {
     const at::Tensor xb = x.reshape({num_x, in_features}).contiguous();
     const uint16_t* xp = static_cast<const uint16_t*>(xb.data_ptr());
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
       gemv_rows_bf16(static_cast<const uint16_t*>(wp), xp, num_x, in_features, out_features,
-                     begin, end, yp);
+                     begin, end, yp, bp);
     });
   } else
 #endif
@@ -290,20 +316,18 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
     // Each thread streams one contiguous share of the rows.
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
       switch (wt) {
-        case WeightType::f32: gemv_rows<WeightType::f32>(wp, xp, num_x, in_features, out_features, begin, end, yp); break;
-        case WeightType::bf16: gemv_rows<WeightType::bf16>(wp, xp, num_x, in_features, out_features, begin, end, yp); break;
-        case WeightType::f16: gemv_rows<WeightType::f16>(wp, xp, num_x, in_features, out_features, begin, end, yp); break;
+        case WeightType::f32: gemv_rows<WeightType::f32>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
+        case WeightType::bf16: gemv_rows<WeightType::bf16>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
+        case WeightType::f16: gemv_rows<WeightType::f16>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
       }
     });
   }
-  if (bias.has_value() && bias->defined()) y32.add_(bias->to(at::kFloat));
-  at::Tensor y = dtype == at::kFloat ? y32 : y32.to(dtype);
-  return y.view(out_shape);
+  return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(kvchat_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(kvchat_cpu, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 

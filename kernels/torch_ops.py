@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .cache_write import write_kv_slots_ref
+from .cpu_ops import load_cpu_ops
 from .decode_attention import DecodeGather, paged_decode_attention_gathered, plan_decode_gather
 
 
@@ -26,9 +27,12 @@ def _same(stamp: tuple[torch.Tensor, int | None] | None, t: torch.Tensor) -> boo
 
 class StepDecode:
     """`paged_decode_attention_ref` with the gather plan made once per step (per window
-    setting: layers may differ in sliding window)."""
+    setting: layers may differ in sliding window). On the CPU, full attention over a plain
+    cache runs kvchat's C++ kernel instead (kernels/cpu_decode_attention.cpp: no gather, no
+    mask; the same float32 arithmetic, up to summation order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
         self._tables: tuple[torch.Tensor, int | None] | None = None
         self._lens: tuple[torch.Tensor, int | None] | None = None
         self._plans: dict[tuple[int, int, int | None, int], DecodeGather] = {}
@@ -48,6 +52,15 @@ class StepDecode:
         value_scale_cache: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if (self.use_cpu_kernel and sliding_window is None and num_sink_tokens == 0
+                and key_scale_cache is None and query.device.type == "cpu"
+                and query.dtype == key_cache.dtype and load_cpu_ops()):
+            if out is None:
+                out = torch.empty_like(query)
+            torch.ops.kvchat_cpu.decode_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, scale, out
+            )
+            return out
         if not (_same(self._tables, block_tables) and _same(self._lens, seq_lens)):
             self._tables, self._lens, self._plans = _stamp(block_tables), _stamp(seq_lens), {}
         block_size = key_cache.shape[1]
@@ -97,3 +110,27 @@ class StepCacheWrite:
             key, value, key_cache, value_cache, self._kept_slots, key_scale_cache,
             value_scale_cache,
         )
+
+
+def rotary_cache_write_cpu(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    cos: torch.Tensor,  # [T, 1, D]
+    signed_sin: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T], -1 for padding
+    num_heads: int,
+    num_kv_heads: int,
+    key_scale_cache: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """kernels/cpu_layer_ops.cpp's rotary_cache_write -> q [T, Hq, D]; None where it does not
+    apply (a quantized cache, another dtype or device, no C++ ops), so the caller takes the
+    separate ops."""
+    if (key_scale_cache is not None or qkv.device.type != "cpu"
+            or qkv.dtype != key_cache.dtype or not key_cache.is_contiguous()
+            or not load_cpu_ops()):
+        return None
+    q: torch.Tensor = torch.ops.kvchat_cpu.rotary_cache_write(
+        qkv, cos, signed_sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+    )
+    return q

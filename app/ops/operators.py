@@ -53,7 +53,7 @@ def engine_report(state: AppState) -> dict[str, Any]:
 
 
 def cpu_description() -> dict[str, Any]:
-    from kernels.cpu_gemv import cpu_isa, cpu_model
+    from kernels.cpu_ops import cpu_isa, cpu_model
 
     return {"model": cpu_model(), "isa": cpu_isa(),
             "torch_capability": torch.backends.cpu.get_cpu_capability()}

@@ -139,10 +139,11 @@ def test_watermarks_keep_the_cache_warm_over_many_trims(dev_model: Path) -> None
             assert after.plan.num_prompt_tokens + max_tokens <= low
             continue
         # Between trim events the prompt extends the last one: its prompt and every token it
-        # generated come from the session; only the new message is prefilled.
+        # generated come from the session; only the new message is prefilled (with the last
+        # generated token, when the next turn was sent before a step could pin it).
         reused = len(before.prompt_ids) + len(before.output.output_token_ids)
         assert after.prompt_ids[:reused] == before.prompt_ids + before.output.output_token_ids
-        assert after.output.num_cached_tokens == reused
+        assert reused - 1 <= after.output.num_cached_tokens <= reused
 
 
 def test_summary_runs_in_the_background_and_reaches_a_later_prompt(dev_model: Path) -> None:

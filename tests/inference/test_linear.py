@@ -19,7 +19,7 @@ from inference.linear_plan import (
     onednn_dtypes,
     prepack,
 )
-from kernels.cpu_gemv import GEMV_MAX_ROWS, load_gemv
+from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # in_features around the vector widths (8 and 16 float32, 32 bfloat16 per dot-product step)

@@ -13,7 +13,7 @@ from inference.engine_config import EngineConfig
 from inference.linear_plan import onednn_dtypes
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
-from kernels.cpu_gemv import load_gemv
+from kernels.cpu_ops import load_gemv
 from memory.config import CacheConfig
 from tests.conftest import build_hf_model
 

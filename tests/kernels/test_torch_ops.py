@@ -34,7 +34,7 @@ def test_torch_backend_uses_the_step_cached_ops() -> None:
 
 def test_decode_equals_reference_over_layers_windows_and_steps(kv) -> None:
     gen = kv.generator("step-decode")
-    decode = StepDecode()
+    decode = StepDecode(use_cpu_kernel=False)  # the plan caching, exactly
     lens = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]
     for step in range(3):  # new metadata tensors each step, as the model runner makes them
         layers = layer_caches(kv, gen, [n + step for n in lens], num_layers=3)
@@ -49,7 +49,7 @@ def test_decode_equals_reference_over_layers_windows_and_steps(kv) -> None:
 
 def test_decode_sees_a_block_table_changed_in_place(kv) -> None:
     gen = kv.generator("step-decode-inplace")
-    decode = StepDecode()
+    decode = StepDecode(use_cpu_kernel=False)  # the plan caching, exactly
     paged = kv.build_paged_kv(gen, [40, 40], 2, 32, BLOCK, torch.float32)
     query = kv.random_query(gen, (2, 4, 32), torch.float32)
     tables = dict(block_tables=paged.block_tables, seq_lens=paged.seq_lens)

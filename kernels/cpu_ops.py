@@ -1,12 +1,19 @@
-"""kvchat's decode-step linear for the CPU (kernels/cpu_gemv.cpp), built for this machine.
+"""kvchat's CPU ops (C++), built for this machine:
 
-`gemv(x, weight, bias)` is `F.linear` for 1 to `GEMV_MAX_ROWS` rows of x, reading the weight as
-stored (float32, bfloat16 or float16). It is compiled once per machine with `-march=native`
-by torch's extension builder and cached under `$XDG_CACHE_HOME/kvchat/extensions` (or
-`KVCHAT_EXTENSIONS_DIR`), keyed by the source, its flags, torch's version and the CPU's flags, so a
-cache moved to another CPU is rebuilt, never run with instructions it lacks. Where it cannot
-be built (no C++ compiler), `load_gemv()` says why and returns None; `Linear` then chooses
-among the library paths only.
+- `gemv(x, weight, bias)` (kernels/cpu_gemv.cpp): `F.linear` for 1 to `GEMV_MAX_ROWS` rows of
+  x, reading the weight as stored (float32, bfloat16 or float16): a decode step's linears;
+- `decode_attention(...)` (kernels/cpu_decode_attention.cpp): paged decode attention read in
+  place through the block table;
+- `rms_norm(x, weight, eps)` (kernels/cpu_rms_norm.cpp): RMSNorm with torch's rounding, one op;
+- `rotary_cache_write(...)`, `silu_mul(gate_up)` (kernels/cpu_layer_ops.cpp): RoPE on
+  q and k with the KV cache write, and the MLP's activation, one op each.
+
+They are compiled once per machine with `-march=native` by torch's extension builder and
+cached under `$XDG_CACHE_HOME/kvchat/extensions` (or `KVCHAT_EXTENSIONS_DIR`), keyed by the
+sources, their flags, torch's version and the CPU's flags, so a cache moved to another CPU is
+rebuilt, never run with instructions it lacks. Where they cannot be built (no C++ compiler),
+`load_cpu_ops()` says why and returns False; `Linear` then chooses among the library paths
+only and the layers take the torch ops.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_rms_norm.cpp", "cpu_layer_ops.cpp"))
 GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
 # -fopenmp: at::parallel_for is OpenMP in a header, serial without it; the runtime it links is
 # the libgomp torch has already loaded (the same soname).
@@ -32,7 +40,7 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
 GemvFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def _cpuinfo(field: str) -> str | None:
+def cpuinfo_field(field: str) -> str | None:
     """The first `field` line of /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -48,14 +56,14 @@ def cpu_flags() -> str:
     """The CPU's feature flags, the part of the build key that -march=native reads."""
     import platform
 
-    return _cpuinfo("flags") or _cpuinfo("Features") or platform.processor()
+    return cpuinfo_field("flags") or cpuinfo_field("Features") or platform.processor()
 
 
 def cpu_model() -> str:
     """The CPU's model name, or what the platform says."""
     import platform
 
-    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+    return cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
 # The instruction-set features that decide which kernels a CPU runs well.
@@ -77,22 +85,30 @@ def extensions_dir() -> Path:
 
 
 def build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(cpu_flags().encode())
     return h.hexdigest()[:16]
 
 
-@functools.cache
 def load_gemv() -> GemvFn | None:
-    """torch.ops.kvchat_cpu.gemv, built on first use; None (with the reason logged) where the
+    """torch.ops.kvchat_cpu.gemv, built on first use; None where the machine cannot build it."""
+    if not load_cpu_ops():
+        return None
+    op: GemvFn = torch.ops.kvchat_cpu.gemv
+    return op
+
+
+@functools.cache
+def load_cpu_ops() -> bool:
+    """Build (first use) and load torch.ops.kvchat_cpu; False (with the reason logged) where the
     machine cannot build it."""
     try:
         from torch.utils import cpp_extension
 
         key = build_key()
-        build_dir = extensions_dir() / f"cpu_gemv-{key}"
+        build_dir = extensions_dir() / f"cpu_ops-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         # torch's builder runs `ninja` from PATH: the one installed beside this interpreter
         # (the `ninja` package) when the environment is not activated.
@@ -100,8 +116,8 @@ def load_gemv() -> GemvFn | None:
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
-            name=f"kvchat_cpu_gemv_{key}",
-            sources=[str(SOURCE)],
+            name=f"kvchat_cpu_ops_{key}",
+            sources=[str(p) for p in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -109,8 +125,8 @@ def load_gemv() -> GemvFn | None:
             verbose=False,
         )
     except Exception as e:  # any build failure leaves the library paths
-        log.warning("kvchat's CPU gemv kernel could not be built (%s: %s); decode linears "
-                    "use the library paths", type(e).__name__, str(e).splitlines()[0][:200])
-        return None
-    op: GemvFn = torch.ops.kvchat_cpu.gemv
-    return op
+        log.warning("kvchat's CPU ops could not be built (%s: %s); decode linears use the "
+                    "library paths, attention the torch reference", type(e).__name__,
+                    str(e).splitlines()[0][:200])
+        return False
+    return True
