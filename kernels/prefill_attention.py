@@ -66,17 +66,24 @@ def paged_prefill_attention_ref(
         k = gather_kv(key_cache, key_scale_cache, table, dtype)[:seq_len]  # [L, Hkv, D]
         v = gather_kv(value_cache, value_scale_cache, table, dtype)[:seq_len]
         q = query[q_start:q_end].to(dtype)  # [Q, H, D]
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).view(-1, 1)
-        key_pos = torch.arange(seq_len, device=query.device).view(1, -1)
-        mask = visible(query_pos, key_pos, sliding_window, num_sink_tokens)  # [Q, L]
-        # [H, Q, D] x [H, L, D]: each KV head serves `group` consecutive query heads.
+        if q_len == seq_len and sliding_window is None:
+            # A whole sequence, plain causal attention: no mask to build or read.
+            mask, causal = None, True
+        else:
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).view(-1, 1)
+            key_pos = torch.arange(seq_len, device=query.device).view(1, -1)
+            mask = visible(query_pos, key_pos, sliding_window, num_sink_tokens)  # [Q, L]
+            causal = False
+        # [1, H, Q, D] x [1, H, L, D] (4-D: SDPA's fused CPU kernel; 3-D takes the unfused
+        # one): each KV head serves `group` consecutive query heads.
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1).repeat_interleave(group, dim=0),
-            v.transpose(0, 1).repeat_interleave(group, dim=0),
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
+            v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
             attn_mask=mask,
+            is_causal=causal,
             scale=scale,
-        )
+        )[0]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
