@@ -10,22 +10,38 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_gemv import cpu_isa, cpu_model
+from kernels.cpu_ops import cpu_isa, cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
+
+
+# When the benchmark process started and how busy the machine was then: read when a script
+# imports this module, before any of its work, so that a header written at the end of a run
+# does not report the run's own load as the machine's.
+PROCESS_START: tuple[time.struct_time, tuple[float, float, float]] = (
+    time.gmtime(), os.getloadavg())
 
 
 def machine_header(
     title: str,
     settings: dict[str, object],
     *,
+    started: time.struct_time | None = None,
     load_start: tuple[float, float, float] | None = None,
     load_end: tuple[float, float, float] | None = None,
 ) -> str:
-    """The results file's header. Pass the load averages read when the run started (and
-    ended): read here, at the end of a run, they describe the run's own load."""
-    load = load_start if load_start is not None else os.getloadavg()
+    """The results file's header: the machine (CPU model and ISA), when the run started and
+    ended, and the load averages at both ends. `started` / `load_start` default to when the
+    process started (PROCESS_START), `load_end` to now (the end, when the report is written);
+    a script timing several sections passes each section's own."""
+    start_time = started if started is not None else PROCESS_START[0]
+    load = load_start if load_start is not None else PROCESS_START[1]
+    end_load = load_end if load_end is not None else os.getloadavg()
+
+    def loads(x: tuple[float, float, float]) -> str:
+        return ", ".join(f"{v:.2f}" for v in x)
+
     lines = [
         f"# {title}",
         "",
@@ -34,13 +50,11 @@ def machine_header(
         f"), torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads"
         + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- started: {time.strftime('%Y-%m-%d %H:%M UTC', start_time)}, ended: "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         # Other work on the machine shows in every timing: say how busy it was.
-        "- load average at start (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in load),
+        f"- load average at start (1, 5, 15 min): {loads(load)}; at end: {loads(end_load)}",
     ]
-    if load_end is not None:
-        lines.append("- load average at end (1, 5, 15 min): "
-                     + ", ".join(f"{x:.2f}" for x in load_end))
     lines += [f"- {key}: {value}" for key, value in settings.items()]
     return "\n".join(lines) + "\n"
 

@@ -8,8 +8,14 @@ version's source distribution; see bench/gguf_export.py) and cached by their has
 anything is timed, llama.cpp's and kvchat's float32 logits are checked against transformers.
 Each round takes a fresh prompt and runs every variant on it, in a rotating order: a reset
 cache and the prompt, then greedy decoding token by token (llama.cpp: `reset()`, `eval()` and
-argmax, never `generate()`, which reuses the previous call's cache). Then kvchat serves
-16 requests with 4 and 16 in flight, against llama.cpp serving them one after another.
+argmax, never `generate()`, which reuses the previous call's cache). kvchat runs in float32
+and in the half-precision type this CPU runs natively (bfloat16 where it has AVX512-BF16 or
+AMX, else float16), each against llama.cpp's f32, f16 and bf16. The header names the CPU,
+its ISA and the linear paths kvchat's start-up probe chose; each engine's resident memory
+after loading is measured against its weights' bytes.
+
+Serving (batches of many requests) is compared with llama.cpp's own server, which batches:
+bench/peers_serving.py.
 
 Writes bench/results/peers.md and peers.png."""
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -187,23 +194,62 @@ class KVChatRunner:
         assert out.output_token_ids is not None
         return rows, list(out.output_token_ids)
 
-    def serve(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> float:
-        """Keep `concurrency` requests in flight until all are done; returns seconds."""
-        engine = self.engine
-        pending = list(prompts)
-        in_flight = 0
-        start = time.perf_counter()
-        while pending or in_flight:
-            while pending and in_flight < concurrency:
-                self._count += 1
-                engine.add_request(f"peers-{self._count}", pending.pop(0),
-                                   self._params(new_tokens))
-                in_flight += 1
-            for out in engine.step():
-                if out.finished:
-                    assert out.num_output_tokens == new_tokens and out.num_cached_tokens == 0
-                    in_flight -= 1
-        return time.perf_counter() - start
+
+# Run in a fresh process: the resident set a model and an engine add, against the weights.
+_RESIDENT_PROBE = """
+import json, os, sys
+import torch
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from inference.host_memory import release_freed_memory
+from inference.model import LlamaModel
+from inference.model_config import ModelConfig
+from inference.weights import load_weights
+from kernels.cpu_ops import load_cpu_ops
+from memory.config import CacheConfig
+model_dir, dtype_name = sys.argv[1], sys.argv[2]
+dtype = getattr(torch, dtype_name)
+load_cpu_ops()
+config = ModelConfig.from_dir(model_dir)
+base = rss()
+weights = load_weights(model_dir, config, dtype, torch.device("cpu"))
+model = LlamaModel(config, weights, 4096, dtype, torch.device("cpu"))
+del weights
+release_freed_memory()
+model_bytes = rss() - base
+del model
+release_freed_memory()
+base = rss()
+kv_bytes = 16 * 2**20
+engine = Engine(EngineConfig(model=model_dir, dtype=dtype_name, device="cpu",
+                             cache=CacheConfig(kv_cache_bytes=kv_bytes)))
+print(json.dumps({"model": model_bytes, "engine": rss() - base - kv_bytes,
+                  "weights": config.num_parameters * dtype.itemsize}))
+"""
+
+
+def resident_memory(model_dir: Path, dtype: str) -> dict[str, int]:
+    """{model, engine, weights} bytes: what building the model (weights as the layers hold
+    them) and a whole engine (tokenizer, grammar tables, kernels; its KV pool left out) add
+    to a fresh process's resident set, and the bytes of the weights (tied embedding once)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_PROBE, str(model_dir), dtype],
+                         check=True, capture_output=True, text=True, cwd=REPO).stdout
+    result: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def native_half() -> str:
+    """The half-precision type this CPU computes natively (oneDNN's view of it)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bfloat16"
+    return "float16"
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -258,11 +304,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=16, help="requests of the serving part")
-    ap.add_argument("--serving-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--half", default="bfloat16", choices=["bfloat16", "float16"],
-                    help="kvchat's half-precision dtype")
+    ap.add_argument("--half", default="auto", choices=["auto", "bfloat16", "float16"],
+                    help="kvchat's half-precision dtype (auto: the one this CPU runs natively)")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.md")
     args = ap.parse_args()
 
@@ -271,6 +315,9 @@ def main() -> int:
         return 0
     import llama_cpp
 
+    load_start, started = os.getloadavg(), time.gmtime()
+    if args.half == "auto":
+        args.half = native_half()
     from bench.gguf_export import check_side_tokenizer, gguf_files, weights_key
 
     version = llama_cpp.__version__
@@ -344,26 +391,15 @@ def main() -> int:
             _, peer_decode, _ = peer.run(prompt, args.new_tokens)
             splits[dtype].append((step, inside, peer_decode / (args.new_tokens - 1)))
 
-    # Serving: rounds of every (concurrency, dtype), fresh prompts each, median rate.
-    rates: dict[str, list[float]] = {}
-    for r in tqdm(range(args.serving_rounds), desc="serving rounds", unit="round"):
-        for concurrency in (4, 16):
-            prompts = random_prompts(args.requests, args.prompt_tokens,
-                                     seed=1000 + 100 * r + concurrency)
-            for dtype, runner in kvchat.items():
-                seconds = runner.serve(prompts, args.new_tokens, concurrency)
-                rates.setdefault(f"kvchat {dtype}, {concurrency} in flight", []).append(
-                    args.requests * args.new_tokens / seconds
-                )
-    serving = {name: median(values) for name, values in rates.items()}
     bandwidths.append(copy_bandwidth())
+    load_end = os.getloadavg()
 
-    report = build_report(args, model_dir, timings, serving, checks, num_checked,
-                          max(bandwidths), version, splits)
+    report = build_report(args, model_dir, timings, kvchat, checks, num_checked,
+                          max(bandwidths), version, splits, (load_start, load_end, started))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)
-    plot(timings, serving, args, args.out.with_suffix(".png"))
+    plot(timings, args, args.out.with_suffix(".png"))
     return 0
 
 
@@ -372,10 +408,13 @@ def median(xs: list[float]) -> float:
 
 
 def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, Timings],
-                 serving: dict[str, float], checks: list[list[object]], num_checked: int,
+                 kvchat: dict[str, KVChatRunner], checks: list[list[object]], num_checked: int,
                  bandwidth: float, version: str,
-                 splits: dict[str, list[tuple[float, float, float]]]) -> str:
+                 splits: dict[str, list[tuple[float, float, float]]],
+                 when: tuple[tuple[float, float, float], tuple[float, float, float],
+                             time.struct_time]) -> str:
     from inference.model_config import ModelConfig
+    from kernels.cpu_ops import cpu_flags, cpu_model
 
     config = ModelConfig.from_dir(model_dir)
     params = config.num_parameters
@@ -407,26 +446,29 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         return args.prompt_tokens / median(timings[name].prefill_s)
 
     half = f"kvchat {args.half}"
-    llama_seq = args.new_tokens / median(timings["llama.cpp f32"].request_s)
-    f32_decode = tps("kvchat float32") / tps("llama.cpp f32")
-    f32_prompt = pps("kvchat float32") / pps("llama.cpp f32")
+    same = "llama.cpp bf16" if args.half == "bfloat16" else "llama.cpp f16"
     goals = [
-        ["f32 decode tok/s, kvchat / llama.cpp", f"{f32_decode:.2f}x", ">= 0.8x (stretch 1.0x)"],
-        ["f32 prompt tok/s, kvchat / llama.cpp", f"{f32_prompt:.2f}x", ">= 1.0x"],
-        [f"half decode tok/s, kvchat {args.half} / llama.cpp f16",
-         f"{tps(half) / tps('llama.cpp f16'):.2f}x", ">= 0.8x"],
-        [f"half decode tok/s, kvchat {args.half} / llama.cpp bf16",
-         f"{tps(half) / tps('llama.cpp bf16'):.2f}x", "(for information)"],
-        [f"half prompt tok/s, kvchat {args.half} / kvchat float32",
-         f"{pps(half) / pps('kvchat float32'):.2f}x", ">= 0.8x"],
+        ["f32 decode tok/s, kvchat / llama.cpp f32",
+         f"{tps('kvchat float32') / tps('llama.cpp f32'):.2f}x", ">= 0.9x"],
+        ["f32 prompt tok/s, kvchat / llama.cpp f32",
+         f"{pps('kvchat float32') / pps('llama.cpp f32'):.2f}x", ">= 1.0x"],
     ]
-    serve_rows = [["llama.cpp f32, one request after another", f"{llama_seq:.1f}", "1.00x"]]
-    for name, rate in serving.items():
-        serve_rows.append([name, f"{rate:.1f}", f"{rate / llama_seq:.2f}x"])
-    goals.append(["kvchat float32 16 in flight / llama.cpp f32 sequential",
-                  f"{serving['kvchat float32, 16 in flight'] / llama_seq:.2f}x", ">= 3x"])
+    for peer in ("llama.cpp f16", "llama.cpp bf16"):
+        mark = " (same type)" if peer == same else ""
+        goals += [
+            [f"half decode tok/s, {half} / {peer}{mark}", f"{tps(half) / tps(peer):.2f}x",
+             ">= 0.9x"],
+            [f"half prompt tok/s, {half} / {peer}{mark}", f"{pps(half) / pps(peer):.2f}x",
+             ">= 1.0x"],
+        ]
 
-    report = machine_header("Peers: kvchat vs llama.cpp (same weights, same run)", {
+    load_start, load_end, started = when
+    flags = set(cpu_flags().split())
+    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16",
+                               "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
+                   if f in flags)
+    settings: dict[str, object] = {
+        "CPU": f"{cpu_vendor()} {cpu_model()}; ISA: {isa}",
         "model": f"bench preset, {params / 1e6:.1f}M parameters ({embed / 1e6:.1f}M of them the "
                  f"tied embedding / lm_head), weights stored in bfloat16",
         "llama.cpp": f"{PEERS_PACKAGE} {version}, GGUF from its convert_hf_to_gguf.py, KV cache "
@@ -434,7 +476,11 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         "workload": f"{args.prompt_tokens}-token prompt + {args.new_tokens} greedy tokens, "
                     f"{args.rounds} rounds, a fresh prompt each round, variants interleaved",
         "command": "python bench/peers.py",
-    })
+    }
+    for dtype, runner in kvchat.items():
+        settings[f"kvchat {dtype} linear paths"] = runner.engine.model.linear_plan.summary()
+    report = machine_header("Peers: kvchat vs llama.cpp (same weights, same run)", settings,
+                            started=started, load_start=load_start, load_end=load_end)
     report += (
         "\n## Checks before timing\n\n"
         f"Side tokenizer.json equals kvchat's tokenizer on {num_checked} tokens of test text; "
@@ -453,20 +499,27 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
                           "prompt tok/s", "prompt floor share", "request tok/s (generated)"],
                          rows)
     )
-    report += (
-        f"\n## Serving {args.requests} requests\n\n"
-        f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.new_tokens} new "
-        f"tokens), median of {args.serving_rounds} rounds with fresh prompts; llama.cpp's rate "
-        "is its single-request rate above (generated tokens over the whole request, prefill "
-        "included).\n\n"
-        + markdown_table(["variant", "generated tok/s", "vs llama.cpp sequential"], serve_rows)
-    )
     report += "\n## Goals\n\n" + markdown_table(["measure", "measured", "goal"], goals)
+    memory_rows = []
+    for dtype in kvchat:
+        m = resident_memory(model_dir, dtype)
+        memory_rows.append([f"kvchat {dtype}", f"{m['weights'] / 2**20:.0f}",
+                            f"{m['model'] / 2**20:.0f}", f"{m['model'] / m['weights']:.2f}",
+                            f"{m['engine'] / 2**20:.0f}", f"{m['engine'] / m['weights']:.2f}"])
+    report += (
+        "\n## Resident memory\n\nWhat building the model (its weights as the layers hold them) "
+        "and a whole engine (the model plus the tokenizer, grammar tables and kernels; its KV "
+        "pool left out) add to a fresh process's resident set, against the bytes of the "
+        "weights (the tied embedding counted once); one copy of the weights is a ratio of "
+        "about 1:\n\n"
+        + markdown_table(["engine", "weights MiB", "model resident MiB", "model / weights",
+                          "engine resident MiB", "engine / weights"], memory_rows)
+    )
     split_rows = []
     for dtype, triples in splits.items():
         step = median([s for s, _, _ in triples])
         linear = median([lin for _, lin, _ in triples])
-        peer = "llama.cpp f32" if dtype == "float32" else "llama.cpp f16"
+        peer = "llama.cpp f32" if dtype == "float32" else same
         peer_step = median([p for _, _, p in triples])
         split_rows.append([f"kvchat {dtype}", f"{step * 1e3:.1f}", f"{linear * 1e3:.1f}",
                            f"{(step - linear) * 1e3:.1f}", f"{peer}: {peer_step * 1e3:.1f}"])
@@ -479,13 +532,19 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         + markdown_table(["variant", "step ms", "in linear layers ms", "everything else ms",
                           "llama.cpp step ms"], split_rows)
     )
-    report += ("\nWhere the time of a decode step goes: bench/results/decode_profile.md "
-               "(python bench/decode_profile.py).\n")
+    report += ("\nServing many requests at once, against llama.cpp's own server: "
+               "bench/results/peers_serving.md (python bench/peers_serving.py). Where the time "
+               "of a decode step goes: bench/results/decode_profile.md.\n")
     return report
 
 
-def plot(timings: dict[str, Timings], serving: dict[str, float], args: argparse.Namespace,
-         path: Path) -> None:
+def cpu_vendor() -> str:
+    from kernels.cpu_ops import cpuinfo_field
+
+    return cpuinfo_field("vendor_id") or "unknown vendor"
+
+
+def plot(timings: dict[str, Timings], args: argparse.Namespace, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,7 +552,7 @@ def plot(timings: dict[str, Timings], serving: dict[str, float], args: argparse.
 
     names = list(timings)
     colors = ["#2a7ab9" if n.startswith("kvchat") else "#999999" for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     decode = [1 / median(timings[n].decode_step_s) for n in names]
     prompt = [args.prompt_tokens / median(timings[n].prefill_s) for n in names]
     for ax, values, label in ((axes[0], decode, "decode tok/s"),
@@ -504,16 +563,7 @@ def plot(timings: dict[str, Timings], serving: dict[str, float], args: argparse.
         ax.invert_yaxis()
         ax.set_xlim(0, max(values) * 1.25)
     axes[1].set_yticklabels([])
-    llama_seq = args.new_tokens / median(timings["llama.cpp f32"].request_s)
-    serve_names = ["llama.cpp f32 sequential", *serving]
-    serve_values = [llama_seq, *serving.values()]
-    bars = axes[2].barh(serve_names, serve_values,
-                        color=["#999999"] + ["#2a7ab9"] * len(serving))
-    axes[2].bar_label(bars, fmt="%.0f", padding=3)
-    axes[2].set_xlabel(f"generated tok/s, {args.requests} requests")
-    axes[2].invert_yaxis()
-    axes[2].set_xlim(0, max(serve_values) * 1.25)
-    fig.suptitle("bench model on CPU: kvchat vs llama.cpp, same weights")
+    fig.suptitle("bench model on CPU, one sequence: kvchat vs llama.cpp, same weights")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

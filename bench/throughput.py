@@ -3,6 +3,11 @@ against kvchat's engine with 1, 4 and 16 requests in flight, on the same weights
 
     python bench/throughput.py [--requests 16] [--prompt-tokens 96] [--new-tokens 48]
 
+This compares engine speed, so nothing may come from a cache: kvchat's prefix cache is off
+(and every request asserts it had no cached tokens), and each round draws fresh prompts.
+The variants run interleaved, in rounds (a rotating order each round), and each reports its
+median over the rounds, so a swing in the machine's load falls on all of them alike.
+
 Writes bench/results/throughput.md and throughput.png."""
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def run_kvchat(
         for out in engine.step():
             if out.finished:
                 assert out.num_output_tokens == new_tokens
+                assert out.num_cached_tokens == 0, "a prompt was served from a cache"
                 in_flight -= 1
                 bar.update(1)
     return time.perf_counter() - start
@@ -100,7 +106,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved decode-step rounds")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds (throughput and decode step)")
     ap.add_argument("--out", type=Path, default=RESULTS / "throughput.md")
     args = ap.parse_args()
 
@@ -110,35 +117,42 @@ def main() -> None:
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = Engine(EngineConfig(
         model=str(model_dir), dtype="float32", device="cpu",
-        cache=CacheConfig(kv_cache_bytes=1024**3),
+        cache=CacheConfig(kv_cache_bytes=1024**3, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024),
     ))
     vocab = engine.model_config.vocab_size
-    prompts = make_prompts(args.requests, args.prompt_tokens, vocab, seed=0)
     total_new = args.requests * args.new_tokens
     concurrencies = [1, 4, 16]
+    names = ["transformers sequential", *(f"kvchat concurrency {c}" for c in concurrencies)]
 
     # Warm both up on a short request so first-call costs stay out of the timings.
+    warm = make_prompts(1, 8, vocab, seed=999)[0]
     with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False,
-                    pad_token_id=0)
-    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))
+        hf.generate(torch.tensor([warm]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    engine.generate([warm], SamplingParams(max_tokens=2, temperature=0.0))
 
-    results: dict[str, float] = {}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     with torch.inference_mode(), tqdm(
-        total=args.requests * (1 + len(concurrencies)), desc="requests", unit="req"
+        total=args.rounds * args.requests * len(names), desc="requests", unit="req"
     ) as bar:
-        results["transformers sequential"] = run_transformers(hf, prompts, args.new_tokens, bar)
-        for c in concurrencies:
-            results[f"kvchat concurrency {c}"] = run_kvchat(
-                engine, prompts, args.new_tokens, c, bar
-            )
+        for r in range(args.rounds):
+            for i, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
+                # Fresh prompts for every variant of every round.
+                prompts = make_prompts(args.requests, args.prompt_tokens, vocab,
+                                       seed=1000 * r + i + 1)
+                if name == "transformers sequential":
+                    seconds[name].append(run_transformers(hf, prompts, args.new_tokens, bar))
+                else:
+                    c = int(name.rsplit(" ", 1)[1])
+                    seconds[name].append(run_kvchat(engine, prompts, args.new_tokens, c, bar))
+    results = {name: statistics.median(v) for name, v in seconds.items()}
     # Decode step: interleaved rounds, median of each (the machine is shared and noisy).
     hf_steps, kv_steps = [], []
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        prompt = make_prompts(1, args.prompt_tokens, vocab, seed=77 + r)[0]
         with torch.inference_mode():
-            hf_steps.append(transformers_decode_step(hf, prompts[0], args.new_tokens))
-        kv_steps.append(kvchat_decode_step(engine, prompts[0], args.new_tokens))
+            hf_steps.append(transformers_decode_step(hf, prompt, args.new_tokens))
+        kv_steps.append(kvchat_decode_step(engine, prompt, args.new_tokens))
     hf_step, kv_step = statistics.median(hf_steps), statistics.median(kv_steps)
 
     bandwidth = copy_bandwidth()
@@ -146,9 +160,13 @@ def main() -> None:
     floor = weight_bytes / bandwidth
     base = total_new / results["transformers sequential"]
 
+    def spread_s(values: list[float]) -> str:
+        return f"{min(values):.2f}-{max(values):.2f}"
+
     rows = [
-        [name, f"{seconds:.2f}", f"{total_new / seconds:.1f}", f"{total_new / seconds / base:.2f}x"]
-        for name, seconds in results.items()
+        [name, f"{t:.2f}", spread_s(seconds[name]), f"{total_new / t:.1f}",
+         f"{total_new / t / base:.2f}x"]
+        for name, t in results.items()
     ]
     def spread(steps: list[float]) -> str:
         return f"{min(steps) * 1e3:.1f}-{max(steps) * 1e3:.1f}"
@@ -161,11 +179,14 @@ def main() -> None:
         "model": f"bench preset, {engine.model_config.num_parameters / 1e6:.1f}M parameters, "
                  f"float32 ({weight_bytes / 1e6:.0f} MB of weights)",
         "workload": f"{args.requests} requests x {args.prompt_tokens} prompt tokens, "
-                    f"{args.new_tokens} new tokens each, greedy",
+                    f"{args.new_tokens} new tokens each, greedy; fresh prompts per variant and "
+                    f"round, prefix cache off; {args.rounds} interleaved rounds, medians",
+        "linear paths": engine.model.linear_plan.summary(),
         "command": "python bench/throughput.py",
     })
     report += "\n## Tokens per second\n\n" + markdown_table(
-        ["variant", "seconds", "generated tok/s", "vs transformers sequential"], rows
+        ["variant", "seconds (median)", "range over rounds", "generated tok/s",
+         "vs transformers sequential"], rows
     )
     report += (
         f"\n## Single-sequence decode step\n\nMemory-bandwidth floor: {weight_bytes / 1e6:.0f} MB "
