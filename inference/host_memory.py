@@ -68,3 +68,41 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+HUGE_PAGE = 2 * 2**20
+
+
+class HugePageArena:
+    """One anonymous mapping, backed by transparent huge pages where the kernel grants them
+    (madvise(MADV_HUGEPAGE): honoured in the default "madvise" THP mode), that tensors are
+    copied into. A decode step streams every weight once; in 4 KiB pages that is a page walk
+    and a hardware-prefetcher restart every 4 KiB, in 2 MiB pages every 2 MiB. Tensors placed
+    here share the mapping, which lives as long as any of them (and the arena) does."""
+
+    def __init__(self, num_bytes: int) -> None:
+        import mmap
+
+        self.capacity = num_bytes + HUGE_PAGE
+        self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge = False
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.huge = True
+            except OSError:
+                pass
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._offset = (-base) % HUGE_PAGE  # the first tensor starts on a huge page
+
+    def place(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        """A copy of `tensor` (contiguous, same shape and dtype) in the arena."""
+        import torch
+
+        num_bytes = tensor.numel() * tensor.element_size()
+        assert self._offset + num_bytes <= self.capacity, "arena full"
+        out = torch.frombuffer(self._map, dtype=tensor.dtype, count=tensor.numel(),
+                               offset=self._offset).view(tensor.shape)
+        out.copy_(tensor)
+        self._offset += -(-num_bytes // 4096) * 4096  # the next on a 4 KiB page
+        return out

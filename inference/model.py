@@ -14,6 +14,7 @@ from memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
 from .linear import Linear
+from .host_memory import HugePageArena
 from .linear_plan import LinearPlan, plan_for
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -49,6 +50,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def place_in_huge_pages(
+    weights: dict[str, torch.Tensor],
+    linears: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]],
+) -> None:
+    """Move the linear weights and the embedding (the tied lm_head) into huge-page arenas
+    (inference/host_memory.py), in place of their tensors: what a decode step streams. The
+    layers get an arena of their own, freed whole if their Linears re-lay them out (oneDNN's
+    prepacked layout)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        return -(-t.numel() * t.element_size() // 4096) * 4096
+
+    layers = HugePageArena(sum(nbytes(w) for layer in linears for w, _ in layer.values()))
+    for i, layer in enumerate(linears):
+        for name, (w, b) in layer.items():
+            layer[name] = (layers.place(w), b)
+        # the checkpoint's own o_proj and down_proj tensors: only the arena's copies remain
+        weights.pop(f"model.layers.{i}.self_attn.o_proj.weight", None)
+        weights.pop(f"model.layers.{i}.mlp.down_proj.weight", None)
+    embed = weights["model.embed_tokens.weight"]
+    head = weights.get("lm_head.weight")
+    big = [embed] + ([head] if head is not None and head is not embed else [])
+    arena = HugePageArena(sum(nbytes(t) for t in big))
+    placed = {id(t): arena.place(t) for t in big}
+    weights["model.embed_tokens.weight"] = placed[id(embed)]
+    if head is not None:
+        weights["lm_head.weight"] = placed[id(head)]
 
 
 def fused_layer_weights(
@@ -165,7 +195,6 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.embed_tokens = weights["model.embed_tokens.weight"]
         linears = [fused_layer_weights(config, i, weights) for i in range(config.num_layers)]
         # q, k, v, gate and up as loaded are now only in their fused copies: drop them, so the
         # model is held once.
@@ -174,6 +203,9 @@ class LlamaModel:
                 weights.pop(f"model.layers.{i}.self_attn.{name}.weight", None)
             for name in ("gate_proj", "up_proj"):
                 weights.pop(f"model.layers.{i}.mlp.{name}.weight", None)
+        if device.type == "cpu":
+            place_in_huge_pages(weights, linears)
+        self.embed_tokens = weights["model.embed_tokens.weight"]
         self.linear_plan = plan_for(
             [w for layer in linears for w, _ in layer.values()], dtype, device, linear_path
         )

@@ -44,5 +44,46 @@ def test_a_decode_step_stops_faulting_in_fresh_pages(tmp_path: Path) -> None:
     # A vocabulary large enough that a batch's logits (16 x 50,000 float32) are megabytes.
     build_hf_model(tmp_path, "llama", vocab_size=50_000)
     default, kept = faults_per_step(tmp_path, "default"), faults_per_step(tmp_path, "kept")
-    assert default > 500, default  # several MB first-touched every step
-    assert kept < default / 10, (default, kept)
+    print(f"page faults per step: {default} with glibc's defaults, {kept} kept")
+    # With the settings a step reuses freed memory: next to nothing is first-touched (a few
+    # MB of logits and activations would be hundreds of pages). glibc's own adaptive
+    # threshold gets there too for some allocation patterns, never further.
+    assert kept < 50, (default, kept)
+    assert kept <= default + 5, (default, kept)
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
+    import torch
+
+    from inference.host_memory import HUGE_PAGE, HugePageArena
+
+    tensors = [torch.randn(n, 96).to(dtype) for n, dtype in
+               [(4096, torch.float32), (3, torch.bfloat16), (9000, torch.float16)]]
+    arena = HugePageArena(sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors))
+    before = _anon_huge_kib() if platform.system() == "Linux" else 0
+    placed = [arena.place(t) for t in tensors]
+    for t, p in zip(tensors, placed):
+        assert p.dtype == t.dtype and p.shape == t.shape and torch.equal(p, t)
+        assert p.data_ptr() % 4096 == 0
+    assert placed[0].data_ptr() % HUGE_PAGE == 0  # the first starts on a huge page
+    with pytest.raises(AssertionError, match="arena full"):
+        arena.place(torch.zeros(HUGE_PAGE))
+    if platform.system() == "Linux" and _thp_mode() in ("always", "madvise") and arena.huge:
+        # 1.5 MiB + 2 MiB placed from a 2 MiB boundary: at least one huge page faulted in
+        assert _anon_huge_kib() - before >= HUGE_PAGE // 1024
