@@ -17,6 +17,8 @@ import logging
 import platform
 import threading
 
+import torch
+
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
@@ -95,10 +97,8 @@ class HugePageArena:
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._offset = (-base) % HUGE_PAGE  # the first tensor starts on a huge page
 
-    def place(self, tensor: "torch.Tensor") -> "torch.Tensor":
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` (contiguous, same shape and dtype) in the arena."""
-        import torch
-
         num_bytes = tensor.numel() * tensor.element_size()
         assert self._offset + num_bytes <= self.capacity, "arena full"
         out = torch.frombuffer(self._map, dtype=tensor.dtype, count=tensor.numel(),

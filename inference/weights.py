@@ -98,7 +98,11 @@ def load_weights(
                         f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, "
                         f"expected {shapes[name]} from config.json"
                     )
-                tensors[name] = t.to(device=device, dtype=dtype)
+                cast = t.to(device=device, dtype=dtype)
+                # A tensor already in the wanted dtype and device may be a view of the mapped
+                # file; a copy owns its memory, so no small tensor kept later (a norm's weight)
+                # keeps the whole file's pages resident.
+                tensors[name] = cast if cast is not t else t.clone()
     if config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
