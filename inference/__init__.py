@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         tool_call_grammar,
     )
     from .grammar_compiler import GrammarCompiler, GrammarError
+    from .linear_plan import cpu_description
     from .model_config import ModelConfig
     from .priority import PRIORITY_LOW, PRIORITY_NORMAL
     from .request_checks import CheckedRequest
@@ -75,6 +76,7 @@ _MODULE_OF = {
         "grammar",
     ),
     **dict.fromkeys(("GrammarCompiler", "GrammarError"), "grammar_compiler"),
+    "cpu_description": "linear_plan",
     "ModelConfig": "model_config",
     **dict.fromkeys(("PRIORITY_LOW", "PRIORITY_NORMAL"), "priority"),
     "CheckedRequest": "request_checks",

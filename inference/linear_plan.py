@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv
+from kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,14 @@ PROBE_BYTES = 256 * 2**20
 PROBE_REPEATS = 5
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def cpu_description() -> dict[str, object]:
+    """The CPU the paths were chosen on: its model, the ISA features that matter here and
+    torch's own kernel level."""
+    return {"model": cpu_model(), "isa": cpu_isa(),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads()}
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -13,10 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from history import HistoryPolicy
-from inference import SessionInfo
+from inference import SessionInfo, cpu_description
 from memory import CacheStats, HistoryStats, KVStoreStats, SessionState
 
 from app.errors import invalid_request, not_found
@@ -47,16 +45,8 @@ def engine_report(state: AppState) -> dict[str, Any]:
         "device": str(engine.device),
         "attention_backend": engine.ops.name,
         "cpu": cpu_description(),
-        "torch_threads": torch.get_num_threads(),
         "linear": engine.model.linear_plan.as_dict(),
     }
-
-
-def cpu_description() -> dict[str, Any]:
-    from kernels.cpu_ops import cpu_isa, cpu_model
-
-    return {"model": cpu_model(), "isa": cpu_isa(),
-            "torch_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 async def memory(state: AppState) -> dict[str, Any]:
