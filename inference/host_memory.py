@@ -100,7 +100,9 @@ class HugePageArena:
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` (contiguous, same shape and dtype) in the arena."""
         num_bytes = tensor.numel() * tensor.element_size()
-        assert self._offset + num_bytes <= self.capacity, "arena full"
+        if self._offset + num_bytes > self.capacity:
+            raise ValueError(f"arena full: {num_bytes} bytes asked, "
+                             f"{self.capacity - self._offset} left")
         out = torch.frombuffer(self._map, dtype=tensor.dtype, count=tensor.numel(),
                                offset=self._offset).view(tensor.shape)
         out.copy_(tensor)
