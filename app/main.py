@@ -5,8 +5,10 @@ are stopped and stored as interrupted before the engine thread goes)."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -253,4 +255,7 @@ def serve(settings: Settings) -> None:
                             # error frame from the app.
                             ws_max_size=settings.ws_protocol_max_bytes)
     log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (the log): what a replica that
+    # does not exit, or a stuck turn, is waiting on. The fleet sends it before a SIGKILL.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     Server(config).run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # a replica loads its model: seconds, more on a busy machine
 STOP_TIMEOUT_S = 120.0
@@ -103,6 +106,9 @@ class Process:
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
+            log.warning("%s did not exit within %.0f s: SIGKILL. Its log ends:\n%s",
+                        self.name, timeout, log_tail(self.log_path, 80))
             self.process.kill()
             self.process.wait()
         if self._log is not None:
@@ -113,6 +119,9 @@ class Process:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int | None:
         self.send_signal(sig)
         return self.wait(timeout)
+
+    def dump_stacks(self) -> None:
+        """Before a process is killed for not exiting: nothing by default."""
 
 
 @dataclass
@@ -138,6 +147,27 @@ class Replica(Process):
                "KVCHAT_HOST": self.host, "KVCHAT_PORT": str(self.port),
                "PYTHONUNBUFFERED": "1"}
         self.spawn([sys.executable, "-m", "app.cli", "serve", "--model", str(self.model)], env)
+
+    @property
+    def shutdown_bound(self) -> float:
+        """The longest a SIGTERM may take by the replica's own settings: its drain grace, then
+        up to `drain_timeout` each for open connections, in-flight turns, background tasks
+        and persisting sessions' KV (app/main.py, app/ops/drain.py), and a margin."""
+        drain = float(self.env.get("KVCHAT_DRAIN_TIMEOUT", 10.0))
+        grace = float(self.env.get("KVCHAT_DRAIN_GRACE", 0.0))
+        return grace + 4 * drain + 30.0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int | None:
+        self.send_signal(sig)
+        return self.wait(max(STOP_TIMEOUT_S, self.shutdown_bound) if timeout is None
+                         else timeout)
+
+    def dump_stacks(self) -> None:
+        """`kvchat serve` writes every thread's stack to its log on SIGUSR1: what a replica
+        that does not exit was waiting on stays in its log after the SIGKILL."""
+        if self.is_running:
+            self.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
 
     def is_ready(self) -> bool:
         try:
