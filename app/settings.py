@@ -32,7 +32,9 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
-    linear_path: Literal["auto", "gemv", "torch", "onednn", "onednn-prepacked"] = Field(
+    linear_path: Literal[
+        "auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"
+    ] = Field(
         "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
     )
     block_size: int = 16

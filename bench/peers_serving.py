@@ -19,7 +19,8 @@ Both are driven through the same OpenAI Chat Completions client code (httpx, str
 in the last chunk). llama-server runs with several slots, its prompt cache (`--cache-ram`),
 `--cache-reuse` and ChatML; kvchat with its defaults (prefix cache; no X-Session-Id, as a plain
 OpenAI client sends none). The GGUF is llama.cpp's own conversion of the bench model
-(bench/gguf_export.py), in the type kvchat serves (bfloat16 by default). The llama-server build
+(bench/gguf_export.py), in the type kvchat serves (by default the half-precision type the
+CPU runs natively: bfloat16 with AVX512-BF16 or AMX, else float16). The llama-server build
 and the GGUF files are cached under models/.peers.
 
 Writes bench/results/peers_serving.md and peers_serving.png."""
@@ -281,7 +282,9 @@ class LlamaServer(Server):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(GGUF_TYPES))
+    ap.add_argument("--dtype", default="auto", choices=["auto", *GGUF_TYPES],
+                    help="the weights' type in both servers (auto: the half-precision type "
+                         "this CPU runs natively, as bench/peers.py chooses)")
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--system-words", type=int, default=200)
@@ -293,6 +296,10 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers_serving.md")
     args = ap.parse_args()
+    if args.dtype == "auto":
+        from bench.peers import native_half
+
+        args.dtype = native_half()
 
     from bench.gguf_export import gguf_files
 

@@ -8,12 +8,16 @@ GEMV is fast for float16 and slow for bfloat16. So the engine times the candidat
 model's own weights (its layers' shapes, enough of them to stream from memory as a step
 does) and keeps the fastest:
 
-- decode (1 to `max_decode_rows` rows): `gemv` (kvchat's kernel, kernels/cpu_gemv.cpp),
-  `torch` (`F.linear`: MKL / torch's GEMV), or `onednn-prepacked` (oneDNN on the weight
+- decode (1 to `max_decode_rows` rows): `gemv` or `gemv-prefetch` (kvchat's kernel,
+  kernels/cpu_gemv.cpp, without or with software prefetches ahead of its loads: which is
+  faster depends on the CPU), `torch` (`F.linear`: MKL / torch's GEMV), or
+  `onednn-prepacked` (oneDNN on the weight
   reordered into its blocked layout, which then replaces the plain copy: the model is held
   once either way);
-- prefill (more rows): `torch`, `onednn` (oneDNN on the weight as stored), or `upcast` (a
-  half-precision weight computed in float32, where the CPU has no native half GEMM).
+- prefill (more rows): `torch`, `onednn` (oneDNN on the weight as stored), and where the CPU
+  has no native half-precision GEMM, `widen` (kvchat's kernel: the half-precision weight
+  widened to float32 a cache-sized block at a time, each block's GEMM in float32) or `upcast`
+  (the whole weight widened to a float32 copy per call, then one float32 GEMM).
 
 The tied lm_head reads the embedding's tensor and stays in the plain layout (one copy of the
 largest weight); it takes the fastest plain decode path. Every path gives `F.linear`'s
@@ -32,11 +36,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv
+from kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv, load_widen_gemm
 
 log = logging.getLogger(__name__)
 
-LINEAR_PATHS = ("auto", "gemv", "torch", "onednn", "onednn-prepacked")
+LINEAR_PATHS = ("auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked")
+GEMV_PATHS = ("gemv", "gemv-prefetch")  # kvchat's decode kernel, without and with prefetches
 DECODE_ROWS = (1, 4, GEMV_MAX_ROWS)  # probed row counts of a decode step
 PREFILL_ROWS = 128
 # Weights the probe streams per pass (the first layers, as many as fit): well past any
@@ -77,12 +82,27 @@ def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     return gemv(x, w, b)
 
 
+def gemv_prefetch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                         ) -> torch.Tensor:
+    gemv = load_gemv()
+    assert gemv is not None
+    return gemv(x, w, b, True)
+
+
+def widen_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    widen = load_widen_gemm()
+    assert widen is not None
+    return widen(x, w, b)
+
+
 PATH_FNS: dict[str, LinearFn] = {
     "gemv": gemv_linear,
+    "gemv-prefetch": gemv_prefetch_linear,
     "torch": torch_linear,
     "onednn": onednn_linear,
     "onednn-prepacked": onednn_linear,
     "upcast": upcast_linear,
+    "widen": widen_linear,
 }
 
 
@@ -169,8 +189,8 @@ def fixed_plan(dtype: torch.dtype, device: torch.device, path: str = "auto") -> 
         return LinearPlan(dtype, PLAIN, ((0, "torch"),), "torch", ((0, "torch"),),
                           reason="cuBLAS")
     assert path in LINEAR_PATHS and path != "auto", path
-    if path == "gemv" and load_gemv() is None:
-        raise ValueError("linear_path=gemv: kvchat's CPU kernel could not be built here")
+    if path in GEMV_PATHS and load_gemv() is None:
+        raise ValueError(f"linear_path={path}: kvchat's CPU kernel could not be built here")
     if path == PREPACKED and dtype not in onednn_dtypes():
         raise ValueError(f"linear_path=onednn-prepacked: oneDNN has no native {dtype} here")
     rows = ((GEMV_MAX_ROWS, path),)
@@ -184,7 +204,9 @@ def fixed_plan(dtype: torch.dtype, device: torch.device, path: str = "auto") -> 
 def default_prefill(dtype: torch.dtype) -> str:
     if dtype in onednn_dtypes():
         return "onednn"
-    return "upcast" if dtype in (torch.bfloat16, torch.float16) else "torch"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "widen" if load_widen_gemm() is not None else "upcast"
+    return "torch"
 
 
 def _time_pass(fn: LinearFn, weights: Sequence[torch.Tensor], in_dims: Sequence[int],
@@ -214,11 +236,14 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
     candidates: dict[str, tuple[LinearFn, list[torch.Tensor]]] = {"torch": (torch_linear, probe)}
     if load_gemv() is not None:
         candidates["gemv"] = (gemv_linear, probe)
+        candidates["gemv-prefetch"] = (gemv_prefetch_linear, probe)
     if dtype in onednn_dtypes():
         candidates["onednn"] = (onednn_linear, probe)
         candidates[PREPACKED] = (onednn_linear, [prepack(w) for w in probe])
     if dtype in (torch.bfloat16, torch.float16):
         candidates["upcast"] = (upcast_linear, probe)
+        if load_widen_gemm() is not None:
+            candidates["widen"] = (widen_linear, probe)
     gen = torch.Generator().manual_seed(0)
     # Prefill is compute-bound: a few layers say as much as many.
     few = max(1, min(len(probe), 8))
@@ -230,9 +255,9 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
             runs = {
                 name: (fn, ws if rows <= GEMV_MAX_ROWS else ws[:few])
                 for name, (fn, ws) in candidates.items()
-                # gemv takes decode rows only; upcast is a prefill path
-                if not (name == "gemv" and rows > GEMV_MAX_ROWS)
-                and not (name == "upcast" and rows <= GEMV_MAX_ROWS)
+                # gemv takes decode rows only; upcast and widen are prefill paths
+                if not (name in GEMV_PATHS and rows > GEMV_MAX_ROWS)
+                and not (name in ("upcast", "widen") and rows <= GEMV_MAX_ROWS)
             }
             for fn, ws in runs.values():  # warm-up: first calls allocate, build, fault in
                 _time_pass(fn, ws[:4], widths, xs)
@@ -247,14 +272,14 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
         present = [n for n in names if rows in probe_ms.get(n, {})]
         return min(present, key=lambda n: probe_ms[n][rows])
 
-    plain = [n for n in ("gemv", "torch", "onednn") if n in candidates]
+    plain = [n for n in (*GEMV_PATHS, "torch", "onednn") if n in candidates]
     # The layout is the one whose best path runs a single-sequence step fastest.
     best_plain = fastest(plain, 1)
     layout = PREPACKED if fastest([best_plain, PREPACKED] if PREPACKED in candidates
                                   else [best_plain], 1) == PREPACKED else PLAIN
     held = [PREPACKED] if layout == PREPACKED else plain
     prefill = (PREPACKED if layout == PREPACKED
-               else fastest([n for n in ("torch", "onednn", "upcast") if n in candidates],
+               else fastest([n for n in ("torch", "onednn", "upcast", "widen") if n in candidates],
                             PREFILL_ROWS))
 
     def by_rows(names: Sequence[str]) -> tuple[tuple[int, str], ...]:

@@ -19,10 +19,11 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -41,6 +42,9 @@ inline float bf16_to_float(uint16_t v) {
 }
 
 inline float f16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f;
   uint32_t mant = h & 0x3ff;
@@ -84,7 +88,11 @@ inline void store(void* y, int64_t i, float v, const void* bias, int64_t n) {
   } else if constexpr (WT == WeightType::bf16) {
     static_cast<c10::BFloat16*>(y)[i] = c10::BFloat16(v);
   } else {
+#if defined(__F16C__)
+    static_cast<uint16_t*>(y)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);  // one instruction
+#else
     static_cast<c10::Half*>(y)[i] = c10::Half(v);
+#endif
   }
 }
 
@@ -143,22 +151,37 @@ inline float vsum(Vec v) {
 constexpr int64_t LANES = 0;
 #endif
 
+// Software prefetch distance of the PREFETCH variant: this far ahead of the loads, one
+// prefetch per cache line. Whether it helps depends on the CPU (faster for half-precision
+// weights on Zen 3, slower on Zen 4), so the engine measures both variants at start-up.
+constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int64_t CACHE_LINE = 64;
+
+template <WeightType WT>
+inline void prefetch_ahead(const void* w, int64_t i, int64_t count) {
+  constexpr int64_t elem = WT == WeightType::f32 ? 4 : 2;
+  const char* p = static_cast<const char*>(w) + i * elem + PREFETCH_BYTES;
+  for (int64_t off = 0; off < count * elem; off += CACHE_LINE) __builtin_prefetch(p + off);
+}
+
 // Dot products of weight row n with NX rows of x, over all of in_features:
 // out[j] = W[n] . x[j]. One row at a time, front to back: a single sequential stream per
-// thread is what reaches the memory bandwidth (several rows interleaved, or software
-// prefetches, measured slower on Zen 4). UNROLL independent sums per x row hide the FMA
-// latency when NX is small.
-template <WeightType WT, int NX>
+// thread is what reaches the memory bandwidth (several rows interleaved measured slower on
+// Zen 3 and Zen 4). UNROLL independent sums per x row hide the FMA latency when NX is small.
+template <WeightType WT, int NX, bool PREFETCH>
 inline void dot_row(const void* w, int64_t n, const float* x, int64_t in_features,
                     float* out) {
   const int64_t base = n * in_features;
   int64_t k = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  constexpr int UNROLL = NX >= 4 ? 1 : 4 / NX;
+  // One x row: two sums of 8 lanes (AVX2: four measured 7-12% slower on Zen 3) or four of 16
+  // (AVX-512); more rows are independent sums themselves.
+  constexpr int UNROLL = NX >= 4 ? 1 : (NX == 1 && LANES == 8 ? 2 : 4 / NX);
   Vec acc[NX][UNROLL];
   for (int j = 0; j < NX; ++j)
     for (int u = 0; u < UNROLL; ++u) acc[j][u] = vzero();
   for (; k + UNROLL * LANES <= in_features; k += UNROLL * LANES) {
+    if constexpr (PREFETCH) prefetch_ahead<WT>(w, base + k, UNROLL * LANES);
     for (int u = 0; u < UNROLL; ++u) {
       const Vec wv = load_w<WT>(w, base + k + u * LANES);
       for (int j = 0; j < NX; ++j)
@@ -244,7 +267,7 @@ void gemv_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t num_x, int64_t
 }
 #endif
 
-template <WeightType WT>
+template <WeightType WT, bool PREFETCH>
 void gemv_rows(const void* w, const float* x, int64_t num_x, int64_t in_features,
                int64_t out_features, int64_t begin, int64_t end, void* y, const void* bias) {
   float out[X_BLOCK];
@@ -254,10 +277,10 @@ void gemv_rows(const void* w, const float* x, int64_t num_x, int64_t in_features
       const int64_t nx = std::min<int64_t>(X_BLOCK, num_x - j0);
       const float* xj = x + j0 * in_features;
       switch (nx) {
-        case 1: dot_row<WT, 1>(w, n, xj, in_features, out); break;
-        case 2: dot_row<WT, 2>(w, n, xj, in_features, out); break;
-        case 3: dot_row<WT, 3>(w, n, xj, in_features, out); break;
-        default: dot_row<WT, 4>(w, n, xj, in_features, out); break;
+        case 1: dot_row<WT, 1, PREFETCH>(w, n, xj, in_features, out); break;
+        case 2: dot_row<WT, 2, PREFETCH>(w, n, xj, in_features, out); break;
+        case 3: dot_row<WT, 3, PREFETCH>(w, n, xj, in_features, out); break;
+        default: dot_row<WT, 4, PREFETCH>(w, n, xj, in_features, out); break;
       }
       for (int64_t j = 0; j < nx; ++j)
         store<WT>(y, (j0 + j) * out_features + n, out[j], bias, n);
@@ -265,8 +288,35 @@ void gemv_rows(const void* w, const float* x, int64_t num_x, int64_t in_features
   }
 }
 
+// y's shape: x's, with out_features last.
+at::Tensor output_for(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  return at::empty(out_shape, x.options());
+}
+
+// The bias in the weight's dtype (kept alive in `holder`), or nullptr.
+const void* bias_data(const c10::optional<at::Tensor>& bias, int64_t out_features,
+                      at::ScalarType dtype, at::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
+  holder = bias->to(dtype).contiguous();
+  return holder.data_ptr();
+}
+
+template <WeightType WT>
+void gemv_rows_variant(bool prefetch, const void* w, const float* x, int64_t num_x,
+                       int64_t in_features, int64_t out_features, int64_t begin, int64_t end,
+                       void* y, const void* bias) {
+  if (prefetch) {
+    gemv_rows<WT, true>(w, x, num_x, in_features, out_features, begin, end, y, bias);
+  } else {
+    gemv_rows<WT, false>(w, x, num_x, in_features, out_features, begin, end, y, bias);
+  }
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias) {
+                const c10::optional<at::Tensor>& bias, bool prefetch) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv runs on the CPU");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [out, in]");
   const int64_t out_features = weight.size(0);
@@ -287,18 +337,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
   const int64_t num_x = x.numel() / in_features;
   TORCH_CHECK(num_x >= 1 && num_x <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows");
 
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor y = output_for(x, out_features);
   void* yp = y.data_ptr();
   const void* wp = weight.data_ptr();
-  const void* bp = nullptr;
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
-    b = bias->to(dtype).contiguous();
-    bp = b.data_ptr();
-  }
+  const void* bp = bias_data(bias, out_features, dtype, b);
 #if defined(__AVX512BF16__)
   if (wt == WeightType::bf16) {
     const at::Tensor xb = x.reshape({num_x, in_features}).contiguous();
@@ -316,19 +359,145 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
     // Each thread streams one contiguous share of the rows.
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
       switch (wt) {
-        case WeightType::f32: gemv_rows<WeightType::f32>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
-        case WeightType::bf16: gemv_rows<WeightType::bf16>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
-        case WeightType::f16: gemv_rows<WeightType::f16>(wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
+        case WeightType::f32: gemv_rows_variant<WeightType::f32>(prefetch, wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
+        case WeightType::bf16: gemv_rows_variant<WeightType::bf16>(prefetch, wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
+        case WeightType::f16: gemv_rows_variant<WeightType::f16>(prefetch, wp, xp, num_x, in_features, out_features, begin, end, yp, bp); break;
       }
     });
   }
   return y;
 }
 
+// -- prefill: half-precision weights on CPUs without a native half GEMM --------------------
+//
+// widen_gemm(x, weight, bias): F.linear for a bfloat16 / float16 weight and many rows of x,
+// computed in float32 (as torch's reference does on a CPU) and rounded once to the weight's
+// type. The weight is read as stored and widened in registers; no float32 copy of it is
+// written to memory (widening the whole weight first, the "upcast" path, writes and re-reads
+// twice its bytes, and torch's emulated half GEMM is many times slower here). x is widened
+// once per call.
+//
+// A tile is TILE_M rows of x by TILE_N weight rows, dot products over all of in_features with
+// the sums in registers (TILE_M * TILE_N vectors): per step, TILE_M loads of x, TILE_N of
+// the weight and TILE_M * TILE_N FMAs, so the FMA units, not the loads, set the pace. A task
+// is GROUP_N weight rows (a few tens of KiB, read from memory once and then from cache) against
+// every row of x.
+
+constexpr int TILE_M = 6;                 // rows of x per tile
+constexpr int TILE_N = 2;                 // weight rows per tile (6 x 2 measured fastest on Zen 3)
+constexpr int64_t GROUP_N = 24 * TILE_N;  // weight rows per task
+
+template <WeightType WT, int RM, int RN>
+void widen_tile(const void* w, const float* x, int64_t in_features, int64_t out_features,
+                int64_t m0, int64_t n0, void* y, const void* bias) {
+  float out[RM][RN];
+  int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = vzero();
+  for (; k + LANES <= in_features; k += LANES) {
+    Vec wv[RN];
+    for (int j = 0; j < RN; ++j) wv[j] = load_w<WT>(w, (n0 + j) * in_features + k);
+    for (int i = 0; i < RM; ++i) {
+      const Vec xv = load_x(x + (m0 + i) * in_features + k);
+      for (int j = 0; j < RN; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) out[i][j] = vsum(acc[i][j]);
+#else
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) out[i][j] = 0.0f;
+#endif
+  for (; k < in_features; ++k) {  // the tail (or everything, without vector units)
+    for (int j = 0; j < RN; ++j) {
+      const float wk = weight_at<WT>(w, (n0 + j) * in_features + k);
+      for (int i = 0; i < RM; ++i) out[i][j] += wk * x[(m0 + i) * in_features + k];
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j)
+      store<WT>(y, (m0 + i) * out_features + n0 + j, out[i][j], bias, n0 + j);
+}
+
+template <WeightType WT, int RM>
+inline void widen_tile_n(int rn, const void* w, const float* x, int64_t in_features,
+                         int64_t out_features, int64_t m0, int64_t n0, void* y, const void* bias) {
+  static_assert(TILE_N == 2, "the cases below are TILE_N's");
+  if (rn == 1) {
+    widen_tile<WT, RM, 1>(w, x, in_features, out_features, m0, n0, y, bias);
+  } else {
+    widen_tile<WT, RM, 2>(w, x, in_features, out_features, m0, n0, y, bias);
+  }
+}
+
+template <WeightType WT>
+void widen_gemm_rows(const void* w, const float* x, int64_t num_x, int64_t in_features,
+                     int64_t out_features, int64_t first_group, int64_t last_group, void* y,
+                     const void* bias) {
+  static_assert(TILE_M == 6, "the cases below are TILE_M's");
+  for (int64_t g = first_group; g < last_group; ++g) {
+    const int64_t n_end = std::min(out_features, (g + 1) * GROUP_N);
+    for (int64_t m0 = 0; m0 < num_x; m0 += TILE_M) {
+      const int rm = static_cast<int>(std::min<int64_t>(TILE_M, num_x - m0));
+      for (int64_t n0 = g * GROUP_N; n0 < n_end; n0 += TILE_N) {
+        const int rn = static_cast<int>(std::min<int64_t>(TILE_N, n_end - n0));
+        switch (rm) {
+          case 1: widen_tile_n<WT, 1>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+          case 2: widen_tile_n<WT, 2>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+          case 3: widen_tile_n<WT, 3>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+          case 4: widen_tile_n<WT, 4>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+          case 5: widen_tile_n<WT, 5>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+          default: widen_tile_n<WT, 6>(rn, w, x, in_features, out_features, m0, n0, y, bias); break;
+        }
+      }
+    }
+  }
+}
+
+at::Tensor widen_gemm(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "widen_gemm runs on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [out, in]");
+  const at::ScalarType dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              "widen_gemm takes bfloat16 or float16 weights");
+  TORCH_CHECK(x.scalar_type() == dtype, "x and weight must have the same dtype");
+  const int64_t out_features = weight.size(0);
+  const int64_t in_features = weight.size(1);
+  TORCH_CHECK(in_features >= 1 && x.size(-1) == in_features, "x's last dim must be in_features");
+  const int64_t num_x = x.numel() / in_features;
+
+  at::Tensor y = output_for(x, out_features);
+  if (num_x == 0 || out_features == 0) return y;
+  const at::Tensor x32 = x.reshape({num_x, in_features}).to(at::kFloat).contiguous();
+  const float* xp = x32.data_ptr<float>();
+  at::Tensor b;
+  const void* bp = bias_data(bias, out_features, dtype, b);
+  const void* wp = weight.data_ptr();
+  void* yp = y.data_ptr();
+  // Each thread takes whole groups of weight rows: it reads its share of the weight once.
+  at::parallel_for(0, (out_features + GROUP_N - 1) / GROUP_N, 1, [&](int64_t first, int64_t last) {
+    if (dtype == at::kBFloat16) {
+      widen_gemm_rows<WeightType::bf16>(wp, xp, num_x, in_features, out_features, first, last,
+                                        yp, bp);
+    } else {
+      widen_gemm_rows<WeightType::f16>(wp, xp, num_x, in_features, out_features, first, last,
+                                       yp, bp);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat_cpu, m) {
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, bool prefetch=False) -> Tensor");
+  m.def("widen_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("widen_gemm", &widen_gemm);
+}

@@ -1,7 +1,11 @@
 """kvchat's CPU ops (C++), built for this machine:
 
-- `gemv(x, weight, bias)` (kernels/cpu_gemv.cpp): `F.linear` for 1 to `GEMV_MAX_ROWS` rows of
-  x, reading the weight as stored (float32, bfloat16 or float16): a decode step's linears;
+- `gemv(x, weight, bias, prefetch=False)` (kernels/cpu_gemv.cpp): `F.linear` for 1 to
+  `GEMV_MAX_ROWS` rows of x, reading the weight as stored (float32, bfloat16 or float16),
+  with or without software prefetches ahead of the stream: a decode step's linears;
+- `widen_gemm(x, weight, bias)` (same file): `F.linear` for many rows of x and a bfloat16 /
+  float16 weight, in float32, widening the weight a cache-sized block at a time: a prefill
+  chunk's linears where the CPU has no native half-precision GEMM;
 - `decode_attention(...)` (kernels/cpu_decode_attention.cpp): paged decode attention read in
   place through the block table;
 - `rms_norm(x, weight, eps)` (kernels/cpu_rms_norm.cpp): RMSNorm with torch's rounding, one op;
@@ -37,7 +41,9 @@ GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
 # the libgomp torch has already loaded (the same soname).
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
 
-GemvFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# gemv(x, weight, bias, prefetch=False); widen_gemm(x, weight, bias)
+GemvFn = Callable[..., torch.Tensor]
+WidenFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def cpuinfo_field(field: str) -> str | None:
@@ -97,6 +103,14 @@ def load_gemv() -> GemvFn | None:
     if not load_cpu_ops():
         return None
     op: GemvFn = torch.ops.kvchat_cpu.gemv
+    return op
+
+
+def load_widen_gemm() -> WidenFn | None:
+    """torch.ops.kvchat_cpu.widen_gemm, built on first use; None where it cannot be built."""
+    if not load_cpu_ops():
+        return None
+    op: WidenFn = torch.ops.kvchat_cpu.widen_gemm
     return op
 
 

@@ -12,6 +12,7 @@ from inference.linear import Linear
 from inference.linear_plan import (
     DECODE_ROWS,
     PATH_FNS,
+    PREFILL_ROWS,
     PREPACKED,
     LinearPlan,
     fixed_plan,
@@ -19,7 +20,7 @@ from inference.linear_plan import (
     onednn_dtypes,
     prepack,
 )
-from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv
+from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv, load_widen_gemm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # in_features around the vector widths (8 and 16 float32, 32 bfloat16 per dot-product step)
@@ -31,7 +32,9 @@ CPU = torch.device("cpu")
 def paths_for(dtype: torch.dtype) -> list[str]:
     paths = ["torch", "upcast"]
     if load_gemv() is not None:
-        paths.append("gemv")
+        paths += ["gemv", "gemv-prefetch"]
+    if load_widen_gemm() is not None and dtype in (torch.bfloat16, torch.float16):
+        paths.append("widen")
     if dtype in onednn_dtypes():
         paths += ["onednn", PREPACKED]
     return paths
@@ -63,7 +66,8 @@ def test_every_path_matches_f_linear(dtype: torch.dtype, shape: tuple[int, int])
     out_f, in_f = shape
     for path in paths_for(dtype):
         fn = PATH_FNS[path]
-        rows_list = [1, 2, 3, 4, 5, GEMV_MAX_ROWS] if path == "gemv" else [1, 4, 17, 97]
+        rows_list = ([1, 2, 3, 4, 5, GEMV_MAX_ROWS] if path.startswith("gemv")
+                     else [1, 4, 17, 97])
         for rows in rows_list:
             for bias in (False, True):
                 x, w, b = operands(out_f, in_f, rows, dtype, bias, seed=rows + out_f + in_f)
@@ -91,10 +95,29 @@ def test_gemv_rejects_what_it_does_not_take() -> None:
         gemv(torch.randn(1, 16).bfloat16(), w, None)
 
 
-@pytest.mark.parametrize("path", ["gemv", "torch", "onednn", PREPACKED])
+@pytest.mark.skipif(load_widen_gemm() is None, reason="needs a C++ compiler")
+def test_widen_gemm_rejects_what_it_does_not_take_and_keeps_leading_dims() -> None:
+    widen = load_widen_gemm()
+    assert widen is not None
+    w = torch.randn(50, 16).half()
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        widen(torch.randn(3, 16), w.float(), None)
+    with pytest.raises(RuntimeError, match="in_features"):
+        widen(torch.randn(3, 15).half(), w, None)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        widen(torch.randn(3, 16).bfloat16(), w, None)
+    x = torch.randn(2, 21, 16).half()
+    out = widen(x, w, None)
+    assert out.shape == (2, 21, 50) and out.dtype == torch.float16
+    assert widen(x[:, :0], w, None).shape == (2, 0, 50)
+    ref = reference(x.reshape(42, 16), w, None).reshape(2, 21, 50)
+    assert (out.double() - ref).abs().max().item() <= tolerance(torch.float16, ref)
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemv-prefetch", "torch", "onednn", PREPACKED])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_with_each_forced_plan(path: str, dtype: torch.dtype) -> None:
-    if path == "gemv" and load_gemv() is None:
+    if path.startswith("gemv") and load_gemv() is None:
         pytest.skip("needs a C++ compiler")
     if path in ("onednn", PREPACKED) and dtype not in onednn_dtypes():
         with pytest.raises(ValueError) if path == PREPACKED else _no_error():
@@ -142,13 +165,18 @@ def test_measured_plan_names_real_paths_and_its_choice_is_the_fastest(dtype: tor
     assert plan.reason == "measured" and plan.probe_bytes == sum(
         w.numel() * w.element_size() for w in layers)
     assert plan.prefill_path in PATH_FNS
+    if dtype not in onednn_dtypes() and load_widen_gemm() is not None:
+        # no native half GEMM here: kvchat's widening GEMM is a measured prefill candidate
+        assert PREFILL_ROWS in plan.probe_ms["widen"]
+        assert set(plan.probe_ms["widen"]) == {PREFILL_ROWS}
     for table in (plan.decode_paths, plan.head_decode_paths):
         rows = [r for r, _ in table]
         assert rows == sorted(rows) and rows[0] == 1 and set(rows) <= set(DECODE_ROWS)
         for r, path in table:
             assert path in PATH_FNS and r in plan.probe_ms[path]
     # the head's single-row path is the fastest plain path the probe measured
-    plain = {n: v[1] for n, v in plan.probe_ms.items() if n in ("gemv", "torch", "onednn")}
+    plain = {n: v[1] for n, v in plan.probe_ms.items()
+             if n in ("gemv", "gemv-prefetch", "torch", "onednn")}
     assert plan.head_decode_paths[0][1] == min(plain, key=plain.__getitem__)
     lin = Linear(layers[0], None, plan)
     x = torch.randn(3, 64, generator=g).to(dtype)

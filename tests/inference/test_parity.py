@@ -132,12 +132,13 @@ def test_logits_and_greedy_tokens_match_transformers(case: Any, tmp_path: Path) 
     check_parity(engine, hf_model, prompt)
 
 
-@pytest.mark.parametrize("linear_path", ["gemv", "torch", "onednn", "onednn-prepacked"])
+@pytest.mark.parametrize("linear_path",
+                         ["gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"])
 def test_every_linear_path_matches_transformers(linear_path: str, tmp_path: Path) -> None:
     """Whatever path the start-up probe picks on a CPU, the logits stay within float32
     rounding of transformers' and the greedy tokens are the same; two sequences decode
     together (two-row calls) beside the single-sequence check."""
-    if linear_path == "gemv" and load_gemv() is None:
+    if linear_path.startswith("gemv") and load_gemv() is None:
         pytest.skip("needs a C++ compiler")
     if linear_path.startswith("onednn") and torch.float32 not in onednn_dtypes():
         pytest.skip("needs oneDNN")

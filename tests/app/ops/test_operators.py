@@ -67,9 +67,9 @@ def test_engine_view_names_the_cpu_and_the_measured_linear_paths(ops: Service) -
     # every chosen path was measured, and the single-row one is the fastest the layout holds
     rows1 = linear["probe_ms"][linear["decode_paths"][0]["path"]]["1"]
     held = ["onednn-prepacked"] if linear["weights"] == "onednn-prepacked" else [
-        n for n in ("gemv", "torch", "onednn") if n in linear["probe_ms"]]
+        n for n in ("gemv", "gemv-prefetch", "torch", "onednn") if n in linear["probe_ms"]]
     assert rows1 == min(linear["probe_ms"][n]["1"] for n in held)
-    assert linear["prefill_path"] in ("torch", "onednn", "upcast", "onednn-prepacked")
+    assert linear["prefill_path"] in ("torch", "onednn", "upcast", "widen", "onednn-prepacked")
     assert linear == ops.state.runtime.engine.model.linear_plan.as_dict()
 
 
