@@ -19,6 +19,12 @@ from tests.conftest import build_hf_model
 
 NUM_NEW_TOKENS = 40
 LOGITS_ATOL = 1e-4
+# Two attention backends differ by float rounding (~1e-6 here); where a quantized cache sits
+# downstream, such a difference can move one cached K/V value across an int8 / fp8 rounding
+# boundary, one quantization step, which then moves later logits by up to ~1e-3 at this
+# model's scale (measured 6e-4 with one linear path and 3e-6 with another, the same inputs).
+# The greedy tokens must still agree exactly.
+QUANTIZED_LOGITS_ATOL = 2e-3
 
 CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
     # (id, model_type, config overrides, block_size, max_num_batched_tokens)
@@ -203,4 +209,4 @@ def test_quantized_cache_greedy_tokens_agree_between_backends(
         outs[backend] = (engine.generate([prompt], params)[0].output_token_ids, recorder.logits)
     assert outs["torch"][0] == outs["triton"][0]
     for a, b in zip(outs["torch"][1], outs["triton"][1]):
-        assert (a - b).abs().max().item() <= LOGITS_ATOL
+        assert (a - b).abs().max().item() <= QUANTIZED_LOGITS_ATOL
