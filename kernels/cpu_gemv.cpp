@@ -1,5 +1,7 @@
 // kvchat's decode-step linear for the CPU: y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]) for the
-// few rows m of a decode step, with W as stored ([out_features, in_features], row-major).
+// few rows m of a decode step, with W as stored ([out_features, in_features], row-major); and,
+// at the end of the file, widen_gemm: the same for a prefill chunk's many rows and a
+// half-precision W on CPUs without a native half GEMM.
 //
 // A decode step is a weight stream: every weight is read once per step and each is used for
 // only m multiply-adds, so the time is the bytes of W over the memory bandwidth. The kernel
@@ -44,7 +46,7 @@ inline float bf16_to_float(uint16_t v) {
 inline float f16_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
-#endif
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f;
   uint32_t mant = h & 0x3ff;
@@ -66,6 +68,7 @@ inline float f16_to_float(uint16_t h) {
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+#endif
 }
 
 template <WeightType WT>
