@@ -5,7 +5,6 @@ are stopped and stored as interrupted before the engine thread goes)."""
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import gc
 import logging
 import signal
@@ -21,7 +20,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.ops import log_redaction
+from app.ops import log_redaction, stacks
+from app.ops.drain import bounded_close
 from app.api import (
     admin,
     chat_completions,
@@ -102,11 +102,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
         # The engine thread has stopped; its KV pool and pinned sessions are still here.
         await state.drain.before_exit(state)
-        await state.leases.close()
-        await coord.close()
+        await bounded_close("releasing session leases", state.leases.close())
+        await bounded_close("closing the coordinator", coord.close())
         runtime.close()
         identity.retire()
-        await store.close()
+        await bounded_close("closing the database", store.close())
 
 
 def announce_key(plaintext: str) -> None:
@@ -255,7 +255,8 @@ def serve(settings: Settings) -> None:
                             # error frame from the app.
                             ws_max_size=settings.ws_protocol_max_bytes)
     log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
-    # `kill -USR1 <pid>` writes every thread's stack to stderr (the log): what a replica that
-    # does not exit, or a stuck turn, is waiting on. The fleet sends it before a SIGKILL.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>` writes every thread's stack and every asyncio task's await chain to
+    # stderr (the log): what a replica that does not exit, or a stuck turn, is waiting on. The
+    # fleet sends it before a SIGKILL.
+    stacks.install(signal.SIGUSR1)
     Server(config).run()

@@ -108,7 +108,7 @@ class Process:
         except subprocess.TimeoutExpired:
             self.dump_stacks()
             log.warning("%s did not exit within %.0f s: SIGKILL. Its log ends:\n%s",
-                        self.name, timeout, log_tail(self.log_path, 80))
+                        self.name, timeout, log_tail(self.log_path, 250))
             self.process.kill()
             self.process.wait()
         if self._log is not None:
@@ -163,11 +163,12 @@ class Replica(Process):
                          else timeout)
 
     def dump_stacks(self) -> None:
-        """`kvchat serve` writes every thread's stack to its log on SIGUSR1: what a replica
-        that does not exit was waiting on stays in its log after the SIGKILL."""
+        """`kvchat serve` writes every thread's stack and its asyncio tasks' await chains to
+        its log on SIGUSR1 (app/ops/stacks.py): what a replica that does not exit was waiting
+        on stays in its log after the SIGKILL. The tasks come once its event loop wakes."""
         if self.is_running:
             self.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
+            time.sleep(3.0)
 
     def is_ready(self) -> bool:
         try:

@@ -16,7 +16,9 @@ behind a load balancer loses no request and no message.
    The one registered by default, `persist_pinned_sessions`, is where pinned sessions' blocks
    go to the KV store (each finished turn queued its blocks already: this waits for the
    writer) so the replicas their conversations move to load them instead of recomputing.
-5. Leases are released, connections closed, the process exits.
+5. Leases are released, connections closed (each at most `CLOSE_TIMEOUT_S`: a Redis or a
+   database that stops answering must not keep the process from exiting; one that overran is
+   logged with every asyncio task's await chain), the process exits.
 
 With `grace` 0 (the default of a single process) a signal stops the server at once, as
 before.
@@ -25,12 +27,14 @@ before.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.ops import stacks
 from memory import SessionState
 
 if TYPE_CHECKING:
@@ -39,6 +43,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ExitHook = Callable[["AppState"], Awaitable[None]]
+
+# The most seconds one close at exit (leases, the coordinator, the database) may take. The
+# fleet's bound on a replica's exit (app/fleet/processes.py) leaves 30 s for all of them.
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def bounded_close(what: str, close: Awaitable[None],
+                        timeout: float = CLOSE_TIMEOUT_S) -> bool:
+    """Await `close` for at most `timeout` seconds. Past it the close is cancelled and logged
+    with what every task was awaiting at that moment, and the exit goes on. Returns whether
+    it finished."""
+    task = asyncio.ensure_future(close)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if done:
+        if task.exception() is not None:
+            log.error("exit: %s failed", what, exc_info=task.exception())
+        return True
+    chains = io.StringIO()
+    stacks.dump_tasks(chains)
+    log.error("exit: %s did not finish within %.0f s: cancelled, the exit goes on. What the "
+              "tasks awaited:\n%s", what, timeout, chains.getvalue())
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)
+    return False
 
 
 @dataclass

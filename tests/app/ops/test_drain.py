@@ -69,3 +69,51 @@ async def test_exit_hooks_run_in_order_and_a_failing_one_does_not_stop_the_next(
     drain = Drain(exit_hooks=[first, second])
     await drain.before_exit("state")  # type: ignore[arg-type]
     assert ran == ["first", "second:state"]
+
+
+@pytest.mark.anyio
+async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_awaited(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from app.ops.drain import bounded_close
+
+    cancelled = asyncio.Event()
+
+    async def stuck_reply() -> None:
+        try:
+            await asyncio.Event().wait()  # a server that never answers
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def close_the_coordinator() -> None:
+        await stuck_reply()
+
+    async def quick() -> None:
+        await asyncio.sleep(0)
+
+    assert await bounded_close("a quick close", quick(), timeout=5.0)
+    assert not await bounded_close("closing the coordinator", close_the_coordinator(),
+                                   timeout=0.05)
+    assert cancelled.is_set()
+    [record] = [r for r in caplog.records if "did not finish" in r.getMessage()]
+    message = record.getMessage()
+    assert message.startswith("exit: closing the coordinator did not finish within 0 s")
+    # The await chain names the coroutine the close was stuck in, innermost last.
+    chain = message.split("close_the_coordinator", 1)[1]
+    assert "in stuck_reply" in chain and "in wait" in chain.split("in stuck_reply", 1)[1]
+
+
+@pytest.mark.anyio
+async def test_a_close_that_fails_is_logged_and_the_exit_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from app.ops.drain import bounded_close
+
+    async def broken() -> None:
+        raise ConnectionError("Redis went away")
+
+    assert await bounded_close("closing the coordinator", broken())
+    assert any("exit: closing the coordinator failed" in r.getMessage()
+               and r.exc_info and "Redis went away" in str(r.exc_info[1])
+               for r in caplog.records)
