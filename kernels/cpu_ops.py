@@ -66,10 +66,14 @@ def cpu_flags() -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, or what the platform says."""
+    """The CPU's model name, with its family and model numbers where the kernel gives them
+    (a virtual machine's name is often only the brand, "AMD EPYC", which names no
+    generation), or what the platform says."""
     import platform
 
-    return cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    name = cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    family, model = cpuinfo_field("cpu family"), cpuinfo_field("model")
+    return f"{name} (family {family} model {model})" if family and model else name
 
 
 # The instruction-set features that decide which kernels a CPU runs well.
