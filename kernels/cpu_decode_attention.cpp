@@ -10,6 +10,15 @@
 //
 // Plain caches (the model's dtype) and full attention only; a quantized cache, a sliding
 // window or attention sinks take the reference (kernels/torch_ops.py decides).
+//
+// Where the head dimension is a multiple of the vector width (AVX-512: 16 floats, AVX2: 8),
+// the scores, the softmax's exponentials and the weighted sum of V run in vector registers,
+// the query heads of the group against each K and V row while it is in registers; the
+// context is walked block by block (no division per token). A scalar loop of one dot product
+// at a time, with a libm exp per score, cost about 0.45 us per context token and layer on
+// Zen 4 (bench model, 4 KV heads of 64): at a 500-token context a quarter of a decode step.
+// Other head sizes, and CPUs with neither ISA, take the plain loop below (as does a call
+// with vectorized=False: the tests and bench/cpu_attention.py compare the two).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,11 +27,16 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -108,9 +122,219 @@ void attend(const T* query,  // [num_seqs, num_heads, head_dim], rows of stride_
   }
 }
 
+
+// -- the vector path ------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+using Vec = __m512;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vhsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
+template <typename T>
+inline Vec load_row(const T* p) {  // LANES elements of the cache's type, widened
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
+  }
+}
+inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2i(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int LANES = 8;
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vhsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(Vec v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+template <typename T>
+inline Vec load_row(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else
+      return _mm256_cvtph_ps(h);
+  }
+}
+inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2i(Vec p, Vec n) {  // n in [-126, 0] here: the exponent field built directly
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#else
+constexpr int LANES = 0;
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// exp(x) for x <= 0 (scores minus their maximum), to about one ulp of float32: x = n ln2 + r
+// with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation under 1e-8 relative), times
+// 2^n. Below -87 the result (under 2^-125) is taken at -87: such a weight adds nothing.
+inline Vec vexp(Vec x) {
+  x = vmax(x, vset1(-87.0f));
+  const Vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  Vec r = vfma(n, vset1(-0.693145751953125f), x);  // ln2 in two parts (Cody and Waite)
+  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
+  Vec p = vset1(1.0f / 5040);
+  p = vfma(p, r, vset1(1.0f / 720));
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vpow2i(p, n);
+}
+
+// In place: s[i] = exp(s[i] - max(s)); returns the sum.
+inline float softmax_numerators(float* s, int64_t n) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (n >= LANES) {
+    Vec vm = vload(s);
+    for (i = LANES; i + LANES <= n; i += LANES) vm = vmax(vm, vload(s + i));
+    m = vhmax(vm);
+  }
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  const Vec vmv = vset1(m);
+  Vec vsum = vzero();
+  for (i = 0; i + LANES <= n; i += LANES) {
+    const Vec e = vexp(vadd(vload(s + i), vmul(vmv, vset1(-1.0f))));
+    vstore(s + i, e);
+    vsum = vadd(vsum, e);
+  }
+  float sum = vhsum(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// One task per (sequence, KV head), NV vectors per head row.
+template <typename T, int NV>
+void attend_vec(const T* query, const T* key_cache, const T* value_cache,
+                const int32_t* block_tables, int64_t stride_bt, const int32_t* seq_lens, T* out,
+                int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                int64_t stride_cb, int64_t stride_ct, int64_t stride_ch, int64_t stride_qs,
+                int64_t stride_qh, int64_t stride_os, int64_t stride_oh, float scale,
+                int64_t task_begin, int64_t task_end) {
+  std::vector<float> q(group * head_dim), acc(group * head_dim), scores, inv(group);
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t s = task / num_kv_heads;
+    const int64_t h = task % num_kv_heads;
+    const int64_t len = seq_lens[s];
+    const int32_t* table = block_tables + s * stride_bt;
+    for (int64_t g = 0; g < group; ++g) {  // the query heads, scaled once
+      float* qg = q.data() + g * head_dim;
+      row_to_float(query + s * stride_qs + (h * group + g) * stride_qh, head_dim, qg);
+      for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+    }
+    scores.resize(group * len);
+    for (int64_t b = 0, t = 0; t < len; ++b) {  // scores: each K row against the group
+      const T* block = key_cache + table[b] * stride_cb + h * stride_ch;
+      const int64_t n = std::min(block_size, len - t);
+      for (int64_t j = 0; j < n; ++j, ++t) {
+        const T* k = block + j * stride_ct;
+        Vec kv[NV];
+        for (int i = 0; i < NV; ++i) kv[i] = load_row(k + i * LANES);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          Vec a = vmul(vload(qg), kv[0]);
+          for (int i = 1; i < NV; ++i) a = vfma(vload(qg + i * LANES), kv[i], a);
+          scores[g * len + t] = vhsum(a);
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      inv[g] = 1.0f / softmax_numerators(scores.data() + g * len, len);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0, t = 0; t < len; ++b) {  // the weighted sum of the V rows
+      const T* block = value_cache + table[b] * stride_cb + h * stride_ch;
+      const int64_t n = std::min(block_size, len - t);
+      for (int64_t j = 0; j < n; ++j, ++t) {
+        const T* v = block + j * stride_ct;
+        Vec vv[NV];
+        for (int i = 0; i < NV; ++i) vv[i] = load_row(v + i * LANES);
+        for (int64_t g = 0; g < group; ++g) {
+          const Vec p = vset1(scores[g * len + t]);
+          float* a = acc.data() + g * head_dim;
+          for (int i = 0; i < NV; ++i) vstore(a + i * LANES, vfma(p, vv[i], vload(a + i * LANES)));
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      T* o = out + s * stride_os + (h * group + g) * stride_oh;
+      const float* a = acc.data() + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv[g]);
+    }
+  }
+}
+#endif
+
+// The vector path's entry for this head size, or nullptr (the plain loop).
+template <typename T>
+using AttendFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, const int32_t*,
+                          T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t);
+
+template <typename T>
+AttendFn<T> vector_path(int64_t head_dim) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (head_dim % LANES != 0) return nullptr;
+  switch (head_dim / LANES) {
+    case 1: return attend_vec<T, 1>;
+    case 2: return attend_vec<T, 2>;
+    case 3: return attend_vec<T, 3>;
+    case 4: return attend_vec<T, 4>;
+    case 5: return attend_vec<T, 5>;
+    case 6: return attend_vec<T, 6>;
+    case 8: return attend_vec<T, 8>;
+    case 10: return attend_vec<T, 10>;
+    case 12: return attend_vec<T, 12>;
+    case 16: return attend_vec<T, 16>;
+    default: return nullptr;
+  }
+#else
+  (void)head_dim;
+  return nullptr;
+#endif
+}
+
 void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                      const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                      bool vectorized) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D], cache [B, T, Hkv, D]");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -134,8 +358,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
                                   "decode_attention", [&] {
+    const AttendFn<scalar_t> fast = vectorized ? vector_path<scalar_t>(head_dim) : nullptr;
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      attend<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+      (fast != nullptr ? fast : attend<scalar_t>)(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
                        value_cache.data_ptr<scalar_t>(), tables, block_tables.stride(0), lens,
                        out.data_ptr<scalar_t>(), num_kv_heads, group, head_dim, block_size,
                        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -149,7 +374,8 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
 
 TORCH_LIBRARY_FRAGMENT(kvchat_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor(a!) out, "
+        "bool vectorized=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,7 +1,8 @@
 """kvchat's C++ paged decode attention (kernels/cpu_decode_attention.cpp) against the torch
 reference, on the same shuffled block pools the Triton kernel is checked on: contexts of 1,
 block_size - 1, block_size, block_size + 1 and several blocks, shared prefix blocks, every GQA
-group, float32 / bfloat16 / float16 caches; and through StepDecode, which takes the kernel
+group, float32 / bfloat16 / float16 caches, on the vector path (AVX-512 or AVX2, where the
+machine has one) and on the plain loop; and through StepDecode, which takes the kernel
 only where it applies (full attention over a plain cache)."""
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def lens_for(block_size: int, shared: int) -> list[int]:
     return lens[::-1] if shared else lens  # sequences 0 and 1 share leading blocks
 
 
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vector", "plain"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-g{c[2]}-bs{c[3]}-s{c[4]}")
-def test_cpu_kernel_matches_reference(case: tuple[torch.dtype, int, int, int, int], kv) -> None:
+def test_cpu_kernel_matches_reference(case: tuple[torch.dtype, int, int, int, int],
+                                      vectorized: bool, kv) -> None:
     dtype, head_dim, group, block_size, shared = case
     gen = kv.generator(str(case))
     lens = lens_for(block_size, shared)
@@ -46,7 +49,8 @@ def test_cpu_kernel_matches_reference(case: tuple[torch.dtype, int, int, int, in
     storage = paged.storage()
     out = torch.full_like(query, float("nan"))  # poison: an unwritten element fails
     torch.ops.kvchat_cpu.decode_attention(query, storage["key_cache"], storage["value_cache"],
-                                          paged.block_tables, paged.seq_lens, scale, out)
+                                          paged.block_tables, paged.seq_lens, scale, out,
+                                          vectorized)
     ref = paged_decode_attention_ref(query.double(), block_tables=paged.block_tables,
                                      seq_lens=paged.seq_lens, scale=scale,
                                      **paged.storage_f64())
@@ -56,6 +60,25 @@ def test_cpu_kernel_matches_reference(case: tuple[torch.dtype, int, int, int, in
     same = paged_decode_attention_ref(query, block_tables=paged.block_tables,
                                       seq_lens=paged.seq_lens, scale=scale, **storage)
     assert kv.max_rel_err(out, same.double()) <= tol
+
+
+@pytest.mark.parametrize("query_scale", [1.0, 40.0], ids=["plain", "peaked"])
+def test_vector_path_on_long_contexts_and_peaked_scores(query_scale: float, kv) -> None:
+    """Contexts of many vector widths with a tail, and scores so far apart (query x 40) that
+    most of the softmax's exponentials underflow: the vector exp must neither lose the peak nor
+    let the underflowed weights add up."""
+    gen = kv.generator(f"long-{query_scale}")
+    lens = [1000, 517, 33]
+    paged = kv.build_paged_kv(gen, lens, 2, 64, 16, torch.float32)
+    query = kv.random_query(gen, (len(lens), 6, 64), torch.float32) * query_scale
+    storage = paged.storage()
+    out = torch.full_like(query, float("nan"))
+    torch.ops.kvchat_cpu.decode_attention(query, storage["key_cache"], storage["value_cache"],
+                                          paged.block_tables, paged.seq_lens, 0.125, out)
+    ref = paged_decode_attention_ref(query.double(), block_tables=paged.block_tables,
+                                     seq_lens=paged.seq_lens, scale=0.125,
+                                     **paged.storage_f64())
+    assert kv.max_rel_err(out, ref) <= FP32_TOL
 
 
 def test_step_decode_takes_the_kernel_only_where_it_applies(kv) -> None:
