@@ -18,7 +18,6 @@ from inference import (
     AsyncEngine,
     ChatTemplate,
     ContextBuilder,
-    Engine,
     ModelLoadError,
     Tokenizer,
     load_chat_template,
@@ -37,7 +36,9 @@ CPU_WORKERS = 2  # a long job (a huge message) leaves the other worker to the ne
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.engine = Engine(settings.engine_config())
+        # Built on the engine's own thread, which then runs its loop (inference/engine_thread.py)
+        self.async_engine = AsyncEngine.build(settings.engine_config())
+        self.engine = self.async_engine.engine
         if self.engine.tokenizer is None:
             raise ModelLoadError(
                 f"{settings.model} has no tokenizer files; the chat service needs one "
@@ -47,7 +48,6 @@ class Runtime:
         self.template: ChatTemplate = load_chat_template(settings.model, self.tokenizer)
         self.builder = ContextBuilder(self.template, self.tokenizer)
         self.grammars = self.engine.grammars  # built now, not on a first structured request
-        self.async_engine = AsyncEngine(self.engine)
         self.model_name = settings.model_name
         self.history = HistoryCounters()
         self.metrics = Metrics(lambda: self.async_engine.stats, self.history)

@@ -90,13 +90,13 @@ async def run_engine(model: Path, load: Load, bar: tqdm) -> Run:
     from app.settings import Settings
     from inference.async_engine import AsyncEngine
     from inference.chat_template import ChatMessage, load_chat_template
-    from inference.engine import Engine
     from inference.sampling_params import SamplingParams
 
-    engine = Engine(Settings(model=model, dtype="bfloat16", seed=0).engine_config())
+    # Built on its own thread, as the server builds it (inference/engine_thread.py)
+    runner = AsyncEngine.build(Settings(model=model, dtype="bfloat16", seed=0).engine_config())
+    engine = runner.engine
     assert engine.tokenizer is not None
     template = load_chat_template(model, engine.tokenizer)
-    runner = AsyncEngine(engine)
     runner.start()
     run = Run("engine alone")
     params = SamplingParams(max_tokens=load.reply_tokens, temperature=0.0, ignore_eos=True)

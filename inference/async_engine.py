@@ -2,11 +2,13 @@
 an asyncio consumer. Cancelling the consumer (client gone, stop pressed) aborts the request
 within one engine step.
 
-Life cycle: `start()` launches the engine thread; `shutdown(drain_timeout)` stops taking new
-requests, lets running ones finish for up to `drain_timeout` seconds, aborts the rest (their
-final output says finish_reason "abort", abort_reason "shutdown", so the caller can store
-them as interrupted) and stops the thread. A consumer whose request can no longer finish
-(the engine stopped or died) gets `EngineDeadError`; it never waits forever.
+Life cycle: `AsyncEngine.build(config)` builds the engine on the thread that will run its loop
+(inference/engine_thread.py says why that matters on the CPU); `start()` starts the loop;
+`shutdown(drain_timeout)` stops taking new requests, lets running ones finish for up to
+`drain_timeout` seconds, aborts the rest (their final output says finish_reason "abort",
+abort_reason "shutdown", so the caller can store them as interrupted) and stops the thread. A
+consumer whose request can no longer finish (the engine stopped or died) gets
+`EngineDeadError`; it never waits forever.
 
 Each request id has at most one stream; a stream only ever removes itself, so a rejected
 duplicate or a quick reuse of a finished id never disturbs another request's stream.
@@ -34,6 +36,8 @@ from typing import TypeVar
 from memory.config import SessionBudget
 
 from .engine import Engine
+from .engine_config import EngineConfig
+from .engine_thread import EngineThread
 from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
 from .errors import EngineDeadError, InvalidRequestError
 from .priority import PRIORITY_NORMAL
@@ -55,8 +59,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, thread: EngineThread | None = None) -> None:
+        """`thread`: the thread the engine was built on (`build`), which then runs its loop;
+        None starts a thread of its own."""
         self.engine = engine
+        self._owner = thread
         self._streams: dict[str, _Stream] = {}
         # Guards _streams, _accepting and _dead together: a request (or a call) is either
         # queued before the engine stops (and then answered, or failed by _fail_all) or
@@ -71,12 +78,28 @@ class AsyncEngine:
 
     # -- life cycle --------------------------------------------------------------------------------
 
+    @classmethod
+    def build(cls, config: EngineConfig) -> AsyncEngine:
+        """The engine built on its own thread, the one its loop will run on: all of its torch
+        work then happens on one thread."""
+        thread = EngineThread()
+        try:
+            engine = thread.call(lambda: Engine(config))
+        except BaseException:
+            thread.close()
+            raise
+        return cls(engine, thread=thread)
+
     def start(self) -> None:
-        """Start the engine thread (once)."""
+        """Start the engine loop (once)."""
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError("the engine was already started")
             self._accepting = True
+            if self._owner is not None:
+                self._thread = self._owner.thread
+                self._owner.run_last(self._run)
+                return
             self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
 
@@ -100,6 +123,8 @@ class AsyncEngine:
         final outputs (at most `join_timeout` later). Idempotent."""
         with self._lock:
             self._accepting = False
+            if self._thread is None and self._owner is not None:
+                self._owner.close()  # built, never started: the thread ends now
         thread = self._thread
         if thread is not None and thread.is_alive():
             deadline = time.monotonic() + drain_timeout
