@@ -109,9 +109,9 @@ async def run_engine(model: Path, load: Load, bar: tqdm) -> Run:
             sent = time.perf_counter()
             last = None
             ids: list[int] = []
-            async for out in runner.generate(
-                f"c{i}-{t}", template.render_ids(history), params, session_id=f"s{i}"
-            ):
+            request = engine.check_request(template.render_ids(history), params,
+                                           session_id=f"s{i}")
+            async for out in runner.generate(f"c{i}-{t}", request):
                 now = time.perf_counter()
                 ids += out.new_token_ids
                 if out.new_text:  # timed at visible text, as the service's delta frames are
