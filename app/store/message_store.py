@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import exists, literal_column, select, update
@@ -298,21 +298,27 @@ class MessageStore(StoreBase):
             return [MessageRecord.of(row) for row in await session.scalars(query)]
 
     async def mark_interrupted(
-        self, *, except_conversations: Collection[str] = ()
+        self, *, except_conversations: Collection[str] = (),
+        created_before: datetime | None = None,
     ) -> list[MessageRecord]:
         """After a crash: every message still `generating` becomes `interrupted`, except in
-        the conversations named (whose replies another live process is generating). Returns
-        the messages as they are now."""
-        query = select(Message).where(Message.status == "generating")
+        the conversations named (whose replies another live process is generating) and,
+        with `created_before`, those created since (a turn another process began after the
+        caller looked at who is live). One conditional statement: a reply that a live turn
+        completes meanwhile keeps its status. Returns the messages as they are now."""
+        where = [Message.status == "generating"]
+        if except_conversations:
+            where.append(Message.conversation_id.not_in(list(except_conversations)))
+        if created_before is not None:
+            where.append(Message.created_at < created_before)
         async with self._write() as session:
-            rows = [row for row in await session.scalars(query)
-                    if row.conversation_id not in except_conversations]
-            now = utcnow()
-            for row in rows:
-                row.status = "interrupted"
-                row.updated_at = now
-            await session.flush()
-            return [MessageRecord.of(row) for row in rows]
+            rows = await session.scalars(
+                update(Message).where(*where)
+                .values(status="interrupted", updated_at=utcnow()).returning(Message)
+                .execution_options(populate_existing=True)
+            )
+            return sorted((MessageRecord.of(row) for row in rows),
+                          key=lambda m: (m.created_at, m.id))
 
 
 def _message_of(conversation_id: str, message_id: str) -> Any:

@@ -43,6 +43,7 @@ from app.errors import (
 from app.ops.limits import spend_on_finish
 from app.schemas.chat import SamplingFields
 from app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
+from app.store.column_types import utcnow
 from app.turns import pipeline
 from app.turns.branches import BranchCache
 from app.turns.events import (
@@ -439,9 +440,13 @@ class TurnService:
         for key, holder in await self.locks.reclaim_dead():
             log.warning("took over lock %s from %s (pid %d), which is gone", key, holder.owner,
                         holder.pid)
+        # A reply is dead when no turn lock covers it. Replies of turns that took their lock
+        # after the scan are newer than `scanned`, and spared.
+        scanned = utcnow()
         live = {key.removeprefix("turn:") for key, holder in
                 await state.coord.lock_scan("turn:") if holder.purpose == "turn"}
-        interrupted = await state.store.mark_interrupted(except_conversations=live)
+        interrupted = await state.store.mark_interrupted(except_conversations=live,
+                                                         created_before=scanned)
         recovered = []
         for message in interrupted:
             try:

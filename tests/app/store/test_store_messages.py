@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from app.store import NEW_USER, MessageRecord, StaleFence, Store
+from app.store.column_types import utcnow
 
 pytestmark = pytest.mark.anyio
 TOOL_CALLS = [
@@ -302,3 +303,25 @@ async def test_mark_interrupted_spares_conversations_another_process_generates(
     marked = await store.mark_interrupted(except_conversations={ids[1][0]})
     assert [m.id for m in marked] == [ids[0][1]]
     assert (await store.get_message(*ids[1])).status == "generating"  # type: ignore[union-attr]
+
+
+async def test_mark_interrupted_spares_replies_begun_after_its_cutoff(store: Store) -> None:
+    """A restarting process scans the live turn locks, then marks what is left: a turn another
+    process began after the scan (its reply newer than the cutoff) keeps generating, and a
+    reply completed meanwhile keeps its status (one conditional statement, not read then
+    written)."""
+    c = (await store.create_conversation("alice")).id
+    u = await _say(store, c, None, "user", "q")
+    dead = await store.add_message(c, parent_id=u.id, role="assistant", status="generating")
+    done = await store.add_message(c, parent_id=u.id, role="assistant", status="generating")
+    await store.update_message(done.id, status="complete", content="a whole reply")
+    cutoff = utcnow()
+    while utcnow() <= cutoff:  # the next reply is strictly newer, whatever the clock's step
+        await asyncio.sleep(0)
+    live = await store.add_message(c, parent_id=u.id, role="assistant", status="generating")
+    marked = await store.mark_interrupted(created_before=cutoff)
+    assert [(m.id, m.status) for m in marked] == [(dead.id, "interrupted")]
+    after = {m.id: m.status for m in await store.messages(c)}
+    assert after == {u.id: "complete", dead.id: "interrupted", done.id: "complete",
+                     live.id: "generating"}
+    assert [m.id for m in await store.mark_interrupted()] == [live.id]
