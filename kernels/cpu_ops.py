@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_rms_norm.cpp", "cpu_layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: in the build key
 GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
 # -fopenmp: at::parallel_for is OpenMP in a header, serial without it; the runtime it links is
 # the libgomp torch has already loaded (the same soname).
@@ -95,7 +96,7 @@ def extensions_dir() -> Path:
 
 
 def build_key() -> str:
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)))
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(cpu_flags().encode())

@@ -71,3 +71,20 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
     t = tol(dtype)
     torch.testing.assert_close(silu_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=t,
                                atol=t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_over_chunks_tails_and_large_gates(dtype: torch.dtype) -> None:
+    """A model's width (4096 + 5: whole chunks, whole vectors and a scalar tail), gates far
+    out on both sides (the sigmoid's exp taken at -|x|), zeros and exact values."""
+    width = 4096 + 5
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(2, width, generator=g) * 6
+    gate[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, 1.0, -1.0])
+    up = torch.randn(2, width, generator=g)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    t = tol(dtype)
+    got = silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), rtol=t, atol=t)
+    assert got[0, :2].float().eq(0).all() and got[0, 5].float().abs() < 1e-30
