@@ -30,11 +30,23 @@ CATEGORIES = {
     "mkldnn::_linear_pointwise": "weights (linear)",
     "aten::mm": "weights (linear)",
     "aten::addmm": "weights (linear)",
+    "kvchat_cpu::gemv": "weights (linear)",
+    "kvchat_cpu::widen_gemm": "weights (linear)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
-    "aten::index_select": "attention (KV gather)",
+    "kvchat_cpu::decode_attention": "attention (SDPA)",
     "aten::_index_put_impl_": "KV cache write",
+    "kvchat_cpu::rotary_cache_write": "KV cache write",
     "aten::max": "sampling",
 }
+
+
+def category(key: str, shapes: list[list[int]]) -> str:
+    """What a profiled op is in the step: an index_select is the paged KV gather, unless it
+    reads the embedding table (the vocabulary's rows)."""
+    if key == "aten::index_select":
+        return "other ops" if shapes and shapes[0] and shapes[0][0] > 65536 else \
+            "attention (KV gather)"
+    return CATEGORIES.get(key, "other ops")
 
 
 def step_profile(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> tuple[
@@ -68,7 +80,7 @@ def step_profile(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> 
     rows: list[list[object]] = []
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total):
         ms = e.self_cpu_time_total / num_profiled / 1e3
-        categories[CATEGORIES.get(e.key, "other ops")] += ms
+        categories[category(e.key, [list(x) for x in e.input_shapes])] += ms
         if len(rows) < 14:
             shapes = ", ".join(str(list(s)) for s in e.input_shapes[:2] if s)
             rows.append([f"`{e.key}`", shapes, f"{e.count / num_profiled:g}", f"{ms:.2f}",
@@ -126,8 +138,8 @@ def main() -> None:
         del engine
     assert len(summary) == len(runs)
     report += "\n## Summary\n\n" + markdown_table(
-        ["weights", "batch", "step ms", "floor ms", "floor share", "linear ms", "SDPA ms",
-         "KV gather ms", "KV write ms", "sampling ms", "other ops ms"], summary)
+        ["weights", "batch", "step ms", "floor ms", "floor share", "linear ms", "attention ms",
+         "KV gather ms", "RoPE + KV write ms", "sampling ms", "other ops ms"], summary)
     report += "\n## Top ops of one step\n" + "".join(sections)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
