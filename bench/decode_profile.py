@@ -101,12 +101,7 @@ def main() -> None:
 
     model_dir = ensure_model(args.model, "bench")
     bandwidth = copy_bandwidth()
-    report = machine_header("Decode step profile (bench model, CPU)", {
-        "workload": f"{args.prompt_tokens}-token prompts, decode steps at contexts "
-                    f"{args.prompt_tokens + 3}-{args.prompt_tokens + 3 + args.steps + 5}",
-        "command": "python bench/decode_profile.py",
-    })
-    report += (
+    report = (
         "\nSelf CPU time per step from torch.profiler (5 profiled steps; the profiler adds a "
         "few microseconds per op, so small ops read high) beside the unprofiled median step. "
         f"Floor: weight bytes / {bandwidth / 1e9:.1f} GB/s measured copy bandwidth.\n"
@@ -137,6 +132,12 @@ def main() -> None:
                                               "share"], rows))
         del engine
     assert len(summary) == len(runs)
+    # The header last: the run's end (time, load) is now.
+    report = machine_header("Decode step profile (bench model, CPU)", {
+        "workload": f"{args.prompt_tokens}-token prompts, decode steps at contexts "
+                    f"{args.prompt_tokens + 3}-{args.prompt_tokens + 3 + args.steps + 5}",
+        "command": "python bench/decode_profile.py",
+    }) + report
     report += "\n## Summary\n\n" + markdown_table(
         ["weights", "batch", "step ms", "floor ms", "floor share", "linear ms", "attention ms",
          "KV gather ms", "RoPE + KV write ms", "sampling ms", "other ops ms"], summary)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -312,8 +311,7 @@ def write_report(result: Soak, header: str, path: Path) -> str:
     rows = [[kind, result.requests[kind],
              sum(e.startswith(f"{kind}:") for e in result.errors)] for kind in KINDS]
     rows.append(["all", sum(result.requests.values()), len(result.errors)])
-    report = header + "- load average at end (1, 5, 15 min): " + ", ".join(
-        f"{x:.2f}" for x in os.getloadavg()) + "\n\n"
+    report = header + "\n"
     report += markdown_table(["kind", "requests", "errors"], rows)
     report += f"\nErrors: {len(result.errors)} (goal 0)\n"
     for error in result.errors[:20]:
@@ -389,8 +387,8 @@ def main() -> None:
             url, pid = f"http://127.0.0.1:{port}", proc.pid
             server = f"its own `kvchat serve` ({model.name} preset, SQLite, in-process " \
                      "coordination)"
-        header = machine_header(
-            f"Soak: {args.clients} clients x {args.minutes:g} minutes",
+        title = f"Soak: {args.clients} clients x {args.minutes:g} minutes"
+        settings: dict[str, object] = (
             {"server": server,
              "mix": ", ".join(f"{kind} {w}%" for kind, w in MIX) + "; a conversation per "
              f"client, replaced every {TURNS_PER_CONVERSATION} turns",
@@ -398,8 +396,7 @@ def main() -> None:
              "after 1-4 deltas)",
              "seed": args.seed,
              "command": f"python bench/soak.py --clients {args.clients} --minutes "
-                        f"{args.minutes:g}"},
-        )
+                        f"{args.minutes:g}"})
         bar = tqdm(total=round(duration_s), unit="s", desc="soak")
 
         def progress(elapsed: float, result: Soak) -> None:
@@ -414,7 +411,8 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait(60)
-    print(write_report(result, header, args.out))
+    # The header once the run is over: its end time and load are the run's.
+    print(write_report(result, machine_header(title, settings), args.out))
     plot(result, args.out.with_suffix(".png"))
 
 
