@@ -10,6 +10,9 @@ TORCH_SPEC  ?= torch==2.13.0
 MODEL_DIR   ?= models/dev
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
+# The repository root is never on sys.path (python -P): every import resolves through the
+# installed kvchat namespace, never a folder that happens to be the working directory.
+export PYTHONSAFEPATH := 1
 PYTEST_WORKERS ?= 2
 FLEET_REPLICAS ?= 2
 FLEET_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/kvchat_fleet
@@ -47,17 +50,17 @@ fleet: $(STAMP) $(MODEL_DIR)/config.json
 # tests/attack is `make attack`: it drives started servers from outside, so it runs once,
 # not a second time under python -O.
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 --ignore=tests/attack $(PYTEST_ARGS)
+	$(PY) -P -m pytest -n $(PYTEST_WORKERS) --durations=15 --ignore=tests/attack $(PYTEST_ARGS)
 	# Once more with assert statements compiled out (python -O, inherited by the xdist
 	# workers): no behaviour of the library may live inside an assert.
-	PYTHONOPTIMIZE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning --ignore=tests/attack $(PYTEST_ARGS)
+	PYTHONOPTIMIZE=1 $(PY) -P -m pytest -n $(PYTEST_WORKERS) -q -W ignore::pytest.PytestConfigWarning --ignore=tests/attack $(PYTEST_ARGS)
 
 # The attack campaign against started `kvchat serve` processes, on SQLite and on Postgres +
 # Redis: schemathesis over /openapi.json, WebSocket abuse, SIGKILL mid-stream, a delete racing
 # its turn, a rate-limit burst, the hand fuzzing of REST, a short soak. One module per worker
 # (each shares its servers). KVCHAT_ATTACK_EXAMPLES=100 make attack: a bigger fuzzing run.
 attack: $(STAMP)
-	$(PY) -m pytest tests/attack -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(PY) -P -m pytest tests/attack -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check app history inference kernels memory migrations tests bench

@@ -131,10 +131,10 @@ def api_error(exc: BaseException) -> APIError:
     """The API error a request's failure is answered with: HTTP responses, SSE error chunks
     and WebSocket error frames all come from here. What a client caused is a 4xx naming the
     field; an engine that is not running is 503; anything unknown is a logged 500."""
-    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from inference import ChatTemplateError, EngineDeadError, InvalidRequestError
+    from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
 
-    from app.store import StaleFence
+    from kvchat.app.store import StaleFence
 
     if isinstance(exc, APIError):
         return exc
@@ -186,10 +186,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def known_error_types() -> tuple[type[Exception], ...]:
-    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from inference import ChatTemplateError, EngineDeadError, InvalidRequestError
+    from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
 
-    from app.store import StaleFence
+    from kvchat.app.store import StaleFence
 
     return (APIError, InvalidRequestError, ContextLengthExceeded, InvalidHistoryError,
             HistoryPolicyError, ChatTemplateError, EngineDeadError, StaleFence)

@@ -20,9 +20,9 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.ops import log_redaction, stacks
-from app.ops.drain import bounded_close
-from app.api import (
+from kvchat.app.ops import log_redaction, stacks
+from kvchat.app.ops.drain import bounded_close
+from kvchat.app.api import (
     admin,
     chat_completions,
     conversation_items,
@@ -36,15 +36,15 @@ from app.api import (
     ui_chat,
     ws,
 )
-from app.api.request_checks import RequestChecks
-from app.coord import ProcessIdentity, make_coordinator
-from app.errors import install_error_handlers
-from app.coord.leases import LeaseKeeper, default_replica_id
-from app.runtime import Runtime
-from app.settings import Settings
-from app.state import AppState
-from app.store import Store
-from app.turns.service import TurnService
+from kvchat.app.api.request_checks import RequestChecks
+from kvchat.app.coord import ProcessIdentity, make_coordinator
+from kvchat.app.errors import install_error_handlers
+from kvchat.app.coord.leases import LeaseKeeper, default_replica_id
+from kvchat.app.runtime import Runtime
+from kvchat.app.settings import Settings
+from kvchat.app.state import AppState
+from kvchat.app.store import Store
+from kvchat.app.turns.service import TurnService
 
 log = logging.getLogger("kvchat")
 

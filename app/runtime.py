@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import ParamSpec, TypeVar
 
-from inference import (
+from kvchat.inference import (
     AsyncEngine,
     ChatTemplate,
     ContextBuilder,
@@ -23,9 +23,9 @@ from inference import (
     load_chat_template,
 )
 
-from app.ops.history_counters import HistoryCounters
-from app.ops.metrics import Metrics
-from app.settings import Settings
+from kvchat.app.ops.history_counters import HistoryCounters
+from kvchat.app.ops.metrics import Metrics
+from kvchat.app.settings import Settings
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from history import POLICIES, HistoryPolicy
+from kvchat.history import POLICIES, HistoryPolicy
 
 if TYPE_CHECKING:
-    from inference import EngineConfig
+    from kvchat.inference import EngineConfig
 
 DEFAULT_MODEL_DIR = Path("models/dev")
 
@@ -155,7 +155,7 @@ class Settings(BaseSettings):
 
     @property
     def database(self) -> str:
-        from app.store import default_database_url
+        from kvchat.app.store import default_database_url
 
         return self.database_url or default_database_url(self.data_dir)
 
@@ -182,8 +182,8 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
-        from inference import EngineConfig, SchedulerConfig
-        from memory import CacheConfig, SessionBudget
+        from kvchat.inference import EngineConfig, SchedulerConfig
+        from kvchat.memory import CacheConfig, SessionBudget
 
         return EngineConfig(
             model=str(self.model),

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from app.coord import Coordinator, ProcessIdentity
-from app.errors import APIError, invalid_api_key
-from app.ops.drain import Drain, persist_pinned_sessions
-from app.turns.prompting import GeneratedIds
-from app.runtime import Runtime
-from app.settings import Settings
-from app.store import KeyRecord, Store
+from kvchat.app.coord import Coordinator, ProcessIdentity
+from kvchat.app.errors import APIError, invalid_api_key
+from kvchat.app.ops.drain import Drain, persist_pinned_sessions
+from kvchat.app.turns.prompting import GeneratedIds
+from kvchat.app.runtime import Runtime
+from kvchat.app.settings import Settings
+from kvchat.app.store import KeyRecord, Store
 
 if TYPE_CHECKING:
-    from app.turns.service import TurnService
+    from kvchat.app.turns.service import TurnService
 
 
 @dataclass

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.workload import WorkloadConfig, make_conversations, run_workload
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.workload import WorkloadConfig, make_conversations, run_workload
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig
 
 BLOCK_SIZES = (8, 16, 32, 64)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_ops import cpu_isa, cpu_model
+from kvchat.kernels.cpu_ops import cpu_isa, cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
 def ensure_model(path: Path, preset: str) -> Path:
     """Create a preset model the first time a benchmark needs it."""
     if not (path / "config.json").exists():
-        from inference.dev_model import init_model
+        from kvchat.inference.dev_model import init_model
 
         print(f"creating the {preset} model in {path}")
         init_model(path, preset, seed=0)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import RESULTS, machine_header, markdown_table
-from kernels.cpu_ops import load_cpu_ops
+from kvchat.bench.common import RESULTS, machine_header, markdown_table
+from kvchat.kernels.cpu_ops import load_cpu_ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 POOL_BLOCKS = 8192  # 256 MiB of bf16 K and V: the blocks of a sequence lie far apart

@@ -18,12 +18,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig
+from kvchat.bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig
 
 # Profiler op names -> what they are in the step.
 CATEGORIES = {

@@ -55,7 +55,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 
 _WORD_LIST = (
     "river stone light quiet market winter garden paper engine signal harbor violet silver "
@@ -325,7 +325,7 @@ class Outcome:
 
 def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], system: str,
                 run_dir: Path) -> Outcome:
-    from app.fleet import Fleet, FleetConfig
+    from kvchat.app.fleet import Fleet, FleetConfig
 
     env = {**REPLICA_ENV, "KVCHAT_KV_CACHE_BYTES": str(args.kv_cache_mib * 2**20),
            "KVCHAT_HOST_CACHE_BYTES": str(args.host_cache_mib * 2**20),
@@ -376,7 +376,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], s
 def bench_database(url: str) -> Iterator[str]:
     """A Postgres database of the run's own (the fleet creates and migrates it), dropped
     after."""
-    from app.fleet import drop_postgres_database
+    from kvchat.app.fleet import drop_postgres_database
 
     try:
         yield url

@@ -20,8 +20,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from inference.tokenizer import TiktokenTokenizer
-from inference.tokenizer_files import (
+from kvchat.inference.tokenizer import TiktokenTokenizer
+from kvchat.inference.tokenizer_files import (
     CL100K_SHA256,
     LLAMA3_PAT_STR,
     bundled_ranks_path,
@@ -204,7 +204,7 @@ def converter_dir(cache_dir: Path, package: str, version: str) -> Path:
     sdists = list(sdist_dir.glob(f"{name}-{version}.tar.gz"))
     if not sdists:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
              f"{package}=={version}", "-d", str(sdist_dir)],
             check=True,
         )

@@ -31,14 +31,12 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: F401  (sets TRITON_INTERPRET when there is no GPU)
+import kvchat.kernels  # noqa: F401  (sets TRITON_INTERPRET when there is no GPU)
 import numpy as np
 import torch
 import triton
-from kernels.cache_write import write_kv_cache, write_kv_cache_ref
-from kernels.decode_attention import (
+from kvchat.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from kvchat.kernels.decode_attention import (
     DecodeConfig,
     default_decode_config,
     default_num_splits,
@@ -46,14 +44,14 @@ from kernels.decode_attention import (
     paged_decode_attention_ref,
     paged_decode_attention_with_config,
 )
-from kernels.prefill_attention import (
+from kvchat.kernels.prefill_attention import (
     PrefillConfig,
     default_prefill_config,
     paged_prefill_attention,
     paged_prefill_attention_ref,
     paged_prefill_attention_with_config,
 )
-from kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
+from kvchat.kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
 
 FP8 = torch.float8_e4m3fn
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from memory.config import CacheConfig
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.memory.config import CacheConfig
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.gguf_export import converter_dir
-from kernels.cpu_ops import cpu_flags
+from kvchat.bench.gguf_export import converter_dir
+from kvchat.kernels.cpu_ops import cpu_flags
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # the pin of the [peers] extra in pyproject.toml

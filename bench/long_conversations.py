@@ -15,16 +15,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from inference.chat_template import load_chat_template
-from inference.context_builder import ContextBuilder
-from inference.conversation import Conversation
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig, SessionBudget
-from history import HistoryPolicy
-from memory.stats import HistoryStats
+from kvchat.inference.chat_template import load_chat_template
+from kvchat.inference.context_builder import ContextBuilder
+from kvchat.inference.conversation import Conversation
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig, SessionBudget
+from kvchat.history import HistoryPolicy
+from kvchat.memory.stats import HistoryStats
 
 POLICIES = ("drop", "drop_oldest", "summarize")
 WORDS = [
@@ -199,7 +199,7 @@ def run_policy(model_dir: Path, dtype: str, config: LongConfig, policy: str) -> 
 
 def report(runs: dict[str, PolicyRun], config: LongConfig, out_png: Path) -> tuple[str, str]:
     """(markdown tables, goal line)"""
-    from bench.common import markdown_table
+    from kvchat.bench.common import markdown_table
 
     def med(values: list[float]) -> float:
         return statistics.median(values)

@@ -31,17 +31,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.long_conversations import POLICIES as LONG_POLICIES
-from bench.long_conversations import LongConfig, run_policy
-from bench.long_conversations import report as report_long
-from bench.workload import TurnRecord, WorkloadConfig, make_conversations, run_workload
-from inference.engine import Engine
-from inference.engine_config import DTYPES, EngineConfig
-from inference.model_config import ModelConfig
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig
-from memory.kv_spec import KVCacheSpec
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.long_conversations import POLICIES as LONG_POLICIES
+from kvchat.bench.long_conversations import LongConfig, run_policy
+from kvchat.bench.long_conversations import report as report_long
+from kvchat.bench.workload import TurnRecord, WorkloadConfig, make_conversations, run_workload
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import DTYPES, EngineConfig
+from kvchat.inference.model_config import ModelConfig
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig
+from kvchat.memory.kv_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
 
 PEERS_PACKAGE = "llama-cpp-python"
 PEERS_VERSION = "0.3.36"  # the pin of the [peers] extra in pyproject.toml
@@ -106,10 +106,10 @@ class LlamaCppRunner:
 
 class KVChatRunner:
     def __init__(self, model_dir: Path, dtype: str, max_num_seqs: int = 16) -> None:
-        from inference.engine import Engine
-        from inference.engine_config import EngineConfig
-        from inference.scheduler import SchedulerConfig
-        from memory.config import CacheConfig
+        from kvchat.inference.engine import Engine
+        from kvchat.inference.engine_config import EngineConfig
+        from kvchat.inference.scheduler import SchedulerConfig
+        from kvchat.memory.config import CacheConfig
 
         self.engine = Engine(EngineConfig(
             model=str(model_dir), dtype=dtype, device="cpu",
@@ -119,7 +119,7 @@ class KVChatRunner:
         self._count = 0
 
     def _params(self, new_tokens: int) -> Any:
-        from inference.sampling_params import SamplingParams
+        from kvchat.inference.sampling_params import SamplingParams
 
         return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -146,7 +146,7 @@ class KVChatRunner:
     def split_decode_step(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         """(seconds per decode step, of which inside the linear layers), one sequence: the
         weight-streaming part against everything else of the step."""
-        from inference.linear import Linear
+        from kvchat.inference.linear import Linear
 
         inside = 0.0
         call = Linear.__call__
@@ -210,14 +210,14 @@ import torch
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.host_memory import release_freed_memory
-from inference.model import LlamaModel
-from inference.model_config import ModelConfig
-from inference.weights import load_weights
-from kernels.cpu_ops import load_cpu_ops
-from memory.config import CacheConfig
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.host_memory import release_freed_memory
+from kvchat.inference.model import LlamaModel
+from kvchat.inference.model_config import ModelConfig
+from kvchat.inference.weights import load_weights
+from kvchat.kernels.cpu_ops import load_cpu_ops
+from kvchat.memory.config import CacheConfig
 model_dir, dtype_name = sys.argv[1], sys.argv[2]
 dtype = getattr(torch, dtype_name)
 load_cpu_ops()
@@ -247,7 +247,7 @@ def resident_memory(model_dir: Path, dtype: str) -> dict[str, int]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _RESIDENT_PROBE, str(model_dir), dtype],
+    out = subprocess.run([sys.executable, "-P", "-c", _RESIDENT_PROBE, str(model_dir), dtype],
                          check=True, capture_output=True, text=True, cwd=REPO).stdout
     result: dict[str, int] = json.loads(out.strip().splitlines()[-1])
     return result
@@ -337,7 +337,7 @@ def main() -> int:
     load_start, started = os.getloadavg(), time.gmtime()
     if args.half == "auto":
         args.half = native_half()
-    from bench.gguf_export import check_side_tokenizer, gguf_files, weights_key
+    from kvchat.bench.gguf_export import check_side_tokenizer, gguf_files, weights_key
 
     version = llama_cpp.__version__
     if version != PEERS_VERSION:
@@ -433,8 +433,8 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
                  splits: dict[str, list[tuple[float, float, float]]],
                  when: tuple[tuple[float, float, float], tuple[float, float, float],
                              time.struct_time]) -> str:
-    from inference.model_config import ModelConfig
-    from kernels.cpu_ops import cpu_flags, cpu_model
+    from kvchat.inference.model_config import ModelConfig
+    from kvchat.kernels.cpu_ops import cpu_flags, cpu_model
 
     config = ModelConfig.from_dir(model_dir)
     params = config.num_parameters
@@ -569,7 +569,7 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
 
 
 def cpu_vendor() -> str:
-    from kernels.cpu_ops import cpuinfo_field
+    from kvchat.kernels.cpu_ops import cpuinfo_field
 
     return cpuinfo_field("vendor_id") or "unknown vendor"
 

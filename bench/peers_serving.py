@@ -45,8 +45,8 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 WORDS = (
@@ -242,7 +242,7 @@ class KVChatServer(Server):
                "KVCHAT_SEED": "0", "KVCHAT_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--model", str(model_dir), "--port",
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model_dir), "--port",
              str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         key = None
         assert self.proc.stdout is not None
@@ -297,11 +297,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "peers_serving.md")
     args = ap.parse_args()
     if args.dtype == "auto":
-        from bench.peers import native_half
+        from kvchat.bench.peers import native_half
 
         args.dtype = native_half()
 
-    from bench.gguf_export import gguf_files
+    from kvchat.bench.gguf_export import gguf_files
 
     load_start, started = os.getloadavg(), time.gmtime()
     model_dir = ensure_model(args.model, "bench")

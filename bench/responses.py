@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.turn_overhead import start_server
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.turn_overhead import start_server
 
 SYSTEM = "You are a planning agent. Call the step tool for every step of the task."
 SCHEMA = {"type": "object", "properties": {
@@ -188,7 +188,7 @@ def main() -> None:
         parser.error(f"--steps must be at least {LATE + 1}")
     load_start = os.getloadavg()
     ensure_model(args.model, "dev")
-    from bench.serve_rest import free_port
+    from kvchat.bench.serve_rest import free_port
 
     runs: dict[str, list[list[Step]]] = {"resend": [], "responses": []}
     counted: dict[str, int] = {"resend": 0, "responses": 0}

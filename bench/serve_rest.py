@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 
 WORDS = [
     "river",
@@ -106,10 +106,10 @@ class Run:
 
 
 async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
-    from app.settings import Settings
-    from inference.async_engine import AsyncEngine
-    from inference.chat_template import ChatMessage, load_chat_template
-    from inference.sampling_params import SamplingParams
+    from kvchat.app.settings import Settings
+    from kvchat.inference.async_engine import AsyncEngine
+    from kvchat.inference.chat_template import ChatMessage, load_chat_template
+    from kvchat.inference.sampling_params import SamplingParams
 
     # Built on its own thread, as the server builds it (inference/engine_thread.py)
     runner = AsyncEngine.build(Settings(model=model, dtype="bfloat16", seed=0).engine_config())
@@ -166,7 +166,7 @@ def start_server(model: Path, data_dir: Path, port: int) -> tuple[subprocess.Pop
         "PYTHONUNBUFFERED": "1",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port)],
+        [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -25,8 +25,8 @@ import httpx
 import websockets
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.serve_rest import WORDS, free_port, percentile, start_server
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.serve_rest import WORDS, free_port, percentile, start_server
 
 SYSTEM = "You are a helpful assistant in a chat window."
 
@@ -87,10 +87,10 @@ class Run:
 
 
 async def run_engine(model: Path, load: Load, bar: tqdm) -> Run:
-    from app.settings import Settings
-    from inference.async_engine import AsyncEngine
-    from inference.chat_template import ChatMessage, load_chat_template
-    from inference.sampling_params import SamplingParams
+    from kvchat.app.settings import Settings
+    from kvchat.inference.async_engine import AsyncEngine
+    from kvchat.inference.chat_template import ChatMessage, load_chat_template
+    from kvchat.inference.sampling_params import SamplingParams
 
     # Built on its own thread, as the server builds it (inference/engine_thread.py)
     runner = AsyncEngine.build(Settings(model=model, dtype="bfloat16", seed=0).engine_config())

@@ -31,8 +31,8 @@ import httpx
 import websockets
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from bench.serve_rest import WORDS, free_port, start_server
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.serve_rest import WORDS, free_port, start_server
 
 # (kind, weight): what a client does next, drawn from its own seeded generator.
 MIX = (("rest turn", 30), ("sse stream", 20), ("ws turn", 20), ("stop", 10),

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.grammar import Grammar, ToolSpec, json_schema_grammar, tool_call_grammar
-from inference.grammar_compiler import GrammarCompiler
-from inference.sampling_params import SamplingParams
-from inference.tool_calls import HERMES
-from memory.config import CacheConfig
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.grammar import Grammar, ToolSpec, json_schema_grammar, tool_call_grammar
+from kvchat.inference.grammar_compiler import GrammarCompiler
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.tool_calls import HERMES
+from kvchat.memory.config import CacheConfig
 
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import (
+from kvchat.bench.common import (
     REPO,
     RESULTS,
     copy_bandwidth,
@@ -28,11 +28,11 @@ from bench.common import (
     machine_header,
     markdown_table,
 )
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

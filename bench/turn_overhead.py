@@ -31,7 +31,7 @@ import httpx
 import websockets
 from tqdm import tqdm
 
-from bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 
 KEY_LINE = re.compile(r"created an admin API key \(shown once, keep it\): (\S+)")
 EARLY = (5, 15)  # 1-based turns the last ten are compared with
@@ -84,7 +84,7 @@ def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[s
     env = {**os.environ, "KVCHAT_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1",
            "KVCHAT_LOG_LEVEL": "warning"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port)],
+        [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     key = None
     assert process.stdout is not None
@@ -204,7 +204,7 @@ def main() -> None:
         parser.error(f"--turns must be at least {EARLY[1] + 10}")
     load_start = os.getloadavg()
     ensure_model(args.model, "dev")
-    from bench.serve_rest import free_port
+    from kvchat.bench.serve_rest import free_port
 
     with tempfile.TemporaryDirectory() as data:
         process, key = start_server(args.model, Path(data), port := free_port())

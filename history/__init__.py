@@ -8,8 +8,8 @@ counts: imports no torch, no HTTP, no SQL (the service plans every turn with it 
 - history.errors: what planning raises, each naming the field.
 """
 
-from history.errors import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-from history.planner import (
+from kvchat.history.errors import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+from kvchat.history.planner import (
     TOOL_CUT_MARKER,
     ContextPlan,
     HistoryMessage,
@@ -17,7 +17,7 @@ from history.planner import (
     tool_cap_split,
     units,
 )
-from history.policy import (
+from kvchat.history.policy import (
     DEFAULT_REPLY_SHARE,
     MIN_TOOL_RESULT_TOKENS,
     POLICIES,
@@ -27,7 +27,7 @@ from history.policy import (
     context_budget,
     reply_budget,
 )
-from history.summaries import (
+from kvchat.history.summaries import (
     SUMMARY_INSTRUCTION,
     SummaryState,
     merge_summary,

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from types import MappingProxyType
 
-from history.errors import ContextLengthExceeded, InvalidHistoryError
-from history.policy import ROLES, HistoryPolicy
-from history.summaries import SummaryState
+from kvchat.history.errors import ContextLengthExceeded, InvalidHistoryError
+from kvchat.history.policy import ROLES, HistoryPolicy
+from kvchat.history.summaries import SummaryState
 
 # Filled in by the renderer between the head and tail of a capped tool result.
 TOOL_CUT_MARKER = "\n[... {n} tokens cut ...]\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from history.errors import HistoryPolicyError
+from kvchat.history.errors import HistoryPolicyError
 
 POLICIES = ("summarize", "drop", "drop_oldest", "none")
 # The running summary's share of max_context_tokens, as placed (markup included): a quarter,

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from history.errors import InvalidHistoryError
-from history.policy import ROLES, HistoryPolicy
+from kvchat.history.errors import InvalidHistoryError
+from kvchat.history.policy import ROLES, HistoryPolicy
 
 if TYPE_CHECKING:
-    from history.planner import ContextPlan
+    from kvchat.history.planner import ContextPlan
 
 SUMMARY_INSTRUCTION = (
     "You keep the running summary of a conversation between a user and an assistant. "

@@ -2,7 +2,7 @@
 
 This is the package's face: other packages import from here, never from its modules. Each
 name loads on first use (PEP 562 `__getattr__`), from the one module that defines it, so a
-name costs what its module costs: `from inference import ChatMessage, SamplingParams` imports
+name costs what its module costs: `from kvchat.inference import ChatMessage, SamplingParams` imports
 no torch, while `Engine` or `AsyncEngine` brings in the model, torch and the kernels. The
 imports under TYPE_CHECKING are the same names, for the type checker; a test keeps the two
 lists equal (tests/app/test_package_faces.py)."""

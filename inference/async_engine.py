@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from memory.config import SessionBudget
+from kvchat.memory.config import SessionBudget
 
 from .engine import Engine
 from .engine_config import EngineConfig

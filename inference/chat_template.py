@@ -44,8 +44,8 @@ import jinja2.ext
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from inference.tokenizer import Tokenizer
-from inference.tool_calls import detect_tool_call_format
+from kvchat.inference.tokenizer import Tokenizer
+from kvchat.inference.tool_calls import detect_tool_call_format
 
 # ChatML as Hugging Face spells it; content may be None (assistant turns with tool calls).
 CHATML_TEMPLATE = (

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from history import (
+from kvchat.history import (
     TOOL_CUT_MARKER,
     ContextPlan,
     HistoryMessage,

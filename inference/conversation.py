@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from history import (
+from kvchat.history import (
     ContextPlan,
     HistoryMessage,
     HistoryPolicy,
@@ -25,7 +25,7 @@ from history import (
     merge_summary,
     summary_targets,
 )
-from memory.stats import HistoryStats
+from kvchat.memory.stats import HistoryStats
 
 from .chat_template import ChatMessage
 from .context_builder import ContextBuilder, MessageCounts, history_message

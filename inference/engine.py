@@ -32,13 +32,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from kernels import get_attention_ops
-from memory.block_pool import BlockPool
-from memory.config import SessionBudget
-from memory.kv_cache import KVCache
-from memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
-from memory.sessions import SessionStore
-from memory.stats import CacheStats
+from kvchat.kernels import get_attention_ops
+from kvchat.memory.block_pool import BlockPool
+from kvchat.memory.config import SessionBudget
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_cache_manager import KVCacheManager, KVState, KVWindow
+from kvchat.memory.sessions import SessionStore
+from kvchat.memory.stats import CacheStats
 
 from . import engine_reports
 from .engine_config import EngineConfig

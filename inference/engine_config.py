@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import ATTENTION_BACKENDS
-from memory.config import CacheConfig
+from kvchat.kernels import ATTENTION_BACKENDS
+from kvchat.memory.config import CacheConfig
 
 from .errors import InvalidRequestError
 from .linear_plan import LINEAR_PATHS

@@ -15,10 +15,10 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from memory.block_pool import BlockPool
-from memory.config import SessionBudget
-from memory.sessions import Session, SessionState, SessionStore
-from memory.stats import CacheStats, KVStoreStats
+from kvchat.memory.block_pool import BlockPool
+from kvchat.memory.config import SessionBudget
+from kvchat.memory.sessions import Session, SessionState, SessionStore
+from kvchat.memory.stats import CacheStats, KVStoreStats
 
 from .scheduler import Scheduler
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import AttentionOps
-from memory.config import CacheConfig
-from memory.kv_cache import KVCache
-from memory.kv_cache_manager import KVState
-from memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
-from memory.kv_store import KVStore, store_fingerprint, weights_fingerprint
-from memory.kv_spec import KVCacheSpec, cdiv
+from kvchat.kernels import AttentionOps
+from kvchat.memory.config import CacheConfig
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_cache_manager import KVState
+from kvchat.memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
+from kvchat.memory.kv_store import KVStore, store_fingerprint, weights_fingerprint
+from kvchat.memory.kv_spec import KVCacheSpec, cdiv
 
 from .errors import ModelLoadError
 from .model import LlamaModel

@@ -7,7 +7,7 @@ JSON is written the way `json.dumps` writes it (`", "` and `": "`, no other whit
 layout models see in their templates, and a bound on what a constrained decoder may spend on
 whitespace. Object properties come in schema order (llguidance's rule).
 
-Tool calls follow `inference.tool_calls`' formats, so the parser reads back exactly the calls
+Tool calls follow `kvchat.inference.tool_calls`' formats, so the parser reads back exactly the calls
 the grammar allowed:
 
 - hermes: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, several joined by

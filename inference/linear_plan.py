@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv, load_widen_gemm
+from kvchat.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv, load_widen_gemm
 
 log = logging.getLogger(__name__)
 

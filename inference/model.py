@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionOps
-from kernels.cpu_ops import load_cpu_ops
-from memory.kv_cache import KVCache
+from kvchat.kernels import AttentionOps
+from kvchat.kernels.cpu_ops import load_cpu_ops
+from kvchat.memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
 from .linear import Linear

@@ -9,9 +9,9 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from kernels import AttentionOps
-from memory.kv_cache import KVCache
-from memory.kv_cache_manager import KVWindow
+from kvchat.kernels import AttentionOps
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_cache_manager import KVWindow
 
 from .attention_metadata import AttentionMetadata
 from .model import LlamaModel

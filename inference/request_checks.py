@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from memory.config import SessionBudget
+from kvchat.memory.config import SessionBudget
 
 from .errors import InvalidRequestError
 from .grammar_compiler import GrammarError

@@ -26,10 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from memory.kv_cache_manager import KVCacheManager
-from memory.kv_spec import cdiv
-from memory.sessions import SessionStore
-from memory.stats import CacheStats
+from kvchat.memory.kv_cache_manager import KVCacheManager
+from kvchat.memory.kv_spec import cdiv
+from kvchat.memory.sessions import SessionStore
+from kvchat.memory.stats import CacheStats
 
 from .priority import PRIORITY_NORMAL
 from .sequence import PrefillAccounting, Sequence, SequenceStatus

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from inference.chat_template import (
+from kvchat.inference.chat_template import (
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,

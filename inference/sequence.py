@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-from memory.kv_cache_manager import KVState, KVWindow
+from kvchat.memory.kv_cache_manager import KVState, KVWindow
 
 from .sampling_params import SamplingParams
 

@@ -186,7 +186,7 @@ def dev_special_tokens() -> dict[str, int]:
 def write_dev_tokenizer(model_dir: str | Path) -> None:
     """Writes tokenizer_config.json for the dev model: bundled cl100k plus ChatML."""
     # Imported here: chat_template imports this module for the Tokenizer type.
-    from inference.chat_template import CHATML_TEMPLATE
+    from kvchat.inference.chat_template import CHATML_TEMPLATE
 
     config = {
         "tokenizer_class": "TiktokenTokenizer",

@@ -11,11 +11,11 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from history import ContextPlan, HistoryPolicy, SummaryState, plan_context, reply_budget
-from memory.stats import HistoryStats
+from kvchat.history import ContextPlan, HistoryPolicy, SummaryState, plan_context, reply_budget
+from kvchat.memory.stats import HistoryStats
 
-from inference.chat_template import ChatMessage
-from inference.context_builder import ContextBuilder, MessageCounts, history_message
+from kvchat.inference.chat_template import ChatMessage
+from kvchat.inference.context_builder import ContextBuilder, MessageCounts, history_message
 
 NEW = "__new__"  # the plan's id for the message being added
 

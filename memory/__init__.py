@@ -3,7 +3,7 @@ planning, which messages go into a prompt under a token budget, is the `history`
 
 This is the package's face: other packages import from here. Everything it names is pure
 Python, so `import memory` costs no torch; the
-KV tensors (`memory.kv_cache`) are the engine's own business and are not part of the face.
+KV tensors (`kvchat.memory.kv_cache`) are the engine's own business and are not part of the face.
 
 What the engine builds from the modules behind it stays as it was: the pools' sizes measured
 at start-up are a frozen KVCacheLayout (never written back into CacheConfig), and a prefix

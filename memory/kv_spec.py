@@ -1,7 +1,7 @@
 """KVCacheSpec: the shape and byte size of one token's KV, and the cache dtype names a user may
 configure. Pure arithmetic, importing nothing heavy: the memory planner, the settings and the
 service's history planning use it without torch. The tensors it describes are in
-`memory.kv_cache`."""
+`kvchat.memory.kv_cache`."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class KVCacheSpec:
     def storage_dtype(self) -> torch.dtype:
         """The element type of the cache tensors (the one member that imports torch: only the
         tensor side asks for it)."""
-        from kernels.quant import kv_storage_dtype
+        from kvchat.kernels.quant import kv_storage_dtype
 
         return kv_storage_dtype(self.kv_cache_dtype, self.model_dtype)
 

@@ -1,7 +1,7 @@
 """Memory planner: how many tokens, blocks and sessions of a given context fit in a memory
 budget, with the arithmetic shown. Pure arithmetic over a KVCacheSpec: no tensors, no torch
 (`kvchat memory plan` answers before any model loads). What the engine measures at start-up
-is in `memory.kv_layout`."""
+is in `kvchat.memory.kv_layout`."""
 
 from __future__ import annotations
 

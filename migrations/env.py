@@ -18,8 +18,8 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 from sqlalchemy.types import TypeDecorator
 
-from app.store.database import create_engine, database_url, default_database_url
-from app.store.tables import Base
+from kvchat.app.store.database import create_engine, database_url, default_database_url
+from kvchat.app.store.tables import Base
 
 config = context.config
 if config.config_file_name is not None:

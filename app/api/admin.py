@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from app.ops import operators
-from app.schemas.conversations import SessionSettings
-from app.state import AdminKey, StateDep
+from kvchat.app.ops import operators
+from kvchat.app.schemas.conversations import SessionSettings
+from kvchat.app.state import AdminKey, StateDep
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

@@ -6,10 +6,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 
-from app.transports import chat_completions as completions
-from app.schemas.chat import ChatCompletion, ChatCompletionRequest
-from app.ops.limits import RateLimitedKey
-from app.state import StateDep
+from kvchat.app.transports import chat_completions as completions
+from kvchat.app.schemas.chat import ChatCompletion, ChatCompletionRequest
+from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.state import StateDep
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 

@@ -9,15 +9,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
-from app.schemas.conversations import ConversationOut
-from app.schemas.present import conversation_out
-from app.schemas.response_items import (
+from kvchat.app.schemas.conversations import ConversationOut
+from kvchat.app.schemas.present import conversation_out
+from kvchat.app.schemas.response_items import (
     ConversationUpdate,
     ItemList,
     ItemsCreate,
 )
-from app.state import CurrentKey, StateDep
-from app.transports import conversation_items
+from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.transports import conversation_items
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 

@@ -8,16 +8,16 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 
-from inference import ChatMessage
+from kvchat.inference import ChatMessage
 
-from app.store import MessageRecord
-from app.transports import conversation_items, sse
-from app.turns.events import TurnEvent
-from app.turns.idempotency import Replayed, run_once
-from app.turns.turn import Turn
-from app.errors import invalid_request, not_found
-from app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
-from app.schemas.conversations import (
+from kvchat.app.store import MessageRecord
+from kvchat.app.transports import conversation_items, sse
+from kvchat.app.turns.events import TurnEvent
+from kvchat.app.turns.idempotency import Replayed, run_once
+from kvchat.app.turns.turn import Turn
+from kvchat.app.errors import invalid_request, not_found
+from kvchat.app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
+from kvchat.app.schemas.conversations import (
     SETTINGS_FIELDS,
     ConversationCreate,
     ConversationList,
@@ -29,8 +29,8 @@ from app.schemas.conversations import (
     Regenerate,
     check_session_settings,
 )
-from app.ops.limits import RateLimitedKey
-from app.state import CurrentKey, StateDep
+from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 

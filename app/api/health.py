@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from app.state import StateDep
+from kvchat.app.state import StateDep
 
 router = APIRouter(tags=["health"])
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.state import StateDep
+from kvchat.app.state import StateDep
 
 router = APIRouter(tags=["metrics"])
 

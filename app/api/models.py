@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.errors import APIError
-from app.state import CurrentKey, StateDep
+from kvchat.app.errors import APIError
+from kvchat.app.state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1", tags=["models"])
 

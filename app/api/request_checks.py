@@ -5,7 +5,7 @@ routes, so one place covers them all):
   byte of it is read, or, chunked, as soon as the bytes received pass the cap;
 - a body over AUTH_FIRST_BYTES, or chunked, needs a valid key before it is read (401
   otherwise): nobody without a key makes the server take in megabytes;
-- a JSON body must pass `app.schemas.json_input` (nesting, valid Unicode without NUL): a 400
+- a JSON body must pass `kvchat.app.schemas.json_input` (nesting, valid Unicode without NUL): a 400
   naming the field, before validation;
 - the URL's path and query must hold no NUL (400 naming the query parameter).
 
@@ -23,9 +23,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError, invalid_api_key, invalid_request, request_too_large
-from app.schemas.json_input import JSONInputError, parse_json
-from app.state import bearer_token
+from kvchat.app.errors import APIError, invalid_api_key, invalid_request, request_too_large
+from kvchat.app.schemas.json_input import JSONInputError, parse_json
+from kvchat.app.state import bearer_token
 
 AUTH_FIRST_BYTES = 64 * 1024  # bodies larger (or of unknown size) are read only with a key
 THREAD_CHECK_BYTES = 64 * 1024  # larger bodies are parsed and checked off the event loop

@@ -7,15 +7,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from app.ops.limits import RateLimitedKey
-from app.schemas.response_items import ItemList
-from app.schemas.responses import (
+from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.schemas.response_items import ItemList
+from kvchat.app.schemas.responses import (
     ResponseCreate,
     ResponseDeleted,
     ResponseObject,
 )
-from app.state import CurrentKey, StateDep
-from app.transports import responses
+from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.transports import responses
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 

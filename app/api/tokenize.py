@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from app.turns.prompting import chat_messages, offered_tools
-from app.schemas.chat import Message, Tool
-from app.state import CurrentKey, StateDep
+from kvchat.app.turns.prompting import chat_messages, offered_tools
+from kvchat.app.schemas.chat import Message, Tool
+from kvchat.app.state import CurrentKey, StateDep
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
@@ -31,7 +31,7 @@ class TokenizeResponse(BaseModel):
 
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, key: CurrentKey, state: StateDep) -> Any:
-    from app.schemas.chat import SamplingFields
+    from kvchat.app.schemas.chat import SamplingFields
 
     tools = offered_tools(SamplingFields(tools=body.tools)) if body.tools else None
     names = {t.function.name for t in body.tools} if body.tools else None

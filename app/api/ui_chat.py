@@ -15,14 +15,14 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from app.transports import ui_chat as ui_messages
-from app.transports import ui_stream
-from app.errors import not_found
-from app.ops.limits import RateLimitedKey
-from app.schemas.ui_chat import UIChatRequest
-from app.transports.sse import SSE_HEADERS
-from app.state import AppState, CurrentKey, StateDep
-from app.turns.turn import Turn
+from kvchat.app.transports import ui_chat as ui_messages
+from kvchat.app.transports import ui_stream
+from kvchat.app.errors import not_found
+from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.schemas.ui_chat import UIChatRequest
+from kvchat.app.transports.sse import SSE_HEADERS
+from kvchat.app.state import AppState, CurrentKey, StateDep
+from kvchat.app.turns.turn import Turn
 
 router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
 

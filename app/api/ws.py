@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from app.transports import websocket as realtime
+from kvchat.app.transports import websocket as realtime
 
 router = APIRouter(tags=["realtime"])
 

@@ -3,6 +3,6 @@ init-model, memory."""
 
 
 def main() -> None:
-    from app.cli.main import main as run
+    from kvchat.app.cli.main import main as run
 
     run()

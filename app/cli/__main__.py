@@ -1,5 +1,5 @@
-"""`python -m app.cli`."""
+"""`python -m kvchat.app.cli`."""
 
-from app.cli.main import main
+from kvchat.app.cli.main import main
 
 main()

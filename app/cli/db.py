@@ -42,7 +42,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def run(work: Coroutine[Any, Any, T]) -> T:
     """Run one command's coroutine; the store's errors (StoreError, and ValueError for a
     value it refuses) become one `error:` line."""
-    from app.store import StoreError
+    from kvchat.app.store import StoreError
 
     try:
         return asyncio.run(work)
@@ -52,8 +52,8 @@ def run(work: Coroutine[Any, Any, T]) -> T:
 
 def parse(database_url: str | None) -> URL:
     """The option's URL (or the default), parsed, with kvchat's async driver."""
-    from app.store import StoreError, default_database_url
-    from app.store.database import database_url as parse_url
+    from kvchat.app.store import StoreError, default_database_url
+    from kvchat.app.store.database import database_url as parse_url
 
     try:
         return parse_url(database_url or default_database_url())
@@ -69,8 +69,8 @@ def when(moment: datetime | None, absent: str = "") -> str:
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrlOption = None) -> None:
     """Migrate the database to the newest schema (creates the tables in an empty one)."""
-    from app.store import display_url, upgrade
-    from app.store.schema import database_revision, head_revision
+    from kvchat.app.store import display_url, upgrade
+    from kvchat.app.store.schema import database_revision, head_revision
 
     url = parse(database_url)
 
@@ -91,8 +91,8 @@ def db_upgrade(database_url: DatabaseUrlOption = None) -> None:
 @db_app.command("current")
 def db_current(database_url: DatabaseUrlOption = None) -> None:
     """Print the database's schema revision and the newest one; exit code 1 when they differ."""
-    from app.store import display_url
-    from app.store.schema import UPGRADE_COMMAND, database_revision, head_revision
+    from kvchat.app.store import display_url
+    from kvchat.app.store.schema import UPGRADE_COMMAND, database_revision, head_revision
 
     url = parse(database_url)
     current = run(database_revision(url))
@@ -116,7 +116,7 @@ def keys_create(
     database_url: DatabaseUrlOption = None,
 ) -> None:
     """Create a key and print it once: the key alone on stdout, the rest on stderr."""
-    from app.store import KeyRecord, Store
+    from kvchat.app.store import KeyRecord, Store
 
     url = parse(database_url)
 
@@ -138,7 +138,7 @@ def keys_list(database_url: DatabaseUrlOption = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from app.store import KeyRecord, Store
+    from kvchat.app.store import KeyRecord, Store
 
     url = parse(database_url)
 
@@ -169,8 +169,8 @@ def keys_revoke(
     database_url: DatabaseUrlOption = None,
 ) -> None:
     """Revoke a key: it stops authenticating at once."""
-    from app.store import KeyRecord, Store
-    from app.store.column_types import utcnow
+    from kvchat.app.store import KeyRecord, Store
+    from kvchat.app.store.column_types import utcnow
 
     url = parse(database_url)
 
@@ -191,7 +191,7 @@ def keys_revoke(
 
 
 def main() -> None:
-    """`python -m app.cli.db db ...|keys ...`; `kvchat db|keys ...` is the same commands."""
+    """`python -m kvchat.app.cli.db db ...|keys ...`; `kvchat db|keys ...` is the same commands."""
     cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     cli.add_typer(db_app, name="db")
     cli.add_typer(keys_app, name="keys")

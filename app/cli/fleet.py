@@ -50,9 +50,9 @@ def fleet_cmd(
     """Run a fleet: HAProxy (consistent hash of each conversation's routing key, health checks
     of /readyz, its stats page) in front of REPLICAS `kvchat serve` processes on free ports,
     the database migrated first. Every response names its replica in X-Kvchat-Replica."""
-    from app.cli.main import check_model
-    from app.fleet import BALANCES, Fleet, FleetConfig, FleetError, haproxy_binary
-    from app.store import StoreError
+    from kvchat.app.cli.main import check_model
+    from kvchat.app.fleet import BALANCES, Fleet, FleetConfig, FleetError, haproxy_binary
+    from kvchat.app.store import StoreError
 
     if replicas < 1:
         fail(f"--replicas must be >= 1, got {replicas}")

@@ -10,9 +10,9 @@ from typing import Annotated, Any
 
 import typer
 
-from app.cli.admin import admin_app
-from app.cli.db import db_app, keys_app
-from app.cli.fleet import fleet_cmd
+from kvchat.app.cli.admin import admin_app
+from kvchat.app.cli.db import db_app, keys_app
+from kvchat.app.cli.fleet import fleet_cmd
 
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
@@ -31,8 +31,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from inference import ChatTemplateError, InvalidRequestError, ModelLoadError, TokenizerError
-    from memory import MemoryConfigError
+    from kvchat.inference import ChatTemplateError, InvalidRequestError, ModelLoadError, TokenizerError
+    from kvchat.memory import MemoryConfigError
 
     return (InvalidRequestError, ModelLoadError, TokenizerError, ChatTemplateError,
             MemoryConfigError)
@@ -49,7 +49,7 @@ def init_model_cmd(
 ) -> None:
     """Write a random-weight Llama-architecture model in Hugging Face format (config.json,
     model.safetensors, tokenizer files) that `transformers` can load too."""
-    from inference import PRESETS, init_model
+    from kvchat.inference import PRESETS, init_model
 
     if preset not in PRESETS:
         fail(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -65,7 +65,7 @@ def init_model_cmd(
 def check_model(model_dir: Path) -> None:
     """What the service needs of a model directory, checked before anything heavy: its
     config and a tokenizer (errors name the file)."""
-    from inference import ModelConfig, ModelLoadError, load_tokenizer
+    from kvchat.inference import ModelConfig, ModelLoadError, load_tokenizer
 
     ModelConfig.from_dir(model_dir)
     if load_tokenizer(model_dir) is None:
@@ -119,7 +119,7 @@ def _generate(
     ignore_eos: bool, attention_backend: str, kv_cache_dtype: str, block_size: int, dtype: str,
     device: str, as_json: bool,
 ) -> None:
-    from inference import (
+    from kvchat.inference import (
         ChatMessage,
         Engine,
         EngineConfig,
@@ -127,7 +127,7 @@ def _generate(
         SamplingParams,
         load_chat_template,
     )
-    from memory import CacheConfig
+    from kvchat.memory import CacheConfig
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
@@ -198,10 +198,10 @@ def serve(
 
     from pydantic import ValidationError
 
-    from app.main import configure_logging
-    from app.main import serve as serve_app
-    from app.settings import Settings
-    from app.store import Store, StoreError
+    from kvchat.app.main import configure_logging
+    from kvchat.app.main import serve as serve_app
+    from kvchat.app.settings import Settings
+    from kvchat.app.store import Store, StoreError
 
     overrides: dict[str, Any] = {
         k: v for k, v in
@@ -268,8 +268,8 @@ def memory_plan(
 ) -> None:
     """Bytes per token and per block, blocks that fit after the weights, and sessions of a given
     context that fit, with the arithmetic shown."""
-    from inference import DTYPES, ModelConfig
-    from memory import CacheConfig, KVCacheSpec, MemoryPlan, parse_bytes
+    from kvchat.inference import DTYPES, ModelConfig
+    from kvchat.memory import CacheConfig, KVCacheSpec, MemoryPlan, parse_bytes
 
     if (model is None) == (config is None):
         fail("give exactly one of --model or --config")

@@ -3,20 +3,20 @@ idempotency records, stop signals, rate limits, session ownership leases and the
 events of replies. One interface, two back ends: in-process (the embedded default) and Redis
 (`KVCHAT_REDIS_URL`)."""
 
-from app.coord.base import (
+from kvchat.app.coord.base import (
     Coordinator,
     IdempotencyRecord,
     LockHolder,
     ProcessIdentity,
     RateDecision,
 )
-from app.coord.local import LocalCoordinator
+from kvchat.app.coord.local import LocalCoordinator
 
 
 def make_coordinator(redis_url: str | None, prefix: str = "kvchat:") -> Coordinator:
     if redis_url is None:
         return LocalCoordinator()
-    from app.coord.redis import RedisCoordinator
+    from kvchat.app.coord.redis import RedisCoordinator
 
     return RedisCoordinator(redis_url, prefix=prefix)
 

@@ -26,10 +26,10 @@ import logging
 import os
 import socket
 
-from inference import EngineDeadError
+from kvchat.inference import EngineDeadError
 
-from app.coord import Coordinator
-from app.runtime import Runtime
+from kvchat.app.coord import Coordinator
+from kvchat.app.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.coord.base import (
+from kvchat.app.coord.base import (
     Coordinator,
     IdempotencyRecord,
     LockHolder,

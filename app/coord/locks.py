@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from app.coord.base import Coordinator, LockHolder, ProcessIdentity
+from kvchat.app.coord.base import Coordinator, LockHolder, ProcessIdentity
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.coord.base import (
+from kvchat.app.coord.base import (
     Coordinator,
     IdempotencyRecord,
     LockHolder,
@@ -33,7 +33,7 @@ from app.coord.base import (
     sliding_window_decision,
     window_ms,
 )
-from app.coord.local import END_EVENTS, LocalCoordinator
+from kvchat.app.coord.local import END_EVENTS, LocalCoordinator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -3,15 +3,15 @@ checks of /readyz) in front of N `kvchat serve` replicas sharing Postgres and Re
 `kvchat fleet`, the fleet tests and bench/fleet.py; the HAProxy configuration is the one
 template docker-compose's deploy/haproxy.cfg is rendered from."""
 
-from app.fleet.fleet import (
+from kvchat.app.fleet.fleet import (
     Fleet,
     FleetConfig,
     create_postgres_database,
     drop_postgres_database,
     prepare_database,
 )
-from app.fleet.haproxy_config import BALANCES, HAProxyConfig, ReplicaAddress
-from app.fleet.processes import FleetError, HAProxy, Replica, free_port, haproxy_binary
+from kvchat.app.fleet.haproxy_config import BALANCES, HAProxyConfig, ReplicaAddress
+from kvchat.app.fleet.processes import FleetError, HAProxy, Replica, free_port, haproxy_binary
 
 __all__ = [
     "BALANCES",

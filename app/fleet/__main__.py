@@ -3,7 +3,7 @@ from the one template (a test checks the committed file is its rendering)."""
 
 from pathlib import Path
 
-from app.fleet.haproxy_config import HAProxyConfig
+from kvchat.app.fleet.haproxy_config import HAProxyConfig
 
 COMPOSE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from app.fleet.haproxy_config import Balance, HAProxyConfig, ReplicaAddress
-from app.fleet.processes import FleetError, HAProxy, Replica, free_port
+from kvchat.app.fleet.haproxy_config import Balance, HAProxyConfig, ReplicaAddress
+from kvchat.app.fleet.processes import FleetError, HAProxy, Replica, free_port
 
 ROUTED_TIMEOUT_S = 120.0
 
@@ -197,8 +197,8 @@ class Fleet:
 async def prepare_database(url: str, *, create: bool = False) -> str | None:
     """Create the Postgres database when asked and missing, migrate it to head, and make an
     admin API key when it has none. Returns that key (shown once), else None."""
-    from app.store import Store, upgrade
-    from app.store.database import database_url
+    from kvchat.app.store import Store, upgrade
+    from kvchat.app.store.database import database_url
 
     parsed = database_url(url)
     if create:
@@ -220,7 +220,7 @@ async def _server_connection(url: str) -> AsyncIterator[tuple[Any, str]]:
     database), and the name of the database `url` names."""
     import asyncpg
 
-    from app.store.database import database_url
+    from kvchat.app.store.database import database_url
 
     parsed = database_url(url)
     name = parsed.database

@@ -146,7 +146,7 @@ class Replica(Process):
         env = {**os.environ, **self.env, "KVCHAT_REPLICA_ID": self.name,
                "KVCHAT_HOST": self.host, "KVCHAT_PORT": str(self.port),
                "PYTHONUNBUFFERED": "1"}
-        self.spawn([sys.executable, "-m", "app.cli", "serve", "--model", str(self.model)], env)
+        self.spawn([sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(self.model)], env)
 
     @property
     def shutdown_bound(self) -> float:

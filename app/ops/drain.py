@@ -34,11 +34,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from app.ops import stacks
-from memory import SessionState
+from kvchat.app.ops import stacks
+from kvchat.memory import SessionState
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from kvchat.app.state import AppState
 
 log = logging.getLogger(__name__)
 

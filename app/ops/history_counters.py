@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from memory import HistoryStats
+from kvchat.memory import HistoryStats
 
 
 class HistoryCounters:

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from app.coord import RateDecision
-from app.errors import APIError, unavailable
-from app.state import AppState, CurrentKey, StateDep
-from app.store import KeyRecord
+from kvchat.app.coord import RateDecision
+from kvchat.app.errors import APIError, unavailable
+from kvchat.app.state import AppState, CurrentKey, StateDep
+from kvchat.app.store import KeyRecord
 
 if TYPE_CHECKING:
-    from app.turns.generation import Generated
+    from kvchat.app.turns.generation import Generated
 
 WINDOW_S = 60.0
 

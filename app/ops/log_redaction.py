@@ -144,7 +144,7 @@ def _message(record: logging.LogRecord) -> str | None:
         return None
 
 
-LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "kvchat", "app")
+LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "kvchat")
 
 
 def install(names: tuple[str, ...] = LOGGERS) -> None:

@@ -25,9 +25,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inference import EngineStats
+from kvchat.inference import EngineStats
 
-from app.ops.history_counters import HistoryCounters
+from kvchat.app.ops.history_counters import HistoryCounters
 
 PREFIX = "kvchat:"
 

@@ -13,21 +13,21 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from history import HistoryPolicy
-from inference import SessionInfo, cpu_description
-from memory import CacheStats, HistoryStats, KVStoreStats, SessionState
+from kvchat.history import HistoryPolicy
+from kvchat.inference import SessionInfo, cpu_description
+from kvchat.memory import CacheStats, HistoryStats, KVStoreStats, SessionState
 
-from app.errors import invalid_request, not_found
-from app.coord.leases import lease_name
-from app.schemas.conversations import (
+from kvchat.app.errors import invalid_request, not_found
+from kvchat.app.coord.leases import lease_name
+from kvchat.app.schemas.conversations import (
     InvalidSessionSettings,
     SessionSettings,
     check_session_settings,
 )
-from app.state import AppState
-from app.store import OVERRIDE_FIELDS, ConversationRecord
-from app.turns.pipeline import context_budget, history_policy, session_budget
-from app.turns.prompting import STATELESS_SESSION_PREFIX
+from kvchat.app.state import AppState
+from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord
+from kvchat.app.turns.pipeline import context_budget, history_policy, session_budget
+from kvchat.app.turns.prompting import STATELESS_SESSION_PREFIX
 
 TIERS = {SessionState.RESIDENT: "gpu", SessionState.OFFLOADED: "host",
          SessionState.ACTIVE: "gpu", SessionState.EMPTY: None}

@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
+from kvchat.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
 
-from app.schemas.chat import SamplingFields, TextPart, ToolCall
-from app.schemas.ranges import INT32_MAX
+from kvchat.app.schemas.chat import SamplingFields, TextPart, ToolCall
+from kvchat.app.schemas.ranges import INT32_MAX
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 

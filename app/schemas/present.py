@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.schemas.chat import FunctionCall, ToolCall
-from app.schemas.conversations import ConversationOut, MessageOut, MessageUsage, Timings
-from app.store import ConversationRecord, MessageRecord
+from kvchat.app.schemas.chat import FunctionCall, ToolCall
+from kvchat.app.schemas.conversations import ConversationOut, MessageOut, MessageUsage, Timings
+from kvchat.app.store import ConversationRecord, MessageRecord
 
 
 def conversation_out(conv: ConversationRecord) -> ConversationOut:

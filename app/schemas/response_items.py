@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.errors import APIError, invalid_request
-from app.schemas.chat import NAME_PATTERN
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.chat import NAME_PATTERN
 
 # -- input items --------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.schemas.chat import NAME_PATTERN
-from app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN
-from app.schemas.response_items import FunctionCall, OutputMessage
+from kvchat.app.schemas.chat import NAME_PATTERN
+from kvchat.app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN
+from kvchat.app.schemas.response_items import FunctionCall, OutputMessage
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64

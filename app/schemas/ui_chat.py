@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.schemas.chat import SamplingFields
+from kvchat.app.schemas.chat import SamplingFields
 
 MAX_CHAT_ID = 200
 

@@ -4,16 +4,16 @@ SQLAlchemy 2 async over SQLite (aiosqlite) or Postgres (asyncpg), one schema mig
 Alembic (`migrations/`). Never imports torch or the engine.
 """
 
-from app.store.database import default_database_url, display_url
-from app.store.message_store import NEW_USER
-from app.store.errors import (
+from kvchat.app.store.database import default_database_url, display_url
+from kvchat.app.store.message_store import NEW_USER
+from kvchat.app.store.errors import (
     DatabaseUnreachable,
     InvalidDatabaseUrl,
     SchemaNotCurrent,
     StaleFence,
     StoreError,
 )
-from app.store.records import (
+from kvchat.app.store.records import (
     OVERRIDE_FIELDS,
     ROLES,
     STATUSES,
@@ -22,8 +22,8 @@ from app.store.records import (
     MessageRecord,
     SummaryRecord,
 )
-from app.store.schema import upgrade
-from app.store.store import Store
+from kvchat.app.store.schema import upgrade
+from kvchat.app.store.store import Store
 
 __all__ = [
     "NEW_USER",

@@ -9,11 +9,11 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, and_, delete, or_, select
 
-from app.store.column_types import utcnow
-from app.store.queries import bump_tree, has_message, owned_conversation
-from app.store.records import OVERRIDE_FIELDS, ConversationRecord
-from app.store.store_base import StoreBase, check_fields
-from app.store.tables import Conversation, new_id
+from kvchat.app.store.column_types import utcnow
+from kvchat.app.store.queries import bump_tree, has_message, owned_conversation
+from kvchat.app.store.records import OVERRIDE_FIELDS, ConversationRecord
+from kvchat.app.store.store_base import StoreBase, check_fields
+from kvchat.app.store.tables import Conversation, new_id
 
 # What update_conversation() may set (None clears a field).
 UPDATABLE_FIELDS = (

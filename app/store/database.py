@@ -11,7 +11,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app.store.errors import InvalidDatabaseUrl
+from kvchat.app.store.errors import InvalidDatabaseUrl
 
 # The async driver kvchat uses for each backend; a URL without one gets it.
 ASYNC_DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg"}

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 from sqlalchemy import func, or_, select, update
 
-from app.store.column_types import utcnow
-from app.store.records import KeyRecord
-from app.store.store_base import StoreBase
-from app.store.tables import ApiKey
+from kvchat.app.store.column_types import utcnow
+from kvchat.app.store.records import KeyRecord
+from kvchat.app.store.store_base import StoreBase
+from kvchat.app.store.tables import ApiKey
 
 KEY_PREFIX = "kvc-"
 KEY_PREFIX_CHARS = 10  # "kvc-" and 6 random characters, shown in listings

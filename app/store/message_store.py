@@ -9,18 +9,18 @@ from typing import Any
 from sqlalchemy import exists, literal_column, select, update
 from sqlalchemy.orm import aliased
 
-from app.store.column_types import utcnow
-from app.store.errors import StaleFence
-from app.store.queries import bump_tree, has_message
-from app.store.records import (
+from kvchat.app.store.column_types import utcnow
+from kvchat.app.store.errors import StaleFence
+from kvchat.app.store.queries import bump_tree, has_message
+from kvchat.app.store.records import (
     ROLES,
     STATUSES,
     ConversationRecord,
     MessageRecord,
     SummaryRecord,
 )
-from app.store.store_base import StoreBase, check_fields
-from app.store.tables import (
+from kvchat.app.store.store_base import StoreBase, check_fields
+from kvchat.app.store.tables import (
     MESSAGE_TEXT,
     Conversation,
     Message,

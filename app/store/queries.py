@@ -6,7 +6,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.attributes import set_committed_value
 
-from app.store.tables import Conversation, Message
+from kvchat.app.store.tables import Conversation, Message
 
 
 async def owned_conversation(

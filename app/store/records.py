@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from app.store.tables import ApiKey, Conversation, Message, Summary
+from kvchat.app.store.tables import ApiKey, Conversation, Message, Summary
 
 ROLES = ("system", "user", "assistant", "tool")
 STATUSES = ("complete", "generating", "cancelled", "interrupted", "error")

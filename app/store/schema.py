@@ -14,8 +14,8 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.store.database import SQLITE_BEGIN, create_engine, database_url, display_url
-from app.store.errors import CONNECT_ERRORS, SchemaNotCurrent, unreachable
+from kvchat.app.store.database import SQLITE_BEGIN, create_engine, database_url, display_url
+from kvchat.app.store.errors import CONNECT_ERRORS, SchemaNotCurrent, unreachable
 
 UPGRADE_COMMAND = "kvchat db upgrade"
 

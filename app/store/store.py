@@ -8,19 +8,19 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.store.conversation_store import ConversationStore
-from app.store.database import create_engine, database_url, display_url
-from app.store.errors import CONNECT_ERRORS, unreachable
-from app.store.key_store import KeyStore
-from app.store.message_store import MessageStore
-from app.store.schema import (
+from kvchat.app.store.conversation_store import ConversationStore
+from kvchat.app.store.database import create_engine, database_url, display_url
+from kvchat.app.store.errors import CONNECT_ERRORS, unreachable
+from kvchat.app.store.key_store import KeyStore
+from kvchat.app.store.message_store import MessageStore
+from kvchat.app.store.schema import (
     check_current,
     current_revision,
     head_revision,
     known_revisions,
     upgrade_engine,
 )
-from app.store.summary_store import SummaryStore
+from kvchat.app.store.summary_store import SummaryStore
 
 
 class Store(KeyStore, ConversationStore, MessageStore, SummaryStore):

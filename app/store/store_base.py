@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from app.store.database import SQLITE_BEGIN
+from kvchat.app.store.database import SQLITE_BEGIN
 
 
 class StoreBase:

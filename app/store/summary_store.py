@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from app.store.column_types import utcnow
-from app.store.queries import bump_tree
-from app.store.records import SummaryRecord
-from app.store.store_base import StoreBase
-from app.store.tables import Conversation, Summary, new_id
+from kvchat.app.store.column_types import utcnow
+from kvchat.app.store.queries import bump_tree
+from kvchat.app.store.records import SummaryRecord
+from kvchat.app.store.store_base import StoreBase
+from kvchat.app.store.tables import Conversation, Summary, new_id
 
 
 class SummaryStore(StoreBase):

@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
 
-from app.store.column_types import UTCDateTime, utcnow
+from kvchat.app.store.column_types import UTCDateTime, utcnow
 
 # Named constraints, so migrations (and SQLite's batch mode) can refer to them.
 NAMING_CONVENTION = {

@@ -16,23 +16,23 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from inference import CheckedRequest, Tokenizer
+from kvchat.inference import CheckedRequest, Tokenizer
 
-from app.transports import sse
-from app.errors import APIError, engine_failure
-from app.ops.limits import check_capacity, spend_on_finish
-from app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
-from app.turns.prompting import (
+from kvchat.app.transports import sse
+from kvchat.app.errors import APIError, engine_failure
+from kvchat.app.ops.limits import check_capacity, spend_on_finish
+from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
+from kvchat.app.turns.prompting import (
     chat_messages,
     offered_tools,
     opening_session_key,
     sampling_params,
     session_key,
 )
-from app.schemas import chat as schema
-from app.state import AppState
-from app.turns.structured import output_grammar
-from app.store import KeyRecord
+from kvchat.app.schemas import chat as schema
+from kvchat.app.state import AppState
+from kvchat.app.turns.structured import output_grammar
+from kvchat.app.store import KeyRecord
 
 
 def check_model(state: AppState, model: str) -> None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference import ChatMessage
+from kvchat.inference import ChatMessage
 
-from app.errors import APIError, busy, not_found
-from app.schemas.conversations import ROOT, ConversationCreate
-from app.schemas.response_items import ItemList, parse_items
-from app.state import AppState
-from app.store import ConversationRecord
-from app.transports.response_items import (
+from kvchat.app.errors import APIError, busy, not_found
+from kvchat.app.schemas.conversations import ROOT, ConversationCreate
+from kvchat.app.schemas.response_items import ItemList, parse_items
+from kvchat.app.state import AppState
+from kvchat.app.store import ConversationRecord
+from kvchat.app.transports.response_items import (
     branch_items,
     call_ids,
     item_by_ref,
@@ -28,7 +28,7 @@ from app.transports.response_items import (
     store_messages,
     to_messages,
 )
-from app.turns.service import lock_key
+from kvchat.app.turns.service import lock_key
 
 BUSY = "A reply is being generated in this conversation; wait for it or stop it."
 

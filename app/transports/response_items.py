@@ -19,11 +19,11 @@ import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from inference import ChatMessage, parse_tool_calls
+from kvchat.inference import ChatMessage, parse_tool_calls
 
-from app.errors import APIError, invalid_request
-from app.schemas.conversations import ROOT
-from app.schemas.response_items import (
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.conversations import ROOT
+from kvchat.app.schemas.response_items import (
     FunctionCall,
     FunctionCallItem,
     FunctionCallOutput,
@@ -37,8 +37,8 @@ from app.schemas.response_items import (
     OutputMessage,
     OutputText,
 )
-from app.state import AppState
-from app.store import MessageRecord
+from kvchat.app.state import AppState
+from kvchat.app.store import MessageRecord
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.errors import APIError
-from app.schemas.response_items import (
+from kvchat.app.errors import APIError
+from kvchat.app.schemas.response_items import (
     FunctionCall,
     OutputMessage,
     OutputText,
 )
-from app.schemas.responses import (
+from kvchat.app.schemas.responses import (
     ConversationRef,
     IncompleteDetails,
     InputTokensDetails,
@@ -23,10 +23,10 @@ from app.schemas.responses import (
     ResponseTextOut,
     ResponseUsage,
 )
-from app.state import AppState
-from app.store import MessageRecord
-from app.transports.response_items import call_item_id, response_id, visible_text
-from app.turns.generation import Generated, Generation
+from kvchat.app.state import AppState
+from kvchat.app.store import MessageRecord
+from kvchat.app.transports.response_items import call_item_id, response_id, visible_text
+from kvchat.app.turns.generation import Generated, Generation
 
 @dataclass(frozen=True)
 class Stateless:

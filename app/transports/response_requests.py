@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from app.errors import APIError, invalid_request
-from app.schemas.chat import (
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.chat import (
     FunctionDefinition,
     JSONSchemaFormat,
     NamedFunction,
@@ -18,7 +18,7 @@ from app.schemas.chat import (
     SamplingFields,
     Tool,
 )
-from app.schemas.responses import ResponseCreate
+from kvchat.app.schemas.responses import ResponseCreate
 
 def check_supported(body: ResponseCreate) -> None:
     def refuse(what: str, param: str) -> None:

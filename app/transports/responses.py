@@ -38,39 +38,39 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from inference import ChatMessage, CheckedRequest
+from kvchat.inference import ChatMessage, CheckedRequest
 
-from app.errors import APIError, api_error, invalid_request, not_found
-from app.ops.limits import check_capacity, spend_on_finish
-from app.schemas.chat import (
+from kvchat.app.errors import APIError, api_error, invalid_request, not_found
+from kvchat.app.ops.limits import check_capacity, spend_on_finish
+from kvchat.app.schemas.chat import (
     SamplingFields,
 )
-from app.schemas.conversations import ROOT
-from app.schemas.response_items import (
+from kvchat.app.schemas.conversations import ROOT
+from kvchat.app.schemas.response_items import (
     FunctionCallItem,
     FunctionCallOutputItem,
     ItemList,
     MessageItem,
     parse_items,
 )
-from app.schemas.responses import ResponseCreate, ResponseObject
-from app.state import AppState
-from app.store import ConversationRecord, KeyRecord, MessageRecord
-from app.transports.chat_completions import check_model
-from app.transports.response_requests import (
+from kvchat.app.schemas.responses import ResponseCreate, ResponseObject
+from kvchat.app.state import AppState
+from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
+from kvchat.app.transports.chat_completions import check_model
+from kvchat.app.transports.response_requests import (
     check_supported,
     renamed,
     response_record,
     sampling_fields,
 )
-from app.transports.response_objects import (
+from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
     response_object,
     skeleton,
     stored_response,
 )
-from app.transports.response_items import (
+from kvchat.app.transports.response_items import (
     visible_text,
     call_ids,
     items_of,
@@ -81,8 +81,8 @@ from app.transports.response_items import (
     store_messages,
     to_messages,
 )
-from app.transports import sse
-from app.transports.responses_stream import (
+from kvchat.app.transports import sse
+from kvchat.app.transports.responses_stream import (
     drained,
     final_stored,
     response_events,
@@ -90,12 +90,12 @@ from app.transports.responses_stream import (
     stateless_stream,
     watched,
 )
-from app.turns.events import TurnDelta, TurnEvent
-from app.turns.generation import Generation
-from app.turns.pipeline import as_chat, turn_system, usable
-from app.turns.prompting import offered_tools, sampling_params
-from app.turns.structured import output_grammar
-from app.turns.turn import Turn
+from kvchat.app.turns.events import TurnDelta, TurnEvent
+from kvchat.app.turns.generation import Generation
+from kvchat.app.turns.pipeline import as_chat, turn_system, usable
+from kvchat.app.turns.prompting import offered_tools, sampling_params
+from kvchat.app.turns.structured import output_grammar
+from kvchat.app.turns.turn import Turn
 
 TITLE_CHARS = 80
 

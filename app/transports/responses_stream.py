@@ -18,19 +18,19 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from app.errors import APIError, engine_failure
-from app.schemas.responses import ResponseObject
-from app.state import AppState
-from app.store import MessageRecord
-from app.transports.response_items import call_item_id
-from app.transports.response_objects import (
+from kvchat.app.errors import APIError, engine_failure
+from kvchat.app.schemas.responses import ResponseObject
+from kvchat.app.state import AppState
+from kvchat.app.store import MessageRecord
+from kvchat.app.transports.response_items import call_item_id
+from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
     response_object,
     skeleton,
     stored_response,
 )
-from app.turns.events import (
+from kvchat.app.turns.events import (
     TurnDelta,
     TurnDone,
     TurnEvent,
@@ -39,8 +39,8 @@ from app.turns.events import (
     TurnToolCall,
     is_terminal,
 )
-from app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
-from app.turns.turn import Turn
+from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
+from kvchat.app.turns.turn import Turn
 
 Event = dict[str, Any]
 FinalResponse = Callable[[TurnEvent], Awaitable[ResponseObject]]

@@ -19,16 +19,16 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference import ChatMessage
+from kvchat.inference import ChatMessage
 
-from app.errors import busy, invalid_request, not_found
-from app.schemas.present import tree_children
-from app.schemas.conversations import ROOT
-from app.schemas.ui_chat import UIChatRequest, UIMessage
-from app.state import AppState
-from app.store import ConversationRecord, KeyRecord, MessageRecord
-from app.turns.service import regenerated_parent
-from app.turns.turn import Turn
+from kvchat.app.errors import busy, invalid_request, not_found
+from kvchat.app.schemas.present import tree_children
+from kvchat.app.schemas.conversations import ROOT
+from kvchat.app.schemas.ui_chat import UIChatRequest, UIMessage
+from kvchat.app.state import AppState
+from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
+from kvchat.app.turns.service import regenerated_parent
+from kvchat.app.turns.turn import Turn
 
 DERIVED_PREFIX = "conv_ui_"
 TITLE_CHARS = 80

@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from app.turns.events import (
+from kvchat.app.turns.events import (
     TurnDelta,
     TurnDone,
     TurnEvent,

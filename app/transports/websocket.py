@@ -27,17 +27,17 @@ from fastapi import WebSocket
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from inference import ChatMessage
+from kvchat.inference import ChatMessage
 
-from app.errors import APIError, _param, api_error
-from app.ops import limits
-from app.turns.events import TurnEvent
-from app.turns.turn import Turn
-from app.schemas.chat import SamplingFields, TextPart
-from app.schemas.json_input import JSONInputError, parse_json
-from app.schemas.ranges import INT32_MAX
-from app.state import AppState, bearer_token
-from app.store import KeyRecord
+from kvchat.app.errors import APIError, _param, api_error
+from kvchat.app.ops import limits
+from kvchat.app.turns.events import TurnEvent
+from kvchat.app.turns.turn import Turn
+from kvchat.app.schemas.chat import SamplingFields, TextPart
+from kvchat.app.schemas.json_input import JSONInputError, parse_json
+from kvchat.app.schemas.ranges import INT32_MAX
+from kvchat.app.state import AppState, bearer_token
+from kvchat.app.store import KeyRecord
 
 log = logging.getLogger(__name__)
 

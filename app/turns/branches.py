@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from app.store import ConversationRecord, MessageRecord, SummaryRecord
+from kvchat.app.store import ConversationRecord, MessageRecord, SummaryRecord
 
 MAX_CONVERSATIONS = 2048
 

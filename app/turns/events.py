@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from app.store import MessageRecord
+from kvchat.app.store import MessageRecord
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from inference import (
+from kvchat.inference import (
     CheckedRequest,
     ContentDelta,
     RequestOutput,
@@ -18,9 +18,9 @@ from inference import (
     ToolCallDelta,
     ToolCallStreamParser,
 )
-from memory import HistoryStats
+from kvchat.memory import HistoryStats
 
-from app.runtime import Runtime
+from kvchat.app.runtime import Runtime
 
 
 @dataclass(frozen=True)

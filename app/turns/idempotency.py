@@ -22,14 +22,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from app.errors import APIError, invalid_request, not_found
-from app.coord import IdempotencyRecord
-from app.store import MessageRecord
-from app.turns.service import EndHook, lock_key
-from app.turns.turn import Turn
+from kvchat.app.errors import APIError, invalid_request, not_found
+from kvchat.app.coord import IdempotencyRecord
+from kvchat.app.store import MessageRecord
+from kvchat.app.turns.service import EndHook, lock_key
+from kvchat.app.turns.turn import Turn
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from kvchat.app.state import AppState
 
 IDEMPOTENCY_TTL = 24 * 3600.0
 POLL_S = 0.05

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from history import (
+from kvchat.history import (
     ContextLengthExceeded,
     ContextPlan,
     HistoryPolicy,
@@ -23,8 +23,8 @@ from history import (
     merge_summary,
     summary_targets,
 )
-from history import context_budget as resolve_context_budget
-from inference import (
+from kvchat.history import context_budget as resolve_context_budget
+from kvchat.inference import (
     NEW,
     PRIORITY_LOW,
     ChatMessage,
@@ -34,22 +34,22 @@ from inference import (
     branch_key,
     plan_turn,
 )
-from memory import HistoryStats, SessionBudget
+from kvchat.memory import HistoryStats, SessionBudget
 
-from app.coord.locks import HeldLock
-from app.errors import invalid_request, not_found
-from app.ops.limits import check_capacity
-from app.turns.prompting import offered_tools, sampling_params
-from app.turns.structured import output_grammar
-from app.schemas.chat import SamplingFields
-from app.schemas.conversations import (
+from kvchat.app.coord.locks import HeldLock
+from kvchat.app.errors import invalid_request, not_found
+from kvchat.app.ops.limits import check_capacity
+from kvchat.app.turns.prompting import offered_tools, sampling_params
+from kvchat.app.turns.structured import output_grammar
+from kvchat.app.schemas.chat import SamplingFields
+from kvchat.app.schemas.conversations import (
     ROOT,
     InvalidSessionSettings,
     check_session_settings,
     setting_in_range,
 )
-from app.state import AppState
-from app.store import NEW_USER, ConversationRecord, MessageRecord, SummaryRecord
+from kvchat.app.state import AppState
+from kvchat.app.store import NEW_USER, ConversationRecord, MessageRecord, SummaryRecord
 
 log = logging.getLogger(__name__)
 

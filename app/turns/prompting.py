@@ -11,11 +11,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from inference import ChatMessage, Grammar, SamplingParams
+from kvchat.inference import ChatMessage, Grammar, SamplingParams
 
-from app.errors import APIError, invalid_request
-from app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
-from app.turns.structured import check_json_schema
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
+from kvchat.app.turns.structured import check_json_schema
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 STATELESS_SESSION_PREFIX = "sess_"  # engine sessions of X-Session-Id (conversations': conv_)

@@ -29,10 +29,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from inference import ChatMessage, branch_key, prompt_key
+from kvchat.inference import ChatMessage, branch_key, prompt_key
 
-from app.coord.locks import HeldLock, Locks
-from app.errors import (
+from kvchat.app.coord.locks import HeldLock, Locks
+from kvchat.app.errors import (
     APIError,
     busy,
     conversation_gone,
@@ -40,13 +40,13 @@ from app.errors import (
     invalid_request,
     not_found,
 )
-from app.ops.limits import spend_on_finish
-from app.schemas.chat import SamplingFields
-from app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
-from app.store.column_types import utcnow
-from app.turns import pipeline
-from app.turns.branches import BranchCache
-from app.turns.events import (
+from kvchat.app.ops.limits import spend_on_finish
+from kvchat.app.schemas.chat import SamplingFields
+from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
+from kvchat.app.store.column_types import utcnow
+from kvchat.app.turns import pipeline
+from kvchat.app.turns.branches import BranchCache
+from kvchat.app.turns.events import (
     TurnDelta,
     TurnDone,
     TurnEvent,
@@ -58,11 +58,11 @@ from app.turns.events import (
     stored_events,
     text_of,
 )
-from app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
-from app.turns.turn import Turn
+from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
+from kvchat.app.turns.turn import Turn
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from kvchat.app.state import AppState
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
-from inference import (
+from kvchat.inference import (
     ANY_OBJECT,
     Grammar,
     GrammarCompiler,
@@ -34,9 +34,9 @@ from inference import (
     tool_call_grammar,
 )
 
-from app.errors import APIError, invalid_request
-from app.schemas.chat import NamedToolChoice, SamplingFields
-from app.schemas.json_input import json_depth
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.chat import NamedToolChoice, SamplingFields
+from kvchat.app.schemas.json_input import json_depth
 
 MAX_SCHEMA_DEPTH = 64
 

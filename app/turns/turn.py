@@ -10,10 +10,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from app.errors import APIError
-from app.store import MessageRecord
-from app.turns.events import TurnEvent, TurnFailed, is_terminal
-from app.turns.generation import Generation
+from kvchat.app.errors import APIError
+from kvchat.app.store import MessageRecord
+from kvchat.app.turns.events import TurnEvent, TurnFailed, is_terminal
+from kvchat.app.turns.generation import Generation
 
 log = logging.getLogger(__name__)
 

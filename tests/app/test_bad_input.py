@@ -19,8 +19,8 @@ import httpx
 import pytest
 import websockets
 
-from tests.app.conftest import Service
-from tests.service import Server
+from kvchat_testing.app_service import Service
+from kvchat_testing.service import Server
 
 # The documented ranges and depths (README, "Bad input").
 INT32_MAX = 2**31 - 1  # token counts and budgets (Postgres INTEGER columns)
@@ -423,9 +423,9 @@ def test_nesting_up_to_the_limits_is_accepted(service: Service) -> None:
 
 
 def test_the_documented_limits_are_the_codes() -> None:
-    from app.schemas import ranges as limits
-    from app.schemas.json_input import MAX_JSON_DEPTH as json_depth
-    from app.turns.structured import MAX_SCHEMA_DEPTH as schema_depth
+    from kvchat.app.schemas import ranges as limits
+    from kvchat.app.schemas.json_input import MAX_JSON_DEPTH as json_depth
+    from kvchat.app.turns.structured import MAX_SCHEMA_DEPTH as schema_depth
 
     assert (limits.INT32_MAX, limits.INT64_MIN, limits.INT64_MAX) == (
         INT32_MAX, INT64_MIN, INT64_MAX)
@@ -435,7 +435,7 @@ def test_the_documented_limits_are_the_codes() -> None:
 def test_the_seeds_of_n_choices_wrap_within_int64(service: Service) -> None:
     """n choices take seeds seed, seed+1, ...: from the top of int64 they wrap to its bottom,
     so every accepted seed gives n valid seeds, and the same seeds as asked for directly."""
-    from app.schemas.chat import SamplingFields
+    from kvchat.app.schemas.chat import SamplingFields
 
     fields = SamplingFields(seed=INT64_MAX)
     assert [fields.choice_seed(i) for i in range(3)] == [INT64_MAX, INT64_MIN, INT64_MIN + 1]

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import history
-import inference
-import memory
+from kvchat import history, inference, memory
 
 ROOT = Path(__file__).resolve().parents[2]
 FACES = {"inference": inference, "memory": memory, "history": history}
@@ -38,10 +36,11 @@ def app_imports() -> list[tuple[str, int, str, tuple[str, ...]]]:
 def test_app_imports_only_the_faces_of_the_engine_packages() -> None:
     wrong = []
     for where, line, module, names in app_imports():
-        package = module.split(".")[0]
-        if package not in ENGINE_PACKAGES:
+        parts = module.split(".")
+        if parts[0] != "kvchat" or len(parts) < 2 or parts[1] not in ENGINE_PACKAGES:
             continue
-        if module != package or package not in FACES:
+        package = parts[1]
+        if module != f"kvchat.{package}" or package not in FACES:
             wrong.append(f"{where}:{line}: import of {module} (use the face of {package})")
             continue
         face = FACES[package].__all__
@@ -53,9 +52,9 @@ def test_app_imports_only_the_faces_of_the_engine_packages() -> None:
 def test_the_scan_sees_the_service_importing_the_engine() -> None:
     """The scan above reads the real imports (an empty scan would pass anything)."""
     modules = {(where, module) for where, _, module, _ in app_imports()}
-    assert ("app/runtime.py", "inference") in modules
-    assert ("app/settings.py", "memory") in modules
-    assert ("app/settings.py", "history") in modules
+    assert ("app/runtime.py", "kvchat.inference") in modules
+    assert ("app/settings.py", "kvchat.memory") in modules
+    assert ("app/settings.py", "kvchat.history") in modules
 
 
 def type_checking_names(path: Path) -> set[str]:
@@ -73,7 +72,7 @@ def test_the_lazy_face_of_inference_names_what_the_type_checker_sees() -> None:
     declared = type_checking_names(ROOT / "inference" / "__init__.py")
     assert declared == set(inference.__all__)
     for name in inference.__all__:
-        module = importlib.import_module(f"inference.{inference._MODULE_OF[name]}")
+        module = importlib.import_module(f"kvchat.inference.{inference._MODULE_OF[name]}")
         assert getattr(inference, name) is getattr(module, name), name
     with pytest.raises(AttributeError):
         inference.Scheduler  # noqa: B018  (internal: not on the face)
@@ -91,9 +90,10 @@ def test_every_name_on_a_face_is_defined_in_its_package(face: object) -> None:
 def modules_loaded_by(code: str) -> list[str]:
     probe = (
         f"import sys; {code}; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'kernels', 'triton'}))"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'triton'}"
+        " | {m for m in sys.modules} & {'kvchat.kernels'}))"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     loaded: list[str] = ast.literal_eval(proc.stdout.strip())
@@ -101,12 +101,12 @@ def modules_loaded_by(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("code", [
-    "import memory",
-    "import history",
-    "from memory import KV_CACHE_DTYPES, CacheConfig, SessionBudget",
-    "from history import plan_context, HistoryPolicy, summary_targets",
-    "import app.settings, app.schemas.conversations",
-    "from inference import ChatMessage, SamplingParams, PRIORITY_LOW, EngineDeadError, "
+    "import kvchat.memory",
+    "import kvchat.history",
+    "from kvchat.memory import KV_CACHE_DTYPES, CacheConfig, SessionBudget",
+    "from kvchat.history import plan_context, HistoryPolicy, summary_targets",
+    "import kvchat.app.settings, kvchat.app.schemas.conversations",
+    "from kvchat.inference import ChatMessage, SamplingParams, PRIORITY_LOW, EngineDeadError, "
     "RequestOutput, MessageCounts, Tokenizer, ToolCall, Grammar, InvalidRequestError",
 ])
 def test_light_names_import_no_torch(code: str) -> None:
@@ -115,4 +115,4 @@ def test_light_names_import_no_torch(code: str) -> None:
 
 def test_the_engine_names_do_bring_in_torch() -> None:
     """The probe above can see torch being imported."""
-    assert "torch" in modules_loaded_by("from inference import Engine")
+    assert "torch" in modules_loaded_by("from kvchat.inference import Engine")

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.app.conftest import Service, service_settings
+from kvchat_testing.app_service import Service, service_settings
 
 REPLICA = "replica-under-test"
 
 
 @pytest.fixture(scope="module")
 def replica(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     settings = service_settings(dev_model, tmp_path_factory.mktemp("replica"), None)
     settings.replica_id = REPLICA
@@ -87,7 +87,7 @@ def test_a_keyless_client_resending_its_history_reuses_all_of_it(replica: Servic
 def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pinned(
     dev_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     settings = service_settings(dev_model, tmp_path, None)
     settings.drain_grace, settings.drain_probes = 30.0, 2
@@ -95,11 +95,11 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
     seen: list[tuple[bool, int]] = []
 
     async def hook(state: Any) -> None:
-        from app.ops.drain import pinned_sessions
+        from kvchat.app.ops.drain import pinned_sessions
 
         seen.append((state.runtime.is_running, pinned_sessions(state).num_sessions))
 
-    with caplog.at_level(logging.INFO, logger="app.ops.drain"), TestClient(app) as client:
+    with caplog.at_level(logging.INFO, logger="kvchat.app.ops.drain"), TestClient(app) as client:
         state = app.state.kvchat
         state.drain.exit_hooks.append(hook)
         _, key = client.portal.call(lambda: state.store.create_key("alice"))

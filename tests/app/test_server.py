@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.service import Server, postgres_database
+from kvchat_testing.service import Server, postgres_database
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,18 +192,18 @@ def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> Non
 def test_postgres_must_be_migrated_first(dev_model: Path, tmp_path: Path) -> None:
     with postgres_database(migrated=False) as url:
         proc = subprocess.run(
-            [sys.executable, "-m", "app.cli", "serve", "--model", str(dev_model),
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(dev_model),
              "--database-url", url, "--port", "1"],
             capture_output=True, text=True, timeout=120,
         )
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "kvchat db upgrade" in lines[0], proc.stderr
-        upgrade = subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade",
+        upgrade = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "db", "upgrade",
                                   "--database-url", url], capture_output=True, text=True,
                                  timeout=120)
         assert upgrade.returncode == 0, upgrade.stderr
-        keys = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--name",
+        keys = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "keys", "create", "--name",
                                "ops", "--database-url", url], capture_output=True, text=True,
                               timeout=120)
         assert keys.returncode == 0, keys.stderr
@@ -228,7 +228,7 @@ def test_the_admin_commands_against_the_running_server(server: Server) -> None:
            "COLUMNS": "200"}
 
     def admin(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "app.cli", "admin", *args], env=env,
+        return subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "admin", *args], env=env,
                               capture_output=True, text=True, timeout=120)
 
     memory = admin("memory")
@@ -287,7 +287,7 @@ def test_sigkill_with_redis_frees_the_conversation_and_answers_the_retry(
     import uuid
 
     with postgres_database() as url:
-        keys = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--name",
+        keys = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "keys", "create", "--name",
                                "ops", "--admin", "--database-url", url], capture_output=True,
                               text=True, timeout=120)
         assert keys.returncode == 0, keys.stderr

@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 
 # The dev preset, as the service tests make it (one copy per test session).
-from tests.app.conftest import dev_model  # noqa: F401
-from tests.attack.servers import REQUESTS_PROPERTY
+from kvchat_testing.attack_servers import REQUESTS_PROPERTY
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

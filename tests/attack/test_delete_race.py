@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.soak import pool_use
-from tests.attack.servers import BACKENDS, assert_openai_error, idle_memory, started_server
-from tests.service import Server
+from kvchat.bench.soak import pool_use
+from kvchat_testing.attack_servers import BACKENDS, assert_openai_error, idle_memory, started_server
+from kvchat_testing.service import Server
 
 TRIES = 60
 ENDS_WITHIN_S = 30.0  # a POST still unanswered after this is a hang

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.attack.servers import assert_openai_error, create_key, database_of, started_server
-from tests.service import Server
+from kvchat_testing.attack_servers import assert_openai_error, create_key, database_of, started_server
+from kvchat_testing.service import Server
 
 LIMIT = 5
 BURST = 30

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.attack.servers import (
+from kvchat_testing.attack_servers import (
     BACKENDS,
     assert_openai_error,
     create_key,
@@ -28,7 +28,7 @@ from tests.attack.servers import (
     started_server,
     wait_until,
 )
-from tests.service import Server
+from kvchat_testing.service import Server
 
 HUGE = 2**70  # past every 64-bit column and generator seed
 BIG_BODY = 64 * 2**20  # a 4,096-token context is some 16 KB of text: this is no chat request

@@ -56,9 +56,9 @@ from schemathesis.checks import (
 )
 from schemathesis.config import SchemathesisConfig
 
-from app.turns.prompting import SESSION_ID_PATTERN
-from tests.attack.servers import BACKENDS, REQUESTS_PROPERTY, assert_openai_error, started_server
-from tests.service import Server
+from kvchat.app.turns.prompting import SESSION_ID_PATTERN
+from kvchat_testing.attack_servers import BACKENDS, REQUESTS_PROPERTY, assert_openai_error, started_server
+from kvchat_testing.service import Server
 
 EXAMPLES = int(os.environ.get("KVCHAT_ATTACK_EXAMPLES", "10"))
 REPLY_CAP = 16  # tokens the model generates at most per reply here
@@ -68,8 +68,8 @@ CONVERSATIONS = 4  # real conversations the generated ids are mapped to
 def app_schema() -> dict[str, Any]:
     """The OpenAPI schema the app serves at /openapi.json (the started server's is checked to
     be this one: the tests are built at collection time, before any server runs)."""
-    from app.main import create_app
-    from app.settings import Settings
+    from kvchat.app.main import create_app
+    from kvchat.app.settings import Settings
 
     return create_app(Settings()).openapi()
 

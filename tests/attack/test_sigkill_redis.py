@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.attack.servers import restarted, started_server
-from tests.service import Server
+from kvchat_testing.attack_servers import restarted, started_server
+from kvchat_testing.service import Server
 
 WINDOW_S = 10.0  # a crash's leftovers must not hold a conversation longer than this
 DELTAS_BEFORE_KILL = 24

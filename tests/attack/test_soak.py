@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import soak
-from tests.attack.servers import started_server
+from kvchat.bench.soak import soak
+from kvchat_testing.attack_servers import started_server
 
 CLIENTS = 3
 DURATION_S = 45.0

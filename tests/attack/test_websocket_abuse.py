@@ -19,7 +19,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.attack.servers import (
+from kvchat_testing.attack_servers import (
     database_of,
     create_key,
     metric,
@@ -28,7 +28,7 @@ from tests.attack.servers import (
     started_server,
     wait_until,
 )
-from tests.service import Server
+from kvchat_testing.service import Server
 
 IDLE_TIMEOUT_S = 8  # the server closes a socket silent this long
 FRAME_LIMIT = 256 * 1024  # the server's ws_max_frame_bytes (its default)

@@ -3,7 +3,7 @@ workload every server is sent (the same text for the same user and round)."""
 
 from __future__ import annotations
 
-from bench.peers_serving import RateRun, Turn, Workload, knee
+from kvchat.bench.peers_serving import RateRun, Turn, Workload, knee
 
 
 def run_at(rate: float, ttfts: list[float], span: float, late: list[float] | None = None,

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from history import (
+from kvchat.history import (
     POLICIES,
     TOOL_CUT_MARKER,
     ContextLengthExceeded,
@@ -954,5 +954,5 @@ def test_merge_summary_extends_what_it_covers() -> None:
 
 def test_imports_without_torch() -> None:
     root = Path(__file__).resolve().parents[2]
-    code = "import sys, history; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+    code = "import sys, kvchat.history; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-P", "-c", code], cwd=root, check=True)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from inference.tokenizer import Tokenizer
-from inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from kvchat.inference.tokenizer import Tokenizer
+from kvchat.inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from kvchat_testing.tokenizers import LLAMA3_MERGES
 
-LLAMA3_MERGES = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
 
 
 @pytest.fixture(scope="module")

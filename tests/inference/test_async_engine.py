@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from inference.async_engine import AsyncEngine, EngineDeadError
-from inference.errors import InvalidRequestError
-from inference.request_output import RequestOutput
-from inference.sampling_params import SamplingParams
-from memory.sessions import SessionState
-from tests.inference.test_engine import GREEDY, make_engine, random_prompt
+from kvchat.inference.async_engine import AsyncEngine, EngineDeadError
+from kvchat.inference.errors import InvalidRequestError
+from kvchat.inference.request_output import RequestOutput
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.memory.sessions import SessionState
+from kvchat_testing.engines import GREEDY, make_engine, random_prompt
+from kvchat_testing.faults import StepFault
 
 
 @pytest.fixture
@@ -195,20 +196,6 @@ def test_generate_before_start_is_refused(tiny_llama: tuple[Path, Any]) -> None:
         asyncio.run(main())
 
 
-class StepFault:
-    """An injected engine bug: the model runner raises from the n-th step on."""
-
-    def __init__(self, engine: Any, after: int) -> None:
-        self.execute = engine.runner.execute
-        engine.runner.execute = self
-        self.calls = 0
-        self.after = after
-
-    def __call__(self, batch: Any) -> Any:
-        self.calls += 1
-        if self.calls > self.after:
-            raise RuntimeError("injected fault")
-        return self.execute(batch)
 
 
 @pytest.mark.timeout(60)
@@ -247,7 +234,7 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
 def test_evict_answers_with_the_session_right_after_the_eviction(
     tiny_llama: tuple[Path, Any],
 ) -> None:
-    from tests.memory.test_sessions_engine import make_engine as make_session_engine
+    from kvchat_testing.session_engines import make_engine as make_session_engine
 
     core = make_session_engine(tiny_llama[0], host_blocks=16)
     engine = AsyncEngine(core)

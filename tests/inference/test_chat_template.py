@@ -12,28 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from inference.chat_template import (
+from kvchat.inference.chat_template import (
     CHATML_TEMPLATE,
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,
     load_chat_template,
 )
-from inference.tokenizer import Tokenizer
-from tests.inference.conftest import LLAMA3_MERGES
-from inference.tokenizer_files import load_tokenizer
+from kvchat.inference.tokenizer import Tokenizer
+from kvchat_testing.tokenizers import LLAMA3_MERGES
+from kvchat.inference.tokenizer_files import load_tokenizer
+from kvchat_testing.chat_templates import DEFAULT_SYSTEM_CHATML, HF_CHATML_TEMPLATE, LLAMA31_TEMPLATE, LLAMA3_TEMPLATE, QWEN25_TEMPLATE, TOOLS, tool_call
 
 IM_START, IM_END, ENDOFTEXT = 100264, 100265, 100257
 
-# Hugging Face's Meta-Llama-3-8B-Instruct template, verbatim.
-LLAMA3_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
 N = 256 + len(LLAMA3_MERGES)  # first special id of the small Llama-3 vocabulary
 BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT = N, N + 6, N + 7, N + 9
 
@@ -425,7 +417,7 @@ CONFIG_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def config_template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
-    from tests.inference.test_tokenizer import write_hf_tokenizer
+    from kvchat_testing.tokenizers import write_hf_tokenizer
 
     model_dir = tmp_path_factory.mktemp("hf_template")
     write_hf_tokenizer(model_dir)
@@ -504,45 +496,9 @@ def test_generated_control_tokens_are_spliced_back_unchanged(
 
 # --- tools ----------------------------------------------------------------------------------
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
-QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5-instruct.jinja").read_text()
-LLAMA31_TEMPLATE = (TEMPLATES / "llama-3.1-instruct.jinja").read_text()
-# Hugging Face's ChatML, and a ChatML with a default system prompt (Qwen1.5's way).
-HF_CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-DEFAULT_SYSTEM_CHATML = (
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "description": "e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
-]
 
 
-def tool_call(call_id: str, name: str, arguments: str) -> dict:
-    """An OpenAI tool call: arguments are JSON text."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
 
 
 TOOL_CONVERSATION = (

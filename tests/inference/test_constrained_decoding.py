@@ -13,24 +13,24 @@ import jsonschema
 import pytest
 import torch
 
-import inference.structured_output as structured_output
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.errors import InvalidRequestError
-from inference.grammar import (
+import kvchat.inference.structured_output as structured_output
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.errors import InvalidRequestError
+from kvchat.inference.grammar import (
     Grammar,
     ToolSpec,
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
 )
-from inference.model_config import ModelConfig
-from inference.request_output import RequestOutput
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from inference.tool_calls import HERMES
-from memory.config import CacheConfig
-from memory.kv_spec import KVCacheSpec
+from kvchat.inference.model_config import ModelConfig
+from kvchat.inference.request_output import RequestOutput
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.tool_calls import HERMES
+from kvchat.memory.config import CacheConfig
+from kvchat.memory.kv_spec import KVCacheSpec
 
 BLOCK = 16
 # Bounded, so a random model closes every structure within a few dozen tokens.
@@ -63,7 +63,7 @@ LIST = {
 
 @pytest.fixture(scope="module")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from inference.dev_model import init_model
+    from kvchat.inference.dev_model import init_model
 
     path = tmp_path_factory.mktemp("models") / "dev"
     init_model(path, "dev", seed=3)
@@ -199,7 +199,7 @@ def test_without_checks_first_every_constrained_step_computes_a_mask(
     dev_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVCHAT_GRAMMAR_CHECKS_FIRST", "false")
-    from app.settings import Settings
+    from kvchat.app.settings import Settings
 
     config = Settings(model=dev_model).engine_config()
     assert config.grammar_checks_first is False

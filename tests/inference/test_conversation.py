@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.chat_template import load_chat_template
-from inference.context_builder import SUMMARY_PREFIX, ContextBuilder
-from inference.conversation import Conversation, TurnResult
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig, SessionBudget
-from history import HistoryPolicy
+from kvchat.inference.chat_template import load_chat_template
+from kvchat.inference.context_builder import SUMMARY_PREFIX, ContextBuilder
+from kvchat.inference.conversation import Conversation, TurnResult
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig, SessionBudget
+from kvchat.history import HistoryPolicy
 
 # A tight budget and short turns: the conversation is several times the budget after 48 turns
 # of ~21 tokens, `drop` trims about every 4 turns, and each turn is one prefill step (the
@@ -61,7 +61,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from inference.dev_model import init_model
+    from kvchat.inference.dev_model import init_model
 
     path = tmp_path_factory.mktemp("dev")
     init_model(path, "dev", seed=4)

@@ -8,33 +8,16 @@ from typing import Any
 import pytest
 import torch
 
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.errors import InvalidRequestError
-from inference.request_output import RequestOutput
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig
-
-BLOCK = 16
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+from kvchat.inference.engine import Engine
+from kvchat.inference.errors import InvalidRequestError
+from kvchat.inference.request_output import RequestOutput
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat_testing.engines import BLOCK, GREEDY, make_engine, random_prompt
 
 
-def make_engine(path: Path, **scheduler: Any) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            device="cpu",
-            attention_backend="torch",
-            cache=CacheConfig(block_size=BLOCK, num_blocks_override=128),
-            scheduler=SchedulerConfig(**scheduler),
-        )
-    )
 
 
-def random_prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
 
 
 def run_until_done(engine: Engine) -> dict[str, RequestOutput]:
@@ -265,7 +248,7 @@ def test_no_salt_and_the_empty_salt_are_different_tenants(tiny_llama: tuple[Path
 
 
 def test_session_context_budget_is_enforced(tiny_llama: tuple[Path, Any]) -> None:
-    from memory.config import SessionBudget
+    from kvchat.memory.config import SessionBudget
 
     path, _ = tiny_llama
     engine = make_engine(path)

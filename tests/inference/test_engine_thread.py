@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-import inference.async_engine as async_engine_module
-from inference.async_engine import AsyncEngine
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.engine_thread import EngineThread
-from inference.errors import ModelLoadError
-from memory.config import CacheConfig
-from tests.inference.test_engine import BLOCK, GREEDY, make_engine, random_prompt
+import kvchat.inference.async_engine as async_engine_module
+from kvchat.inference.async_engine import AsyncEngine
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.engine_thread import EngineThread
+from kvchat.inference.errors import ModelLoadError
+from kvchat.memory.config import CacheConfig
+from kvchat_testing.engines import BLOCK, GREEDY, make_engine, random_prompt
 
 
 def test_calls_run_on_the_thread_in_order_and_raise_here() -> None:

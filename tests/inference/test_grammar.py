@@ -10,23 +10,23 @@ import random
 import pytest
 import torch
 
-from inference.grammar import (
+from kvchat.inference.grammar import (
     Grammar,
     ToolSpec,
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
 )
-from inference.grammar_compiler import (
+from kvchat.inference.grammar_compiler import (
     GrammarCompiler,
     GrammarError,
     logit_mask_from_bitmask,
     unpack_bitmask,
 )
-from inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
-from inference.tokenizer_files import dev_special_tokens, load_bundled_tokenizer, load_tokenizer
-from inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
-from tests.inference.test_tokenizer import write_hf_tokenizer
+from kvchat.inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+from kvchat.inference.tokenizer_files import dev_special_tokens, load_bundled_tokenizer, load_tokenizer
+from kvchat.inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
+from kvchat_testing.tokenizers import write_hf_tokenizer
 
 CPU = torch.device("cpu")
 WEATHER = {

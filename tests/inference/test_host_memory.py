@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import build_hf_model
+from kvchat_testing.hf_models import build_hf_model
 
 DECODE = """
 import resource, sys
-import inference.host_memory as host_memory
+import kvchat.inference.host_memory as host_memory
 if sys.argv[2] == "default":
     host_memory._applied = False  # as if glibc had refused: the engine leaves malloc alone
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32"))
 for i in range(16):
     engine.add_request(str(i), list(range(1 + i, 33 + i)),
@@ -39,7 +39,7 @@ print(min(windows))
 
 
 def faults_per_step(model: Path, mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", DECODE, str(model), mode], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", DECODE, str(model), mode], capture_output=True,
                          text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -76,7 +76,7 @@ def _thp_mode() -> str:
 def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
     import torch
 
-    from inference.host_memory import HUGE_PAGE, HugePageArena
+    from kvchat.inference.host_memory import HUGE_PAGE, HugePageArena
 
     tensors = [torch.randn(n, 96).to(dtype) for n, dtype in
                [(4096, torch.float32), (3, torch.bfloat16), (9000, torch.float16)]]

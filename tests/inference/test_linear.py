@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.linear import Linear
-from inference.linear_plan import (
+from kvchat.inference.linear import Linear
+from kvchat.inference.linear_plan import (
     DECODE_ROWS,
     PATH_FNS,
     PREFILL_ROWS,
@@ -20,7 +20,7 @@ from inference.linear_plan import (
     onednn_dtypes,
     prepack,
 )
-from kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv, load_widen_gemm
+from kvchat.kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv, load_widen_gemm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # in_features around the vector widths (8 and 16 float32, 32 bfloat16 per dot-product step)

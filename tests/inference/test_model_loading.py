@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.errors import ModelLoadError
-from inference.model_config import ModelConfig
-from inference.weights import load_weights, unexpected_tensors
-from tests.conftest import build_hf_model
+from kvchat.inference.errors import ModelLoadError
+from kvchat.inference.model_config import ModelConfig
+from kvchat.inference.weights import load_weights, unexpected_tensors
+from kvchat_testing.hf_models import build_hf_model
 
 BASE: dict[str, Any] = {
     "model_type": "llama",

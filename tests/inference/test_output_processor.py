@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from inference.output_processor import OutputProcessor
-from inference.sampling_params import SamplingParams
-from inference.sequence import Sequence
-from inference.tokenizer import TiktokenTokenizer
-from inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from kvchat.inference.output_processor import OutputProcessor
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.sequence import Sequence
+from kvchat.inference.tokenizer import TiktokenTokenizer
+from kvchat.inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
 
 IM_END = 100265
 

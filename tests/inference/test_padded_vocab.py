@@ -15,13 +15,13 @@ import torch
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.sampling_params import SamplingParams
-from inference.tokenizer_files import DEV_VOCAB_SIZE, load_tokenizer, write_dev_tokenizer
-from memory.config import CacheConfig
-from tests.conftest import build_hf_model
-from tests.inference.test_parity import LOGITS_ATOL, LogitsRecorder
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.tokenizer_files import DEV_VOCAB_SIZE, load_tokenizer, write_dev_tokenizer
+from kvchat.memory.config import CacheConfig
+from kvchat_testing.hf_models import build_hf_model
+from kvchat_testing.parity import LOGITS_ATOL, LogitsRecorder
 
 NUM_NEW_TOKENS = 24
 HF_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -155,7 +155,7 @@ def test_kvchat_generate_on_a_padded_dev_model(tmp_path: Path) -> None:
     _, model_type, vocab_size, write_tokenizer, overrides = CASES[0]
     make_padded_model(tmp_path, model_type, vocab_size, write_tokenizer, **overrides)
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "generate", "--model", str(tmp_path), "--prompt",
+        [sys.executable, "-P", "-m", "kvchat.app.cli", "generate", "--model", str(tmp_path), "--prompt",
          "Hello there", "--chat", "--max-tokens", "12", "--temperature", "0", "--ignore-eos",
          "--json"],
         capture_output=True, text=True, timeout=300,

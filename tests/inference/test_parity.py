@@ -8,17 +8,17 @@ from typing import Any
 import pytest
 import torch
 
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.linear_plan import onednn_dtypes
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from kernels.cpu_ops import load_gemv
-from memory.config import CacheConfig
-from tests.conftest import build_hf_model
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.linear_plan import onednn_dtypes
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.kernels.cpu_ops import load_gemv
+from kvchat.memory.config import CacheConfig
+from kvchat_testing.hf_models import build_hf_model
+from kvchat_testing.parity import LOGITS_ATOL, LogitsRecorder
 
 NUM_NEW_TOKENS = 40
-LOGITS_ATOL = 1e-4
 # Two attention backends differ by float rounding (~1e-6 here); where a quantized cache sits
 # downstream, such a difference can move one cached K/V value across an int8 / fp8 rounding
 # boundary, one quantization step, which then moves later logits by up to ~1e-3 at this
@@ -72,17 +72,6 @@ CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
 ]
 
 
-class LogitsRecorder:
-    """Wraps the engine's real sampler and keeps a copy of every logits batch it sees."""
-
-    def __init__(self, sampler: Any) -> None:
-        self.sampler = sampler
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 **kwargs: Any) -> Any:
-        self.logits.append(logits.detach().clone())
-        return self.sampler(logits, params, generators, **kwargs)
 
 
 def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.model import rms_norm, rms_norm_ref
-from kernels.cpu_ops import load_cpu_ops
+from kvchat.inference.model import rms_norm, rms_norm_ref
+from kvchat.kernels.cpu_ops import load_cpu_ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="needs a C++ compiler")
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from inference.chat_template import CHATML_TEMPLATE, ChatMessage, ChatTemplate
-from inference.segment_renderer import SegmentRenderer
-from inference.tokenizer import Tokenizer
-from tests.inference.test_chat_template import (
+from kvchat.inference.chat_template import CHATML_TEMPLATE, ChatMessage, ChatTemplate
+from kvchat.inference.segment_renderer import SegmentRenderer
+from kvchat.inference.tokenizer import Tokenizer
+from kvchat_testing.chat_templates import (
     DEFAULT_SYSTEM_CHATML,
     HF_CHATML_TEMPLATE,
     LLAMA3_TEMPLATE,

@@ -12,17 +12,16 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer, TokenizerError
-from inference.tokenizer_files import (
+from kvchat.inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer, TokenizerError
+from kvchat.inference.tokenizer_files import (
     DEV_VOCAB_SIZE,
     bundled_ranks_path,
     load_bundled_tokenizer,
     load_tokenizer,
     write_dev_tokenizer,
 )
+from kvchat_testing.tokenizers import write_hf_tokenizer
 
 # Merges on top of the 256 single bytes; ranks 256.. in this order. Each merge's two
 # halves are earlier tokens, so BPE can reach it: "hello" -> [259], " world" -> [264].
@@ -69,19 +68,6 @@ def write_llama3_ranks(model_dir: Path) -> None:
     (model_dir / "tokenizer.model").write_text("\n".join(lines) + "\n")
 
 
-def write_hf_tokenizer(model_dir: Path) -> None:
-    """A tiny byte-level BPE trained on ASCII, so any non-ASCII char is 2-4 byte tokens."""
-    tokenizer = RustTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["hello world", "the quick brown fox jumps over the lazy dog", "a chat server"]
-    tokenizer.train_from_iterator(corpus * 20, trainer)
-    tokenizer.save(str(model_dir / "tokenizer.json"))
 
 
 def push_all(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from inference.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
-from inference.tool_calls import (
+from kvchat.inference.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
+from kvchat.inference.tool_calls import (
     ContentDelta,
     ParsedOutput,
     StreamEvent,
@@ -24,7 +23,7 @@ from inference.tool_calls import (
     parse_tool_calls,
 )
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
+from kvchat_testing.chat_templates import TEMPLATES
 ID = re.compile(r"call_[A-Za-z0-9_-]{24}")
 NAMES = frozenset({"get_weather", "search", "run_code"})
 

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from inference.engine import Engine
-from inference.engine_config import EngineConfig
-from inference.request_output import RequestOutput
-from inference.sampling_params import SamplingParams
-from inference.scheduler import SchedulerConfig
-from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache_manager import cdiv
-from tests.conftest import build_hf_model
-from tests.inference.test_engine import random_prompt
+from kvchat.inference.engine import Engine
+from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.request_output import RequestOutput
+from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.memory.config import CacheConfig, SessionBudget
+from kvchat.memory.kv_cache_manager import cdiv
+from kvchat_testing.hf_models import build_hf_model
+from kvchat_testing.engines import random_prompt
 
 BLOCK = 16
 BUDGET = 64  # max_kv_tokens: 4 blocks

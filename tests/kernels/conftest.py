@@ -17,9 +17,9 @@ from types import ModuleType
 import pytest
 import torch
 
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)
-from kernels.cache_write import write_kv_cache_ref
-from kernels.quant import is_quantized
+import kvchat.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)
+from kvchat.kernels.cache_write import write_kv_cache_ref
+from kvchat.kernels.quant import is_quantized
 
 CACHE_DTYPES = {
     "float32": torch.float32,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.cache_write import write_kv_cache, write_kv_cache_ref
-from kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
+from kvchat.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from kvchat.kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
 
 
 def _poison_value(dtype: torch.dtype) -> float:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ops import load_cpu_ops
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.torch_ops import StepDecode
+from kvchat.kernels.cpu_ops import load_cpu_ops
+from kvchat.kernels.decode_attention import paged_decode_attention_ref
+from kvchat.kernels.torch_ops import StepDecode
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="needs a C++ compiler")
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.model import silu_mul
-from inference.rope import apply_rotary
-from kernels.cache_write import write_kv_cache_ref
-from kernels.cpu_ops import load_cpu_ops
-from kernels.torch_ops import rotary_cache_write_cpu
+from kvchat.inference.model import silu_mul
+from kvchat.inference.rope import apply_rotary
+from kvchat.kernels.cache_write import write_kv_cache_ref
+from kvchat.kernels.cpu_ops import load_cpu_ops
+from kvchat.kernels.torch_ops import rotary_cache_write_cpu
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="needs a C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

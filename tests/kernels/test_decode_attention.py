@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels.decode_attention as decode_module
-from kernels.decode_attention import (
+import kvchat.kernels.decode_attention as decode_module
+from kvchat.kernels.decode_attention import (
     DecodeConfig,
     default_num_splits,
     paged_decode_attention,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.prefill_attention import (
+from kvchat.kernels.prefill_attention import (
     PrefillConfig,
     paged_prefill_attention,
     paged_prefill_attention_ref,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import get_attention_ops
-from kernels.cache_write import write_kv_cache_ref
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.torch_ops import StepCacheWrite, StepDecode
+from kvchat.kernels import get_attention_ops
+from kvchat.kernels.cache_write import write_kv_cache_ref
+from kvchat.kernels.decode_attention import paged_decode_attention_ref
+from kvchat.kernels.torch_ops import StepCacheWrite, StepDecode
 
 BLOCK = 16
 

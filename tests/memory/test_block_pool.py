@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from memory.block_pool import BlockPool, OutOfBlocksError
-from memory.kv_cache_manager import KVCacheManager, KVState
-from memory.prefix_cache import PrefixCache, hash_block
+from kvchat.memory.block_pool import BlockPool, OutOfBlocksError
+from kvchat.memory.kv_cache_manager import KVCacheManager, KVState
+from kvchat.memory.prefix_cache import PrefixCache, hash_block
 
 BS = 4
 

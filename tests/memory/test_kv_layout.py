@@ -11,19 +11,20 @@ import sys
 import pytest
 import torch
 
-from kernels.quant import kv_storage_dtype
-from memory.config import CacheConfig
-from memory.kv_cache import SCALE_DTYPE, KVCache
-from memory.kv_layout import CPU_DEFAULT_KV_CACHE_BYTES, DeviceMemory, plan_kv_layout
-from memory.kv_spec import KV_CACHE_DTYPES, KVCacheSpec
+from kvchat.kernels.quant import kv_storage_dtype
+from kvchat.memory.config import CacheConfig
+from kvchat.memory.kv_cache import SCALE_DTYPE, KVCache
+from kvchat.memory.kv_layout import CPU_DEFAULT_KV_CACHE_BYTES, DeviceMemory, plan_kv_layout
+from kvchat.memory.kv_spec import KV_CACHE_DTYPES, KVCacheSpec
 
 
 def test_the_arithmetic_modules_import_without_torch() -> None:
     code = (
-        "import sys, memory.kv_spec, memory.kv_layout, memory.planner, memory.config; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))"
+        "import sys, kvchat.memory.kv_spec, kvchat.memory.kv_layout, kvchat.memory.planner, "
+        "kvchat.memory.config; print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] == 'torch' or m.startswith('kvchat.kernels')))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from inference.engine import Engine
-from memory.kv_store import BlockData, KVStore, weights_fingerprint
-from memory.prefix_cache import hash_block
-from tests.inference.test_engine import random_prompt
-from tests.memory.test_sessions_engine import BLOCK, NEW, ForwardCounter, cold, make_engine, turn
+from kvchat.inference.engine import Engine
+from kvchat.memory.kv_store import BlockData, KVStore, weights_fingerprint
+from kvchat.memory.prefix_cache import hash_block
+from kvchat_testing.engines import random_prompt
+from kvchat_testing.session_engines import BLOCK, NEW, ForwardCounter, cold, make_engine, turn
 
 KV_SHAPE = (2, 2, 4, 2, 8)
 

@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from memory.block_pool import BlockPool
-from memory.config import CacheConfig, SessionBudget
-from memory.kv_cache import KVCache
-from memory.kv_spec import KVCacheSpec
-from memory.kv_cache_manager import KVCacheManager, KVState, cdiv
-from memory.sessions import SessionState, SessionStore
-from memory.stats import CacheStats
+from kvchat.memory.block_pool import BlockPool
+from kvchat.memory.config import CacheConfig, SessionBudget
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_spec import KVCacheSpec
+from kvchat.memory.kv_cache_manager import KVCacheManager, KVState, cdiv
+from kvchat.memory.sessions import SessionState, SessionStore
+from kvchat.memory.stats import CacheStats
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from memory.block_pool import BlockPool
-from memory.config import CacheConfig
-from memory.kv_cache import KVCache
-from memory.kv_spec import KVCacheSpec
-from memory.kv_cache_manager import KVCacheManager, KVState
-from memory.sessions import SessionState, SessionStore
-from memory.stats import CacheStats
+from kvchat.memory.block_pool import BlockPool
+from kvchat.memory.config import CacheConfig
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_spec import KVCacheSpec
+from kvchat.memory.kv_cache_manager import KVCacheManager, KVState
+from kvchat.memory.sessions import SessionState, SessionStore
+from kvchat.memory.stats import CacheStats
 
 BS = 4
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.app.conftest import Service
+from kvchat_testing.app_service import Service
 
 REPLY = {"temperature": 0, "max_tokens": 8}
 
@@ -406,7 +406,7 @@ def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
     assert reached.wait(120), "no summary was started"
     deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
     assert deleted.status_code == 200, deleted.text
-    caplog.set_level(logging.DEBUG, logger="app.turns.pipeline")
+    caplog.set_level(logging.DEBUG, logger="kvchat.app.turns.pipeline")
     service.client.portal.call(proceed.set)
     service.client.portal.call(asyncio.wait_for, jobs[0], 60)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

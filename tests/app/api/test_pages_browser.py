@@ -18,7 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, WebSocketRoute, expect, sync_playwright
 
-from tests.service import Server
+from kvchat_testing.service import Server
 
 ARTIFACTS = Path(os.environ.get("KVCHAT_TEST_ARTIFACTS",
                                 Path(tempfile.gettempdir()) / "kvchat-artifacts"))

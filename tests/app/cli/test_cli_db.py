@@ -1,4 +1,4 @@
-"""`kvchat db` and `kvchat keys` (app.cli.db), in real processes and through typer's runner."""
+"""`kvchat db` and `kvchat keys` (kvchat.app.cli.db), in real processes and through typer's runner."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy.engine import URL
 from typer.testing import CliRunner
 
-from app.store.schema import head_revision
-from app.cli.db import db_app, keys_app
-from app.store import Store, default_database_url
+from kvchat.app.store.schema import head_revision
+from kvchat.app.cli.db import db_app, keys_app
+from kvchat.app.store import Store, default_database_url
 
 runner = CliRunner()
 
@@ -25,7 +25,7 @@ def cli(*args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess
     if data_dir is not None:
         env["KVCHAT_DATA_DIR"] = str(data_dir)
     return subprocess.run(
-        [sys.executable, "-m", "app.cli.db", *args], capture_output=True, text=True, env=env,
+        [sys.executable, "-P", "-m", "kvchat.app.cli.db", *args], capture_output=True, text=True, env=env,
         timeout=120,
     )
 

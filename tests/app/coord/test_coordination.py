@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.coord import Coordinator, LocalCoordinator, ProcessIdentity
-from app.coord.locks import HeldLock, Locks
-from app.coord.redis import RedisCoordinator
-from tests.app.conftest import Service, service_settings
-from tests.service import free_port
+from kvchat.app.coord import Coordinator, LocalCoordinator, ProcessIdentity
+from kvchat.app.coord.locks import HeldLock, Locks
+from kvchat.app.coord.redis import RedisCoordinator
+from kvchat_testing.app_service import Service, service_settings
+from kvchat_testing.service import free_port
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -112,7 +112,7 @@ def test_a_dead_holder_is_recognised() -> None:
     import sys
 
     me = ProcessIdentity("host-a:8000:1")
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = subprocess.Popen([sys.executable, "-P", "-c", "pass"])
     gone.wait()
 
     def holder(**fields: Any) -> dict[str, Any]:
@@ -277,7 +277,7 @@ async def test_a_stop_published_by_another_process_reaches_the_subscriber() -> N
 def app_instance(
     model: Path, data: Path, redis_url: str | None, redis_prefix: str, **settings: Any
 ) -> Any:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     config = service_settings(model, data, None)
     config.redis_url = redis_url

@@ -23,11 +23,11 @@ import redis
 from fastapi.testclient import TestClient
 from pytest import approx
 
-from app.coord import Coordinator, LocalCoordinator, RateDecision
-from app.coord.base import sliding_window_decision
-from app.coord.redis import RedisCoordinator
-from tests.app.conftest import service_settings
-from tests.service import free_port
+from kvchat.app.coord import Coordinator, LocalCoordinator, RateDecision
+from kvchat.app.coord.base import sliding_window_decision
+from kvchat.app.coord.redis import RedisCoordinator
+from kvchat_testing.app_service import service_settings
+from kvchat_testing.service import free_port
 
 REDIS = "redis://127.0.0.1:6379/0"
 BACKENDS = ["local", "redis"]
@@ -318,7 +318,7 @@ def burst(clients: list[TestClient], key: str, body: dict[str, Any], n: int) -> 
 def test_a_burst_through_the_service_answers_429_past_the_limit(
     backend: str, dev_model: Path, tmp_path: Path, prefix: str
 ) -> None:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     redis_url = REDIS if backend == "redis" else None
 

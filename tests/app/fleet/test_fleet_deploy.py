@@ -21,9 +21,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from app.fleet import HAProxyConfig, ReplicaAddress, haproxy_binary
-from tests.app.fleet.conftest import REDIS
-from tests.service import drop_postgres_database, free_port, postgres_url
+from kvchat.app.fleet import HAProxyConfig, ReplicaAddress, haproxy_binary
+from kvchat_testing.fleet import REDIS
+from kvchat_testing.service import drop_postgres_database, free_port, postgres_url
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -115,7 +115,7 @@ def test_bad_replica_addresses_are_refused(name: str, address: str) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app.cli", "fleet", *args],
+    return subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "fleet", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -153,7 +153,7 @@ def test_kvchat_fleet_starts_a_fleet_an_openai_client_chats_through(
     url = postgres_url(name).set(drivername="postgresql").render_as_string(hide_password=False)
     port, stats = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "fleet", "--model", str(dev_model), "--replicas", "2",
+        [sys.executable, "-P", "-m", "kvchat.app.cli", "fleet", "--model", str(dev_model), "--replicas", "2",
          "--database-url", url, "--redis-url", REDIS, "--redis-prefix",
          f"kvchat-test-{secrets.token_hex(5)}:", "--port", str(port), "--stats-port",
          str(stats), "--run-dir", str(tmp_path / "fleet"), "--create-database"],

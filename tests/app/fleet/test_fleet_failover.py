@@ -17,8 +17,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from app.fleet import Fleet
-from tests.app.fleet.conftest import Api, metric
+from kvchat.app.fleet import Fleet
+from kvchat_testing.fleet import Api, metric
 
 # The openai client's own policy (exponential backoff from 0.5 s, at most 8 s apart) on
 # connection errors, 409 (a turn lock another replica still holds), 429 and 5xx.

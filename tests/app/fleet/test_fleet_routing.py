@@ -21,9 +21,9 @@ import pytest
 from openai import OpenAI
 from websockets.sync.client import connect
 
-from app.fleet import Fleet
-from tests.app.fleet.conftest import Api, fleet_config, metric, wait_for
-from tests.service import postgres_database
+from kvchat.app.fleet import Fleet
+from kvchat_testing.fleet import Api, fleet_config, metric, wait_for
+from kvchat_testing.service import postgres_database
 
 
 @pytest.fixture(scope="module")

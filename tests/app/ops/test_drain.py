@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from app.ops.drain import Drain
+from kvchat.app.ops.drain import Drain
 
 
 class Clock:
@@ -76,7 +76,7 @@ async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_
         caplog: pytest.LogCaptureFixture) -> None:
     import asyncio
 
-    from app.ops.drain import bounded_close
+    from kvchat.app.ops.drain import bounded_close
 
     cancelled = asyncio.Event()
 
@@ -108,7 +108,7 @@ async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_
 @pytest.mark.anyio
 async def test_a_close_that_fails_is_logged_and_the_exit_goes_on(
         caplog: pytest.LogCaptureFixture) -> None:
-    from app.ops.drain import bounded_close
+    from kvchat.app.ops.drain import bounded_close
 
     async def broken() -> None:
         raise ConnectionError("Redis went away")

@@ -22,8 +22,8 @@ import websockets
 from starlette.datastructures import QueryParams
 from uvicorn.logging import AccessFormatter
 
-from app.ops.log_redaction import REDACTED, RedactSecrets, install, redact
-from tests.service import Server
+from kvchat.app.ops.log_redaction import REDACTED, RedactSecrets, install, redact
+from kvchat_testing.service import Server
 
 # (query, whether Starlette reads the key from it as `access_token`, i.e. the WebSocket
 # authenticates). {key} is the key, {other} another secret, {encoded_key} the key with every
@@ -241,7 +241,7 @@ def test_install_covers_handlers_of_the_named_loggers() -> None:
 
 async def create_key(data_dir: Path) -> str:
     """A key made before the server starts, so the server never prints it."""
-    from app.store import Store, default_database_url
+    from kvchat.app.store import Store, default_database_url
 
     async with await Store.open(default_database_url(data_dir)) as store:
         _, key = await store.create_key("browser")

@@ -13,11 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.app.conftest import Service, service_settings
+from kvchat_testing.app_service import Service, service_settings
 
 
 def start(model: Path, data: Path) -> tuple[Any, TestClient]:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     app = create_app(service_settings(model, data, None))
     return app, TestClient(app)

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import URL
 
-from app.store import Store, upgrade
-from app.store.column_types import UTCDateTime
-from app.store.database import create_engine, database_url
+from kvchat.app.store import Store, upgrade
+from kvchat.app.store.column_types import UTCDateTime
+from kvchat.app.store.database import create_engine, database_url
 
 TABLES = ("summaries", "messages", "conversations", "api_keys")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.store import OVERRIDE_FIELDS, ConversationRecord, Store
+from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord, Store
 
 pytestmark = pytest.mark.anyio
 METADATA = {

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from app.store import KeyRecord, Store
+from kvchat.app.store import KeyRecord, Store
 
 pytestmark = pytest.mark.anyio
 KEY_PATTERN = re.compile(r"^kvc-[A-Za-z0-9_-]{43}$")

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from app.store import NEW_USER, MessageRecord, StaleFence, Store
-from app.store.column_types import utcnow
+from kvchat.app.store import NEW_USER, MessageRecord, StaleFence, Store
+from kvchat.app.store.column_types import utcnow
 
 pytestmark = pytest.mark.anyio
 TOOL_CALLS = [

@@ -15,7 +15,7 @@ from alembic import command
 from sqlalchemy import Connection, inspect
 from sqlalchemy.engine import URL
 
-from app.store import (
+from kvchat.app.store import (
     DatabaseUnreachable,
     InvalidDatabaseUrl,
     SchemaNotCurrent,
@@ -23,9 +23,9 @@ from app.store import (
     default_database_url,
     upgrade,
 )
-from app.store.database import create_engine, database_url
-from app.store.schema import alembic_config, head_revision
-from app.store.tables import Base
+from kvchat.app.store.database import create_engine, database_url
+from kvchat.app.store.schema import alembic_config, head_revision
+from kvchat.app.store.tables import Base
 
 pytestmark = pytest.mark.anyio
 REPO = Path(__file__).resolve().parents[3]
@@ -82,7 +82,7 @@ def test_the_alembic_command_line_finds_everything_from_another_directory(
 ) -> None:
     env = {**os.environ, "KVCHAT_DATABASE_URL": migrated_postgres.render_as_string(False)}
     proc = subprocess.run(
-        [sys.executable, "-m", "alembic", "-c", str(REPO / "alembic.ini"), "check"],
+        [sys.executable, "-P", "-m", "alembic", "-c", str(REPO / "alembic.ini"), "check"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

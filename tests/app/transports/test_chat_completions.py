@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.app.conftest import Service
+from kvchat_testing.app_service import Service
 
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
@@ -268,9 +268,9 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
     answers 503 afterwards and /readyz says not ready."""
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from tests.app.conftest import service_settings
-    from tests.inference.test_async_engine import StepFault
+    from kvchat.app.main import create_app
+    from kvchat_testing.app_service import service_settings
+    from kvchat_testing.faults import StepFault
 
     app = create_app(service_settings(dev_model, tmp_path, None))
     with TestClient(app) as client:

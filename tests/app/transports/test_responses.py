@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.app.conftest import Service
+from kvchat_testing.app_service import Service
 
 SHORT: dict[str, Any] = {"model": "dev", "max_output_tokens": 6, "temperature": 0.0}
 SCHEMA = {"type": "object", "properties": {"v": {"type": "string", "enum": ["a", "b"]}},
@@ -343,7 +343,7 @@ def test_operators_see_the_conversation_and_its_session(service: Service) -> Non
 
 def test_an_engine_failure_is_a_failed_response(service: Service,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.turns.generation import Generation, TextDelta
+    from kvchat.app.turns.generation import Generation, TextDelta
 
     async def failing(self: Generation) -> Any:
         yield TextDelta("partial")

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, NotFoundError, OpenAI
 
-from tests.service import Server, postgres_database
+from kvchat_testing.service import Server, postgres_database
 
 INSTRUCTIONS = "You are a terse assistant."
 SHORT: dict[str, Any] = {"max_output_tokens": 8, "temperature": 0.0}
@@ -48,7 +48,7 @@ class Started:
 
 
 def create_key(env: dict[str, str], name: str, admin: bool = False) -> str:
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--name", name,
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "keys", "create", "--name", name,
                            *(["--admin"] if admin else [])], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.turns.events import TurnDelta, TurnDone, TurnFailed, TurnStarted, TurnToolCall
-from app.transports.ui_stream import PartWriter
-from tests.service import Server
+from kvchat.app.turns.events import TurnDelta, TurnDone, TurnFailed, TurnStarted, TurnToolCall
+from kvchat.app.transports.ui_stream import PartWriter
+from kvchat_testing.service import Server
 
 LONG = {"max_tokens": 2000, "temperature": 1.0, "seed": 3, "ignore_eos": True}
 SHORT = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -356,9 +356,9 @@ def test_an_engine_fault_mid_reply_ends_the_stream_with_an_error_part(
     `error` part and [DONE]; the reply is stored with status error and the text streamed."""
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from tests.app.conftest import service_settings
-    from tests.inference.test_async_engine import StepFault
+    from kvchat.app.main import create_app
+    from kvchat_testing.app_service import service_settings
+    from kvchat_testing.faults import StepFault
 
     app = create_app(service_settings(dev_model, tmp_path, None))
     with TestClient(app) as client:

@@ -15,15 +15,15 @@ import websockets
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from tests.app.conftest import Service, service_settings
-from tests.service import Server
+from kvchat_testing.app_service import Service, service_settings
+from kvchat_testing.service import Server
 
 LONG = {"max_tokens": 2000, "temperature": 1.0, "seed": 1, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def ws_service(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     settings = service_settings(dev_model, tmp_path_factory.mktemp("ws"), None)
     settings.ws_grace_period = 600.0  # a dropped reply waits for its client (no race)
@@ -322,12 +322,12 @@ def test_a_revoked_key_closes_its_open_socket_at_the_next_message(ws_service: Se
 
 
 def _faults() -> list[tuple[BaseException, str]]:
-    from history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from inference.async_engine import EngineDeadError
-    from inference.chat_template import ChatTemplateError
-    from inference.errors import InvalidRequestError
+    from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
+    from kvchat.inference.async_engine import EngineDeadError
+    from kvchat.inference.chat_template import ChatTemplateError
+    from kvchat.inference.errors import InvalidRequestError
 
-    from app.store import StaleFence
+    from kvchat.app.store import StaleFence
 
     return [
         (ChatTemplateError("the template refused it"), "invalid_request"),
@@ -347,7 +347,7 @@ def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
     """Injected faults: planning a turn raises each error the service knows (and one it does
     not); each is answered with its error frame, the socket answers ping afterwards, the
     conversation's lock is free and nothing was stored."""
-    from app.turns import pipeline
+    from kvchat.app.turns import pipeline
 
     conv = conversation(ws_service)
     real = pipeline.prepare_turn

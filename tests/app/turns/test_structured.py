@@ -23,7 +23,7 @@ import pytest
 import websockets
 from openai import AsyncOpenAI, OpenAI
 
-from tests.service import Server
+from kvchat_testing.service import Server
 
 SEEDS = range(20)
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -15,16 +15,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.app.conftest import service_settings
+from kvchat_testing.app_service import service_settings
 
-TEMPLATES = Path(__file__).parents[2] / "inference" / "chat_templates"
+from kvchat_testing.chat_templates import TEMPLATES
 
 
 @pytest.fixture(scope="module", params=["chatml", "qwen2.5"])
 def app_and_key(
     request: pytest.FixtureRequest, dev_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TestClient, Any, str]]:
-    from app.main import create_app
+    from kvchat.app.main import create_app
 
     model = dev_model
     if request.param == "qwen2.5":

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from tests.service import Server, postgres_database
+from kvchat_testing.service import Server, postgres_database
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BACKENDS = ("sqlite", "postgres+redis")
@@ -44,7 +44,7 @@ def drop_redis_prefix(prefix: str) -> None:
 
 def database_of(server: Server) -> str:
     """The database URL the server runs on."""
-    from app.store import default_database_url
+    from kvchat.app.store import default_database_url
 
     return server.env.get("KVCHAT_DATABASE_URL") or default_database_url(server.data_dir)
 
@@ -52,7 +52,7 @@ def database_of(server: Server) -> str:
 def create_key(database_url: str, name: str, admin: bool = False,
                owner: str | None = None) -> str:
     """A new API key in the database (as `kvchat keys create` makes one)."""
-    from app.store import Store
+    from kvchat.app.store import Store
 
     async def create() -> str:
         store = await Store.open(database_url)
@@ -67,7 +67,7 @@ def create_key(database_url: str, name: str, admin: bool = False,
 
 def revoke_key(database_url: str, name: str) -> None:
     """Revoke the key named `name` (as `kvchat keys revoke` does)."""
-    from app.store import Store
+    from kvchat.app.store import Store
 
     async def revoke() -> None:
         store = await Store.open(database_url)

@@ -67,7 +67,7 @@ def drop_postgres_database(name: str) -> None:
 @contextlib.contextmanager
 def postgres_database(migrated: bool = True) -> Iterator[str]:
     """A database of its own (random name) on this machine's Postgres, dropped after."""
-    from app.store import upgrade
+    from kvchat.app.store import upgrade
 
     name = create_postgres_database()
     try:
@@ -108,7 +108,7 @@ class Server:
             **self.env,
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--model", str(self.model),
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(self.model),
              "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )
