@@ -5,7 +5,8 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 WORKDIR /app
 RUN pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
-COPY pyproject.toml README.md alembic.ini ./
+COPY pyproject.toml README.md alembic.ini constraints.txt ./
+COPY kvchat kvchat
 COPY app app
 COPY inference inference
 COPY kernels kernels
@@ -13,7 +14,9 @@ COPY memory memory
 COPY history history
 COPY migrations migrations
 COPY bench bench
-RUN pip install --no-cache-dir -e .
+# A wheel install (not editable): kvchat/ symlinks the folders above into the kvchat namespace.
+RUN pip install --no-cache-dir -c constraints.txt . && rm -rf build
+ENV PYTHONSAFEPATH=1
 ENV KVCHAT_HOST=0.0.0.0 KVCHAT_PORT=8000 KVCHAT_MODEL=/models/dev KVCHAT_DATA_DIR=/data
 EXPOSE 8000
 CMD ["sh", "-c", "kvchat db upgrade && kvchat serve"]

@@ -2,14 +2,17 @@
 #   make serve   set up and run the service on the embedded defaults
 #   make fleet   HAProxy + FLEET_REPLICAS replicas on this machine's Postgres and Redis
 #   make test    set up and run the test suite
-# and the attack campaign CI runs after it:
+# and what CI runs beside them (bash .ci/run):
 #   make attack  fuzz, abuse and crash started servers (tests/attack)
+#   make lint    ruff check (imports sorted), ruff format --check, mypy over the kvchat package
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 MODEL_DIR   ?= models/dev
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
+# The versions the last green CI resolved (make constraints refreshes them; CONSTRAINTS= skips).
+CONSTRAINTS ?= constraints.txt
 # The repository root is never on sys.path (python -P): every import resolves through the
 # installed kvchat namespace, never a folder that happens to be the working directory.
 export PYTHONSAFEPATH := 1
@@ -18,14 +21,16 @@ FLEET_REPLICAS ?= 2
 FLEET_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/kvchat_fleet
 FLEET_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: setup serve fleet test attack lint bench clean
+LINT_PATHS  := app bench history inference kernels memory migrations tests kvchat/__init__.py
 
-$(STAMP): pyproject.toml
+.PHONY: setup serve fleet test attack lint constraints bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned, so nothing below pulls a different (CUDA) build.
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -63,7 +68,22 @@ attack: $(STAMP)
 	$(PY) -P -m pytest tests/attack -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app history inference kernels memory migrations tests bench
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy -p kvchat
+
+# A fresh resolve of the project's dependencies in a new venv, written to constraints.txt (the
+# header kept): run `make test` on it before committing it.
+constraints:
+	rm -rf .venv-resolve
+	$(PYTHON) -m venv .venv-resolve
+	.venv-resolve/bin/python -m pip install --quiet --upgrade pip
+	.venv-resolve/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	.venv-resolve/bin/python -m pip install --quiet -e ".[test]"
+	grep "^#" constraints.txt | sed "s/^# Resolved .*/# Resolved $$(date -u +%F) on Python $$(.venv-resolve/bin/python -c 'import platform; print(platform.python_version(), platform.machine())')./" > constraints.new
+	.venv-resolve/bin/python -m pip freeze --exclude-editable | grep -v -i -E "^(torch|kvchat)==" >> constraints.new
+	mv constraints.new constraints.txt
+	rm -rf .venv-resolve
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import kvchat.kernels  # noqa: F401  (sets TRITON_INTERPRET when there is no GPU)
 import numpy as np
@@ -81,7 +82,7 @@ class Paged:
         if ks is None:
             return dict(key_cache=self.key_cache.double(), value_cache=self.value_cache.double())
         return dict(key_cache=self.key_cache, value_cache=self.value_cache,
-                    key_scale_cache=ks.double(), value_scale_cache=vs.double())
+                    key_scale_cache=ks.double(), value_scale_cache=vs.double())  # type: ignore[union-attr]
 
     def tables(self) -> dict:
         return dict(block_tables=self.block_tables, seq_lens=self.seq_lens)
@@ -277,7 +278,7 @@ class AttnCase:
 
 def attention_cases(dry_run: bool) -> list[AttnCase]:
     if dry_run:
-        lens = (1, 15, 16, 17, 70)
+        lens: tuple[int, ...] = (1, 15, 16, 17, 70)
         return [
             AttnCase(torch.float32, torch.float32, 64, 4, 16, lens),
             AttnCase(torch.bfloat16, torch.bfloat16, 80, 8, 16, lens, 24, 2, 3),
@@ -315,7 +316,7 @@ def _decode_error(case: AttnCase, device: torch.device) -> float:
     num_kv_heads = 2
     paged = random_paged(list(case.lens), num_kv_heads, case.head_dim, case.block_size,
                          case.cache, device, shared_prefix_blocks=1)
-    window = dict(sliding_window=case.window, num_sink_tokens=case.sinks)
+    window: dict[str, Any] = dict(sliding_window=case.window, num_sink_tokens=case.sinks)
     scale = case.head_dim**-0.5
     query = torch.randn(len(case.lens), num_kv_heads * case.group, case.head_dim,
                         device=device).to(case.query)
@@ -332,7 +333,7 @@ def _prefill_error(case: AttnCase, q_lens: list[int], device: torch.device) -> f
     num_kv_heads = 2
     paged = random_paged(list(case.lens), num_kv_heads, case.head_dim, case.block_size,
                          case.cache, device, shared_prefix_blocks=1)
-    window = dict(sliding_window=case.window, num_sink_tokens=case.sinks)
+    window: dict[str, Any] = dict(sliding_window=case.window, num_sink_tokens=case.sinks)
     scale = case.head_dim**-0.5
     qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=device)
     query = torch.randn(sum(q_lens), num_kv_heads * case.group, case.head_dim,
@@ -548,12 +549,12 @@ def sweep(device: torch.device, timer, copy_bw: float, dry_run: bool) -> list[st
     out = torch.empty_like(query)
     prefill_configs = [PrefillConfig(bm, bn, w, s) for bm, bn, w, s in [
         (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 3)]]
-    for config in prefill_configs[: 2 if dry_run else None]:
+    for prefill_config in prefill_configs[: 2 if dry_run else None]:
         ms = timer(partial(paged_prefill_attention_with_config, query, scale=scale,
-                           config=config, out=out, query_start_loc=qsl,
+                           config=prefill_config, out=out, query_start_loc=qsl,
                            **paged.tables(), **paged.caches()))
-        lines.append(f"| prefill | {shape.label()} bf16 | bm{config.block_m} bn{config.block_n} "
-                     f"w{config.num_warps} s{config.num_stages} | {ms * 1e3:.1f} | "
+        lines.append(f"| prefill | {shape.label()} bf16 | bm{prefill_config.block_m} bn{prefill_config.block_n} "
+                     f"w{prefill_config.num_warps} s{prefill_config.num_stages} | {ms * 1e3:.1f} | "
                      f"{shape.flops() / (ms * 1e-3) / 1e12:.1f} TFLOP/s |")
     return lines
 

@@ -7,6 +7,8 @@ the engine computed, and per policy the trim events, tokens dropped and summarie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import random
 import statistics
 import time
@@ -201,7 +203,7 @@ def report(runs: dict[str, PolicyRun], config: LongConfig, out_png: Path) -> tup
     """(markdown tables, goal line)"""
     from kvchat.bench.common import markdown_table
 
-    def med(values: list[float]) -> float:
+    def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
     summary_rows = []
