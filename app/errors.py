@@ -81,8 +81,9 @@ def invalid_api_key() -> APIError:
 
 
 def request_too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"The request body is larger than {max_bytes} bytes.",
-                    code="request_too_large")
+    return APIError(
+        413, f"The request body is larger than {max_bytes} bytes.", code="request_too_large"
+    )
 
 
 def not_found(what: str, param: str | None = None) -> APIError:
@@ -94,8 +95,9 @@ def busy(message: str) -> APIError:
 
 
 def unavailable(message: str, retry_after: int = 1) -> APIError:
-    return APIError(503, message, code="service_unavailable",
-                    headers={"Retry-After": str(retry_after)})
+    return APIError(
+        503, message, code="service_unavailable", headers={"Retry-After": str(retry_after)}
+    )
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -118,8 +120,9 @@ def _validation_message(error: dict[str, Any]) -> str:
 
 def conversation_gone(conversation_id: str) -> APIError:
     """The conversation was deleted (before or during the turn)."""
-    return APIError(404, f"conversation {conversation_id!r} not found",
-                    code="conversation_not_found")
+    return APIError(
+        404, f"conversation {conversation_id!r} not found", code="conversation_not_found"
+    )
 
 
 def engine_failure(exc: BaseException) -> APIError:
@@ -131,10 +134,9 @@ def api_error(exc: BaseException) -> APIError:
     """The API error a request's failure is answered with: HTTP responses, SSE error chunks
     and WebSocket error frames all come from here. What a client caused is a 4xx naming the
     field; an engine that is not running is 503; anything unknown is a logged 500."""
+    from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
     from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
-
-    from kvchat.app.store import StaleFence
 
     if isinstance(exc, APIError):
         return exc
@@ -153,8 +155,9 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, StaleFence):
         return busy("Another turn took this conversation over; try again.")
     log.error("unexpected error", exc_info=exc)
-    return APIError(500, "The server had an error while processing your request.",
-                    code="internal_error")
+    return APIError(
+        500, "The server had an error while processing your request.", code="internal_error"
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -186,10 +189,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def known_error_types() -> tuple[type[Exception], ...]:
+    from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
     from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
 
-    from kvchat.app.store import StaleFence
-
-    return (APIError, InvalidRequestError, ContextLengthExceeded, InvalidHistoryError,
-            HistoryPolicyError, ChatTemplateError, EngineDeadError, StaleFence)
+    return (
+        APIError,
+        InvalidRequestError,
+        ContextLengthExceeded,
+        InvalidHistoryError,
+        HistoryPolicyError,
+        ChatTemplateError,
+        EngineDeadError,
+        StaleFence,
+    )

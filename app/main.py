@@ -12,16 +12,14 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvchat.app.ops import log_redaction, stacks
-from kvchat.app.ops.drain import bounded_close
 from kvchat.app.api import (
     admin,
     chat_completions,
@@ -38,8 +36,10 @@ from kvchat.app.api import (
 )
 from kvchat.app.api.request_checks import RequestChecks
 from kvchat.app.coord import ProcessIdentity, make_coordinator
-from kvchat.app.errors import install_error_handlers
 from kvchat.app.coord.leases import LeaseKeeper, default_replica_id
+from kvchat.app.errors import install_error_handlers
+from kvchat.app.ops import log_redaction, stacks
+from kvchat.app.ops.drain import bounded_close
 from kvchat.app.runtime import Runtime
 from kvchat.app.settings import Settings
 from kvchat.app.state import AppState
@@ -74,13 +74,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await coord.start()
     identity = ProcessIdentity(settings.replica_id or default_replica_id(settings.port))
     runtime.metrics.name_replica(identity.replica_id)
-    state = AppState(settings=settings, store=store, runtime=runtime, coord=coord,
-                     identity=identity)
+    state = AppState(
+        settings=settings, store=store, runtime=runtime, coord=coord, identity=identity
+    )
     state.turns = TurnService(state)
     interrupted = await state.turns.recover()
     if interrupted:
-        log.warning("%d replies were cut off by a restart; stored as interrupted",
-                    len(interrupted))
+        log.warning("%d replies were cut off by a restart; stored as interrupted", len(interrupted))
     state.leases = LeaseKeeper(coord, runtime, state.replica_id, settings.lease_ttl)
     state.leases.start()
     app.state.kvchat = state
@@ -152,8 +152,9 @@ class RequestIdMiddleware:
                     headers.append((REPLICA_HEADER, replica))
                 # Headers a route left in request.state (rate-limit counters).
                 extra = scope.get("state", {}).get("extra_headers", {})
-                headers += [(k.encode(), v.encode()) for k, v in extra.items()
-                            if k.encode() not in names]
+                headers += [
+                    (k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in names
+                ]
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -195,8 +196,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(RequestIdMiddleware)
 
-    for module in (health, models, chat_completions, responses, conversations,
-                   conversation_items, tokenize, admin, metrics, ws, ui_chat, pages):
+    for module in (
+        health,
+        models,
+        chat_completions,
+        responses,
+        conversations,
+        conversation_items,
+        tokenize,
+        admin,
+        metrics,
+        ws,
+        ui_chat,
+        pages,
+    ):
         app.include_router(module.router)
     app.mount("/static", pages.static_files(), name="static")
     app.state.started_at = int(time.time())
@@ -205,7 +218,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
+        level=level.upper(),
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
@@ -246,14 +260,18 @@ def serve(settings: Settings) -> None:
                 state.shutting_down = True
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
-                            ws_per_message_deflate=settings.ws_compression,
-                            # Frames past this are refused by the protocol (close 1009) before
-                            # they are buffered; smaller ones over ws_max_frame_bytes get an
-                            # error frame from the app.
-                            ws_max_size=settings.ws_protocol_max_bytes)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
+        ws_per_message_deflate=settings.ws_compression,
+        # Frames past this are refused by the protocol (close 1009) before
+        # they are buffered; smaller ones over ws_max_frame_bytes get an
+        # error frame from the app.
+        ws_max_size=settings.ws_protocol_max_bytes,
+    )
     log_redaction.install()  # after uvicorn set up its loggers: no key in a logged URL
     # `kill -USR1 <pid>` writes every thread's stack and every asyncio task's await chain to
     # stderr (the log): what a replica that does not exit, or a stuck turn, is waiting on. The

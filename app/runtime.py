@@ -14,6 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import ParamSpec, TypeVar
 
+from kvchat.app.ops.history_counters import HistoryCounters
+from kvchat.app.ops.metrics import Metrics
+from kvchat.app.settings import Settings
 from kvchat.inference import (
     AsyncEngine,
     ChatTemplate,
@@ -22,10 +25,6 @@ from kvchat.inference import (
     Tokenizer,
     load_chat_template,
 )
-
-from kvchat.app.ops.history_counters import HistoryCounters
-from kvchat.app.ops.metrics import Metrics
-from kvchat.app.settings import Settings
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")

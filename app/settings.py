@@ -32,10 +32,10 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
-    linear_path: Literal[
-        "auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"
-    ] = Field(
-        "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
+    linear_path: Literal["auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"] = (
+        Field(
+            "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
+        )
     )
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
@@ -43,12 +43,15 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = 0.9
     host_cache_bytes: int = Field(256 * 2**20, description="Host pool for offloaded sessions.")
     kv_store_dir: Path | None = Field(
-        None, description="The KV store: full KV blocks on disk, written behind each turn and "
-        "loaded instead of recomputing (a shared volume in a fleet). Default: data_dir/kv."
+        None,
+        description="The KV store: full KV blocks on disk, written behind each turn and "
+        "loaded instead of recomputing (a shared volume in a fleet). Default: data_dir/kv.",
     )
     kv_store_bytes: int = Field(
-        4 * 2**30, ge=0, description="The KV store's byte cap (least recently used files are "
-        "evicted past it); 0 turns the store off."
+        4 * 2**30,
+        ge=0,
+        description="The KV store's byte cap (least recently used files are "
+        "evicted past it); 0 turns the store off.",
     )
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -58,7 +61,8 @@ class Settings(BaseSettings):
     )
     seed: int | None = 0
     grammar_checks_first: bool = Field(
-        True, description="Structured output: check a constrained row's draws against its "
+        True,
+        description="Structured output: check a constrained row's draws against its "
         "grammar before computing its mask (the mask only when all are rejected); false masks "
         "every step.",
     )
@@ -87,35 +91,52 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     drain_timeout: float = Field(10.0, description="Seconds in-flight turns get at shutdown.")
     drain_grace: float = Field(
-        0.0, ge=0, description="Seconds a replica keeps serving after SIGTERM while /readyz "
+        0.0,
+        ge=0,
+        description="Seconds a replica keeps serving after SIGTERM while /readyz "
         "answers 503 `draining`, so a load balancer takes it out of rotation before it stops "
-        "listening (0: stop at once, a single process's default; app/ops/drain.py).")
+        "listening (0: stop at once, a single process's default; app/ops/drain.py).",
+    )
     drain_probes: int = Field(
-        0, ge=0, description="The grace ends early once /readyz has answered `draining` this "
-        "many times: the balancer's health check has seen it (0: only drain_grace counts).")
+        0,
+        ge=0,
+        description="The grace ends early once /readyz has answered `draining` this "
+        "many times: the balancer's health check has seen it (0: only drain_grace counts).",
+    )
     log_level: str = "info"
     replica_id: str | None = Field(
         None, description="This process's name in session leases (default: host:port:pid)."
     )
     lease_ttl: float = Field(30.0, description="Session ownership leases expire unless renewed.")
     keyless_sessions: bool = Field(
-        False, description="Stateless chat completions without X-Session-Id run in a session "
+        False,
+        description="Stateless chat completions without X-Session-Id run in a session "
         "named by their opening (the first message, and the second when the first is a system "
         "message), as a load balancer routes them: each call reuses the last one's KV "
-        "exactly, its replies spliced back by their ids. A fleet turns it on.")
+        "exactly, its replies spliced back by their ids. A fleet turns it on.",
+    )
     turn_lock_ttl: float = Field(
-        10.0, gt=0, description="A conversation's turn lock expires this long after its "
+        10.0,
+        gt=0,
+        description="A conversation's turn lock expires this long after its "
         "holder last renewed it (renewed every third of it while the turn runs): a crashed "
-        "process's conversations take turns again within it.")
+        "process's conversations take turns again within it.",
+    )
     reply_checkpoint_interval: float = Field(
-        1.0, ge=0, description="Seconds between writes of a generating reply's text so far "
-        "(what a crash leaves of it); 0: only the final write.")
+        1.0,
+        ge=0,
+        description="Seconds between writes of a generating reply's text so far "
+        "(what a crash leaves of it); 0: only the final write.",
+    )
 
     # -- request bodies --------------------------------------------------------------------------
     max_request_bytes: int = Field(
-        4 * 2**20, ge=1024, description="Larger request bodies are answered 413 "
+        4 * 2**20,
+        ge=1024,
+        description="Larger request bodies are answered 413 "
         "(request_too_large): on their Content-Length before they are read, or once a chunked "
-        "body passes it.")
+        "body passes it.",
+    )
 
     # -- limits (per API key; unset: none) ------------------------------------------------------
     rate_limit_requests: int | None = Field(None, ge=1, description="Requests per minute per key.")
@@ -126,12 +147,17 @@ class Settings(BaseSettings):
         30.0, description="A reply goes on this long after its socket drops (resume window)."
     )
     ws_max_frame_bytes: int = Field(
-        256 * 1024, ge=1024, description="Larger frames get a frame_too_large error frame (the "
+        256 * 1024,
+        ge=1024,
+        description="Larger frames get a frame_too_large error frame (the "
         "socket stays open) up to ws_protocol_max_bytes; past that the protocol closes the "
-        "socket (1009) before buffering the frame.")
+        "socket (1009) before buffering the frame.",
+    )
     ws_compression: bool = Field(
-        False, description="Offer permessage-deflate on WebSockets (token deltas are small "
-        "frames: compressing them costs CPU beside the decoder and saves little).")
+        False,
+        description="Offer permessage-deflate on WebSockets (token deltas are small "
+        "frames: compressing them costs CPU beside the decoder and saves little).",
+    )
     ws_max_connections_per_key: int = 16
     ws_idle_timeout: float = Field(300.0, description="Close a socket silent this long.")
 

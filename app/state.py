@@ -14,10 +14,10 @@ from fastapi import Depends, Header, Request
 from kvchat.app.coord import Coordinator, ProcessIdentity
 from kvchat.app.errors import APIError, invalid_api_key
 from kvchat.app.ops.drain import Drain, persist_pinned_sessions
-from kvchat.app.turns.prompting import GeneratedIds
 from kvchat.app.runtime import Runtime
 from kvchat.app.settings import Settings
 from kvchat.app.store import KeyRecord, Store
+from kvchat.app.turns.prompting import GeneratedIds
 
 if TYPE_CHECKING:
     from kvchat.app.turns.service import TurnService
@@ -63,8 +63,11 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.defaults = SessionDefaults.of(self.settings)
-        self.drain = Drain(self.settings.drain_grace, self.settings.drain_probes,
-                           exit_hooks=[persist_pinned_sessions])
+        self.drain = Drain(
+            self.settings.drain_grace,
+            self.settings.drain_probes,
+            exit_hooks=[persist_pinned_sessions],
+        )
 
     @property
     def replica_id(self) -> str:

@@ -55,16 +55,21 @@ def main() -> None:
     args = ap.parse_args()
 
     model_dir = ensure_model(args.model, "bench")
-    workload = WorkloadConfig(conversations=args.conversations, min_turns=args.min_turns,
-                              max_turns=args.max_turns)
+    workload = WorkloadConfig(
+        conversations=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns
+    )
     rows = []
     series: dict[int, tuple[float, float]] = {}
     for block_size in BLOCK_SIZES:
-        engine = Engine(EngineConfig(
-            model=str(model_dir), dtype=args.dtype, device="cpu",
-            cache=CacheConfig(block_size=block_size, kv_cache_bytes=2**30),
-            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
-        ))
+        engine = Engine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=args.dtype,
+                device="cpu",
+                cache=CacheConfig(block_size=block_size, kv_cache_bytes=2**30),
+                scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+            )
+        )
         _, convs = make_conversations(workload, engine.model_config.vocab_size)
         sampler = SlotSampler(engine)
         turns = sum(c.turns for c in convs)
@@ -75,21 +80,34 @@ def main() -> None:
         generated = sum(r.decode_tokens + 1 for r in records)
         waste = sampler.waste
         series[block_size] = (generated / wall, waste)
-        rows.append([block_size, f"{generated / wall:.1f}", f"{wall:.0f}",
-                     f"{100 * waste:.2f}%", f"{engine.stats.hit_rate:.3f}"])
+        rows.append(
+            [
+                block_size,
+                f"{generated / wall:.1f}",
+                f"{wall:.0f}",
+                f"{100 * waste:.2f}%",
+                f"{engine.stats.hit_rate:.3f}",
+            ]
+        )
 
-    report = machine_header("Block size: throughput and KV waste on the multi-turn workload", {
-        "model": f"{model_dir.name} preset, {args.dtype}, sessions + prefix cache",
-        "workload": f"{workload.conversations} conversations x {workload.min_turns}-"
-                    f"{workload.max_turns} turns (see bench/workload.py)",
-        "waste": "slots of blocks in use that hold no token's KV, averaged over every engine "
-                 "step (each physical block counted once)",
-        "command": "python bench/block_size.py",
-    })
+    report = machine_header(
+        "Block size: throughput and KV waste on the multi-turn workload",
+        {
+            "model": f"{model_dir.name} preset, {args.dtype}, sessions + prefix cache",
+            "workload": f"{workload.conversations} conversations x {workload.min_turns}-"
+            f"{workload.max_turns} turns (see bench/workload.py)",
+            "waste": "slots of blocks in use that hold no token's KV, averaged over every engine "
+            "step (each physical block counted once)",
+            "command": "python bench/block_size.py",
+        },
+    )
     report += "\n" + markdown_table(
-        ["block size", "generated tok/s", "wall s", "wasted KV slots", "prefix hit rate"], rows)
-    report += (f"\nGoal: waste at block size 16 under 4% (the PagedAttention paper's figure): "
-               f"{100 * series[16][1]:.2f}%.\n")
+        ["block size", "generated tok/s", "wall s", "wasted KV slots", "prefix hit rate"], rows
+    )
+    report += (
+        f"\nGoal: waste at block size 16 under 4% (the PagedAttention paper's figure): "
+        f"{100 * series[16][1]:.2f}%.\n"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 # imports this module, before any of its work, so that a header written at the end of a run
 # does not report the run's own load as the machine's.
 PROCESS_START: tuple[time.struct_time, tuple[float, float, float]] = (
-    time.gmtime(), os.getloadavg())
+    time.gmtime(),
+    os.getloadavg(),
+)
 
 
 def machine_header(

@@ -27,8 +27,9 @@ POOL_BLOCKS = 8192  # 256 MiB of bf16 K and V: the blocks of a sequence lie far 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def time_calls(dtype: torch.dtype, seqs: int, context: int, calls: int,
-               gen: torch.Generator) -> dict[tuple[bool, bool], float]:
+def time_calls(
+    dtype: torch.dtype, seqs: int, context: int, calls: int, gen: torch.Generator
+) -> dict[tuple[bool, bool], float]:
     """Median microseconds per call for (vectorized, cold)."""
     kc = torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     vc = torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -41,7 +42,8 @@ def time_calls(dtype: torch.dtype, seqs: int, context: int, calls: int,
     layer = torch.empty(12 * 1024**2 // 2, dtype=torch.bfloat16).normal_(generator=gen)
     scale = HEAD_DIM**-0.5
     times: dict[tuple[bool, bool], list[float]] = {
-        (v, c): [] for v in (True, False) for c in (False, True)}
+        (v, c): [] for v in (True, False) for c in (False, True)
+    }
     op = torch.ops.kvchat_cpu.decode_attention
     for _ in range(calls):
         for vectorized in (True, False):
@@ -72,26 +74,49 @@ def main() -> int:
     cases = [(d, s, c) for d in args.dtypes for s in args.seqs for c in args.contexts]
     for name, seqs, context in tqdm(cases, desc="cases", unit="case"):
         t = time_calls(DTYPES[name], seqs, context, args.calls, gen)
-        rows.append([
-            name, seqs, context,
-            f"{t[(False, False)]:.1f}", f"{t[(True, False)]:.1f}",
-            f"{t[(False, False)] / t[(True, False)]:.2f}x",
-            f"{t[(False, True)]:.1f}", f"{t[(True, True)]:.1f}",
-            f"{t[(False, True)] / t[(True, True)]:.2f}x",
-        ])
+        rows.append(
+            [
+                name,
+                seqs,
+                context,
+                f"{t[(False, False)]:.1f}",
+                f"{t[(True, False)]:.1f}",
+                f"{t[(False, False)] / t[(True, False)]:.2f}x",
+                f"{t[(False, True)]:.1f}",
+                f"{t[(True, True)]:.1f}",
+                f"{t[(False, True)] / t[(True, True)]:.2f}x",
+            ]
+        )
     header = machine_header(
         "CPU paged decode attention: vector path against the plain loop",
-        {"shapes": f"{HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}, blocks of "
-                   f"{BLOCK} scattered over a pool of {POOL_BLOCKS}",
-         "calls": f"{args.calls} per variant and case, interleaved; medians",
-         "command": "python bench/cpu_attention.py"},
-        started=started, load_start=load_start)
+        {
+            "shapes": f"{HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}, blocks of "
+            f"{BLOCK} scattered over a pool of {POOL_BLOCKS}",
+            "calls": f"{args.calls} per variant and case, interleaved; medians",
+            "command": "python bench/cpu_attention.py",
+        },
+        started=started,
+        load_start=load_start,
+    )
     table = markdown_table(
-        ["cache", "sequences", "context", "plain warm us", "vector warm us", "speed-up warm",
-         "plain after weights us", "vector after weights us", "speed-up after weights"], rows)
-    report = (f"{header}\nOne call of the op for a layer: every sequence's query heads "
-              f"against its context. 'After weights': just after a stream of 12 MiB (one "
-              f"layer's bf16 weights), as a decode step calls it.\n\n{table}\n")
+        [
+            "cache",
+            "sequences",
+            "context",
+            "plain warm us",
+            "vector warm us",
+            "speed-up warm",
+            "plain after weights us",
+            "vector after weights us",
+            "speed-up after weights",
+        ],
+        rows,
+    )
+    report = (
+        f"{header}\nOne call of the op for a layer: every sequence's query heads "
+        f"against its context. 'After weights': just after a stream of 12 MiB (one "
+        f"layer's bf16 weights), as a decode step calls it.\n\n{table}\n"
+    )
     args.out.write_text(report)
     print(report)
     print(f"wrote {args.out}")

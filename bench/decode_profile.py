@@ -18,7 +18,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    copy_bandwidth,
+    ensure_model,
+    machine_header,
+    markdown_table,
+)
 from kvchat.inference.engine import Engine
 from kvchat.inference.engine_config import EngineConfig
 from kvchat.inference.sampling_params import SamplingParams
@@ -44,19 +51,24 @@ def category(key: str, shapes: list[list[int]]) -> str:
     """What a profiled op is in the step: an index_select is the paged KV gather, unless it
     reads the embedding table (the vocabulary's rows)."""
     if key == "aten::index_select":
-        return "other ops" if shapes and shapes[0] and shapes[0][0] > 65536 else \
-            "attention (KV gather)"
+        return (
+            "other ops"
+            if shapes and shapes[0] and shapes[0][0] > 65536
+            else "attention (KV gather)"
+        )
     return CATEGORIES.get(key, "other ops")
 
 
-def step_profile(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> tuple[
-        float, list[list[object]], dict[str, float]]:
+def step_profile(
+    engine: Engine, batch: int, prompt_tokens: int, steps: int
+) -> tuple[float, list[list[object]], dict[str, float]]:
     """(median step seconds, per-op rows, self ms per step by category) of decode steps."""
     g = torch.Generator().manual_seed(batch)
     num_profiled = 5
     # prefill's token, 3 warm-up steps, the timed steps, the profiled steps, one to finish
-    params = SamplingParams(max_tokens=1 + 3 + steps + num_profiled + 1, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=1 + 3 + steps + num_profiled + 1, temperature=0.0, ignore_eos=True
+    )
     for i in range(batch):
         prompt = torch.randint(0, 100_000, (prompt_tokens,), generator=g).tolist()
         engine.add_request(f"profile-{batch}-{i}", prompt, params)
@@ -83,8 +95,15 @@ def step_profile(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> 
         categories[category(e.key, [list(x) for x in e.input_shapes])] += ms
         if len(rows) < 14:
             shapes = ", ".join(str(list(s)) for s in e.input_shapes[:2] if s)
-            rows.append([f"`{e.key}`", shapes, f"{e.count / num_profiled:g}", f"{ms:.2f}",
-                         f"{ms / total:.0%}"])
+            rows.append(
+                [
+                    f"`{e.key}`",
+                    shapes,
+                    f"{e.count / num_profiled:g}",
+                    f"{ms:.2f}",
+                    f"{ms / total:.0%}",
+                ]
+            )
     categories["total (profiled)"] = total
     return statistics.median(times), rows, dict(categories)
 
@@ -110,37 +129,77 @@ def main() -> None:
     sections = []
     runs = [(d, b) for d in args.dtypes for b in args.batch]
     for dtype in tqdm(args.dtypes, desc="dtypes"):
-        engine = Engine(EngineConfig(
-            model=str(model_dir), dtype=dtype, device="cpu",
-            cache=CacheConfig(kv_cache_bytes=512 * 1024**2, enable_prefix_caching=False),
-            scheduler=SchedulerConfig(max_num_seqs=max(args.batch),
-                                      max_num_batched_tokens=4096),
-        ))
-        weight_bytes = engine.model_config.num_parameters * torch.empty(
-            (), dtype=engine.dtype).element_size()
+        engine = Engine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=dtype,
+                device="cpu",
+                cache=CacheConfig(kv_cache_bytes=512 * 1024**2, enable_prefix_caching=False),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max(args.batch), max_num_batched_tokens=4096
+                ),
+            )
+        )
+        weight_bytes = (
+            engine.model_config.num_parameters * torch.empty((), dtype=engine.dtype).element_size()
+        )
         for batch in args.batch:
             step, rows, cats = step_profile(engine, batch, args.prompt_tokens, args.steps)
             floor = weight_bytes / bandwidth
-            summary.append([dtype, batch, f"{step * 1e3:.1f}", f"{floor * 1e3:.1f}",
-                            f"{floor / step:.2f}",
-                            *(f"{cats.get(c, 0.0):.1f}" for c in (
-                                "weights (linear)", "attention (SDPA)",
-                                "attention (KV gather)", "KV cache write", "sampling",
-                                "other ops"))])
-            sections.append(f"\n### {dtype}, batch {batch}: {step * 1e3:.1f} ms per step\n\n"
-                            + markdown_table(["op", "input shapes", "calls", "self ms",
-                                              "share"], rows))
+            summary.append(
+                [
+                    dtype,
+                    batch,
+                    f"{step * 1e3:.1f}",
+                    f"{floor * 1e3:.1f}",
+                    f"{floor / step:.2f}",
+                    *(
+                        f"{cats.get(c, 0.0):.1f}"
+                        for c in (
+                            "weights (linear)",
+                            "attention (SDPA)",
+                            "attention (KV gather)",
+                            "KV cache write",
+                            "sampling",
+                            "other ops",
+                        )
+                    ),
+                ]
+            )
+            sections.append(
+                f"\n### {dtype}, batch {batch}: {step * 1e3:.1f} ms per step\n\n"
+                + markdown_table(["op", "input shapes", "calls", "self ms", "share"], rows)
+            )
         del engine
     assert len(summary) == len(runs)
     # The header last: the run's end (time, load) is now.
-    report = machine_header("Decode step profile (bench model, CPU)", {
-        "workload": f"{args.prompt_tokens}-token prompts, decode steps at contexts "
-                    f"{args.prompt_tokens + 3}-{args.prompt_tokens + 3 + args.steps + 5}",
-        "command": "python bench/decode_profile.py",
-    }) + report
+    report = (
+        machine_header(
+            "Decode step profile (bench model, CPU)",
+            {
+                "workload": f"{args.prompt_tokens}-token prompts, decode steps at contexts "
+                f"{args.prompt_tokens + 3}-{args.prompt_tokens + 3 + args.steps + 5}",
+                "command": "python bench/decode_profile.py",
+            },
+        )
+        + report
+    )
     report += "\n## Summary\n\n" + markdown_table(
-        ["weights", "batch", "step ms", "floor ms", "floor share", "linear ms", "attention ms",
-         "KV gather ms", "RoPE + KV write ms", "sampling ms", "other ops ms"], summary)
+        [
+            "weights",
+            "batch",
+            "step ms",
+            "floor ms",
+            "floor share",
+            "linear ms",
+            "attention ms",
+            "KV gather ms",
+            "RoPE + KV write ms",
+            "sampling ms",
+            "other ops ms",
+        ],
+        summary,
+    )
     report += "\n## Top ops of one step\n" + "".join(sections)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)

@@ -88,8 +88,7 @@ VARIANTS = {
     "affinity": Variant("affinity", replica_env=STORE_OFF),
     "roundrobin": Variant("roundrobin", balance="roundrobin", replica_env=STORE_OFF),
     "affinity+kvstore": Variant("affinity+kvstore", replica_env=STORE_ON),
-    "roundrobin+kvstore": Variant("roundrobin+kvstore", balance="roundrobin",
-                                  replica_env=STORE_ON),
+    "roundrobin+kvstore": Variant("roundrobin+kvstore", balance="roundrobin", replica_env=STORE_ON),
 }
 # A rolling restart mid-run, without the KV store and with it (the fleet's run directory
 # holds the store every replica shares: app.fleet sets KVCHAT_KV_STORE_DIR).
@@ -134,15 +133,18 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def make_users(num_users: int, rounds: int, seed: int, opening_words: int,
-               question_words: int, think_s: float) -> list[User]:
+def make_users(
+    num_users: int, rounds: int, seed: int, opening_words: int, question_words: int, think_s: float
+) -> list[User]:
     rng = random.Random(seed)
     return [
-        User(index=i, api="chat" if i % 2 == 0 else "conversation",
-             opening=f"User {i} (seed {seed}) opens: {words(rng, opening_words)}",
-             questions=[f"Round {r + 1}: {words(rng, question_words)}?"
-                        for r in range(rounds)],
-             think_s=think_s)
+        User(
+            index=i,
+            api="chat" if i % 2 == 0 else "conversation",
+            opening=f"User {i} (seed {seed}) opens: {words(rng, opening_words)}",
+            questions=[f"Round {r + 1}: {words(rng, question_words)}?" for r in range(rounds)],
+            think_s=think_s,
+        )
         for i in range(num_users)
     ]
 
@@ -170,16 +172,18 @@ class Driver:
         self.resumed = threading.Event()
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=300,
-                            headers={"Authorization": f"Bearer {self.key}"})
+        return httpx.Client(
+            base_url=self.url, timeout=300, headers={"Authorization": f"Bearer {self.key}"}
+        )
 
     def run(self, user: User) -> None:
         http = self.client()
         history: list[dict[str, Any]] = [{"role": "system", "content": self.system}]
         previous: Call | None = None
         if user.api == "conversation":
-            r = self._retry(user, lambda: http.post("/v1/conversations",
-                                                    json={"system": self.system}))
+            r = self._retry(
+                user, lambda: http.post("/v1/conversations", json={"system": self.system})
+            )
             if r is None:
                 return
             user.conversation_id = r.json()["id"]
@@ -213,8 +217,15 @@ class Driver:
         user.failures.append("retries exhausted")
         return None
 
-    def _call(self, http: httpx.Client, user: User, round_: int,
-              history: list[dict[str, Any]], content: str, previous: Call | None) -> Call | None:
+    def _call(
+        self,
+        http: httpx.Client,
+        user: User,
+        round_: int,
+        history: list[dict[str, Any]],
+        content: str,
+        previous: Call | None,
+    ) -> Call | None:
         for attempt in range(MAX_RETRIES + 1):
             started = time.monotonic()
             try:
@@ -230,20 +241,45 @@ class Driver:
             history.append({"role": "assistant", "content": text})
             user.answered.append((content, text))
             ideal = (previous.prompt_tokens + previous.completion_tokens) if previous else 0
-            call = Call(user.index, round_, user.api, started, ttft, total, usage["prompt_tokens"],
-                        usage["completion_tokens"], usage["cached_tokens"], ideal, replica)
+            call = Call(
+                user.index,
+                round_,
+                user.api,
+                started,
+                ttft,
+                total,
+                usage["prompt_tokens"],
+                usage["completion_tokens"],
+                usage["cached_tokens"],
+                ideal,
+                replica,
+            )
             user.calls.append(call)
             return call
         return None
 
-    def _stream(self, http: httpx.Client, user: User, history: list[dict[str, Any]],
-                content: str, attempt: int) -> tuple[float, str, dict[str, int], str]:
-        sampling = {"max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
+    def _stream(
+        self,
+        http: httpx.Client,
+        user: User,
+        history: list[dict[str, Any]],
+        content: str,
+        attempt: int,
+    ) -> tuple[float, str, dict[str, int], str]:
+        sampling = {
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         if user.api == "chat":
             path = "/v1/chat/completions"
-            body: dict[str, Any] = {"model": self.model, "messages": history,
-                                    "stream_options": {"include_usage": True}, **sampling}
+            body: dict[str, Any] = {
+                "model": self.model,
+                "messages": history,
+                "stream_options": {"include_usage": True},
+                **sampling,
+            }
             headers = {}
         else:
             path = f"/v1/conversations/{user.conversation_id}/messages"
@@ -260,9 +296,11 @@ class Driver:
                 if user.api == "chat":
                     if event.get("usage"):
                         u = event["usage"]
-                        usage = {"prompt_tokens": u["prompt_tokens"],
-                                 "completion_tokens": u["completion_tokens"],
-                                 "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+                        usage = {
+                            "prompt_tokens": u["prompt_tokens"],
+                            "completion_tokens": u["completion_tokens"],
+                            "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                        }
                     for choice in event.get("choices", []):
                         piece = choice["delta"].get("content") or ""
                         if piece and ttft is None:
@@ -274,8 +312,9 @@ class Driver:
                     text += event["text"]
                 elif event["type"] == "done":
                     u = event["usage"]
-                    usage = {k: u[k] for k in ("prompt_tokens", "completion_tokens",
-                                               "cached_tokens")}
+                    usage = {
+                        k: u[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens")
+                    }
                 elif event["type"] == "error":
                     raise RuntimeError(f"error event: {event}")
         if usage is None or ttft is None:
@@ -283,18 +322,26 @@ class Driver:
         return ttft, text, usage, replica
 
 
-COUNTERS = {"kvchat:prompt_tokens_total": "prompt",
-            "kvchat:session_drops_total": "session_drops",
-            "kvchat:kv_store_copy_seconds_total": "store_copy_s",
-            "kvchat:kv_store_write_seconds_total": "store_write_s",
-            'kvchat:cached_tokens_total{source="kv_store"}': "from_store"}
+COUNTERS = {
+    "kvchat:prompt_tokens_total": "prompt",
+    "kvchat:session_drops_total": "session_drops",
+    "kvchat:kv_store_copy_seconds_total": "store_copy_s",
+    "kvchat:kv_store_write_seconds_total": "store_write_s",
+    'kvchat:cached_tokens_total{source="kv_store"}': "from_store",
+}
 
 
 def counters(url: str) -> dict[str, float]:
     """The replica's counters: prompt tokens, cached tokens (all sources, and the KV store's),
     the KV store's write-behind seconds."""
-    out = {"prompt": 0.0, "cached": 0.0, "store_copy_s": 0.0, "store_write_s": 0.0,
-           "from_store": 0.0, "session_drops": 0.0}
+    out = {
+        "prompt": 0.0,
+        "cached": 0.0,
+        "store_copy_s": 0.0,
+        "store_write_s": 0.0,
+        "from_store": 0.0,
+        "session_drops": 0.0,
+    }
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name, _, value = line.rpartition(" ")
         if name in COUNTERS:
@@ -323,26 +370,37 @@ class Outcome:
         return sum(len(u.failures) for u in self.users)
 
 
-def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], system: str,
-                run_dir: Path) -> Outcome:
+def run_variant(
+    variant: Variant, args: argparse.Namespace, users: list[User], system: str, run_dir: Path
+) -> Outcome:
     from kvchat.app.fleet import Fleet, FleetConfig
 
-    env = {**REPLICA_ENV, "KVCHAT_KV_CACHE_BYTES": str(args.kv_cache_mib * 2**20),
-           "KVCHAT_HOST_CACHE_BYTES": str(args.host_cache_mib * 2**20),
-           **dict(variant.replica_env)}
-    with bench_database(f"{args.postgres_url}/kvchat_bench_fleet_{os.getpid()}_"
-                        f"{variant.name.replace('+', '_')}") as url:
+    env = {
+        **REPLICA_ENV,
+        "KVCHAT_KV_CACHE_BYTES": str(args.kv_cache_mib * 2**20),
+        "KVCHAT_HOST_CACHE_BYTES": str(args.host_cache_mib * 2**20),
+        **dict(variant.replica_env),
+    }
+    with bench_database(
+        f"{args.postgres_url}/kvchat_bench_fleet_{os.getpid()}_{variant.name.replace('+', '_')}"
+    ) as url:
         config = FleetConfig(
-            model=args.model, database_url=url, redis_url=args.redis_url,
-            num_replicas=args.replicas, run_dir=run_dir / variant.name,
+            model=args.model,
+            database_url=url,
+            redis_url=args.redis_url,
+            num_replicas=args.replicas,
+            run_dir=run_dir / variant.name,
             redis_prefix=f"kvchat-bench-{os.getpid()}-{variant.name}:",
             balance=variant.balance,  # type: ignore[arg-type]
-            check_interval_ms=500, replica_env=env, create_database=True,
+            check_interval_ms=500,
+            replica_env=env,
+            create_database=True,
         )
         with Fleet(config) as fleet:
             assert fleet.admin_key is not None
-            driver = Driver(fleet.url, fleet.admin_key, args.model.resolve().name, system,
-                            args.max_tokens)
+            driver = Driver(
+                fleet.url, fleet.admin_key, args.model.resolve().name, system, args.max_tokens
+            )
             if variant.restart_mid_run:
                 driver.pause_after = len(users[0].questions) // 2
                 driver.paused = threading.Barrier(len(users) + 1, timeout=1800)
@@ -368,8 +426,15 @@ def run_variant(variant: Variant, args: argparse.Namespace, users: list[User], s
             for replica in fleet.replicas:
                 now = counters(replica.url)
                 totals = {k: totals[k] + now[k] for k in totals}
-            return Outcome(variant, users, totals, restart_s, count_lost(driver, users),
-                           driver.mark, busiest if driver.paused is not None else None)
+            return Outcome(
+                variant,
+                users,
+                totals,
+                restart_s,
+                count_lost(driver, users),
+                driver.mark,
+                busiest if driver.paused is not None else None,
+            )
 
 
 @contextlib.contextmanager
@@ -421,13 +486,17 @@ def summarize(outcome: Outcome) -> dict[str, Any]:
     return {
         "cache_fraction": cached / ideal if ideal else float("nan"),
         "metrics_fraction": outcome.counters["cached"] / outcome.counters["prompt"]
-        if outcome.counters["prompt"] else float("nan"),
-        "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 99),
+        if outcome.counters["prompt"]
+        else float("nan"),
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p99": pct(ttft, 99),
         "ttft_long_p50": statistics.median(long_history) if long_history else float("nan"),
         "after_restart_p50": statistics.median(after) if after else None,
         "after_restart_computed": sum(after_computed),
         "session_drops": outcome.counters["session_drops"],
-        "failed": outcome.failed, "lost": outcome.lost, "calls": len(outcome.calls),
+        "failed": outcome.failed,
+        "lost": outcome.lost,
+        "calls": len(outcome.calls),
         "max_prompt": max(c.prompt_tokens for c in outcome.calls),
         "replicas": len({c.replica for c in outcome.calls}),
         "write_behind": (outcome.counters["store_copy_s"] + outcome.counters["store_write_s"])
@@ -445,16 +514,26 @@ def plot(outcomes: list[Outcome], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rounds = max(c.round for o in outcomes for c in o.calls)
     for outcome in outcomes:
-        by_round = [[c.ttft_s * 1000 for c in outcome.calls if c.round == r]
-                    for r in range(1, rounds + 1)]
-        left.plot(range(1, rounds + 1), [statistics.median(v) if v else float("nan")
-                                         for v in by_round], marker="o",
-                  label=outcome.variant.name)
+        by_round = [
+            [c.ttft_s * 1000 for c in outcome.calls if c.round == r] for r in range(1, rounds + 1)
+        ]
+        left.plot(
+            range(1, rounds + 1),
+            [statistics.median(v) if v else float("nan") for v in by_round],
+            marker="o",
+            label=outcome.variant.name,
+        )
         later = [c for c in outcome.calls if c.round > 1]
-        right.plot(range(2, rounds + 1),
-                   [sum(c.cached_tokens for c in later if c.round == r)
-                    / max(1, sum(c.ideal_cached for c in later if c.round == r))
-                    for r in range(2, rounds + 1)], marker="o", label=outcome.variant.name)
+        right.plot(
+            range(2, rounds + 1),
+            [
+                sum(c.cached_tokens for c in later if c.round == r)
+                / max(1, sum(c.ideal_cached for c in later if c.round == r))
+                for r in range(2, rounds + 1)
+            ],
+            marker="o",
+            label=outcome.variant.name,
+        )
     left.set(title="TTFT p50 by round (through HAProxy)", xlabel="round", ylabel="ms")
     right.set(title="cached / ideal (the history) by round", xlabel="round", ylim=(0, 1.1))
     for ax in (left, right):
@@ -469,26 +548,45 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--variants", default="all",
-                        help=f"all, or a comma-separated list of {', '.join(ALL_VARIANTS)}")
-    parser.add_argument("--preset", choices=("dev", "bench"), default="bench",
-                        help="the model preset (created in models/<preset> if missing)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="a model directory (default: models/<preset>)")
+    parser.add_argument(
+        "--variants",
+        default="all",
+        help=f"all, or a comma-separated list of {', '.join(ALL_VARIANTS)}",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("dev", "bench"),
+        default="bench",
+        help="the model preset (created in models/<preset> if missing)",
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a model directory (default: models/<preset>)"
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--postgres-url", default="postgresql://postgres@127.0.0.1:5432",
-                        help="a Postgres server: each variant's fleet gets a database of its "
-                        "own there, dropped after")
+    parser.add_argument(
+        "--postgres-url",
+        default="postgresql://postgres@127.0.0.1:5432",
+        help="a Postgres server: each variant's fleet gets a database of its "
+        "own there, dropped after",
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--system-words", type=int, default=200)
     parser.add_argument("--opening-words", type=int, default=120)
     parser.add_argument("--question-words", type=int, default=100)
     parser.add_argument("--think", type=float, default=0.3, help="seconds between rounds")
-    parser.add_argument("--kv-cache-mib", type=int, default=96,
-                        help="each replica's KV pool (the bench preset: 12 KiB a token, so 96 "
-                        "MiB hold 8k tokens: a replica's share of the histories, not all)")
-    parser.add_argument("--host-cache-mib", type=int, default=64,
-                        help="each replica's host pool for offloaded sessions")
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=96,
+        help="each replica's KV pool (the bench preset: 12 KiB a token, so 96 "
+        "MiB hold 8k tokens: a replica's share of the histories, not all)",
+    )
+    parser.add_argument(
+        "--host-cache-mib",
+        type=int,
+        default=64,
+        help="each replica's host pool for offloaded sessions",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "fleet.md")
     args = parser.parse_args()
@@ -501,103 +599,167 @@ def main() -> None:
     load_start = os.getloadavg()
     args.model = args.model or REPO / "models" / args.preset
     ensure_model(args.model, args.preset)
-    system = "You are the fleet benchmark's assistant. " + words(random.Random(args.seed - 1),
-                                                                args.system_words)
+    system = "You are the fleet benchmark's assistant. " + words(
+        random.Random(args.seed - 1), args.system_words
+    )
     outcomes = []
     with tempfile.TemporaryDirectory() as run_dir:
         for name in names:
-            users = make_users(args.users, args.rounds, args.seed, args.opening_words,
-                               args.question_words, args.think)
-            print(f"variant {name}: {args.replicas} replicas, {args.users} users x "
-                  f"{args.rounds} rounds", flush=True)
-            outcomes.append(run_variant(ALL_VARIANTS[name], args, users, system,
-                                        Path(run_dir)))
+            users = make_users(
+                args.users,
+                args.rounds,
+                args.seed,
+                args.opening_words,
+                args.question_words,
+                args.think,
+            )
+            print(
+                f"variant {name}: {args.replicas} replicas, {args.users} users x "
+                f"{args.rounds} rounds",
+                flush=True,
+            )
+            outcomes.append(run_variant(ALL_VARIANTS[name], args, users, system, Path(run_dir)))
     load_end = os.getloadavg()
     summaries = {o.variant.name: summarize(o) for o in outcomes}
     rows = []
     for outcome in outcomes:
         s = summaries[outcome.variant.name]
         after = s["after_restart_p50"]
-        rows.append([
-            outcome.variant.name, s["calls"], s["replicas"], f"{s['cache_fraction']:.3f}",
-            f"{s['metrics_fraction']:.3f}", f"{s['ttft_p50']:.0f}", f"{s['ttft_p99']:.0f}",
-            f"{s['ttft_long_p50']:.0f}", "-" if after is None else f"{after:.0f}",
-            "-" if after is None else s["after_restart_computed"], int(s["session_drops"]),
-            s["failed"], s["lost"], s["max_prompt"], int(s["from_store"]),
-            "-" if not s["from_store"] and not s["write_behind"]
-            else f"{100 * s['write_behind']:.2f}%",
-        ])
-    header = machine_header("A fleet behind HAProxy: affinity vs round-robin (bench/fleet.py)", {
-        "fleet": f"HAProxy in front of {args.replicas} replicas of `kvchat serve --model "
-                 f"{args.model.name}` ({args.preset} preset; Postgres, Redis, one torch "
-                 "thread each, all on this machine)",
-        "workload": f"{args.users} users x {args.rounds} rounds, half stateless keyless chat "
-                    f"completions, half server-side conversations; shared system prompt of "
-                    f"{args.system_words} words, openings of {args.opening_words}, questions "
-                    f"of {args.question_words}; {args.max_tokens}-token greedy replies; "
-                    f"{args.think} s think time",
-        "memory": f"each replica's KV pool {args.kv_cache_mib} MiB, host pool "
-                  f"{args.host_cache_mib} MiB: about its share of the users' histories (what "
-                  "a fleet is for: more live conversations than one replica holds)",
-    }, load_start=load_start, load_end=load_end)
+        rows.append(
+            [
+                outcome.variant.name,
+                s["calls"],
+                s["replicas"],
+                f"{s['cache_fraction']:.3f}",
+                f"{s['metrics_fraction']:.3f}",
+                f"{s['ttft_p50']:.0f}",
+                f"{s['ttft_p99']:.0f}",
+                f"{s['ttft_long_p50']:.0f}",
+                "-" if after is None else f"{after:.0f}",
+                "-" if after is None else s["after_restart_computed"],
+                int(s["session_drops"]),
+                s["failed"],
+                s["lost"],
+                s["max_prompt"],
+                int(s["from_store"]),
+                "-"
+                if not s["from_store"] and not s["write_behind"]
+                else f"{100 * s['write_behind']:.2f}%",
+            ]
+        )
+    header = machine_header(
+        "A fleet behind HAProxy: affinity vs round-robin (bench/fleet.py)",
+        {
+            "fleet": f"HAProxy in front of {args.replicas} replicas of `kvchat serve --model "
+            f"{args.model.name}` ({args.preset} preset; Postgres, Redis, one torch "
+            "thread each, all on this machine)",
+            "workload": f"{args.users} users x {args.rounds} rounds, half stateless keyless chat "
+            f"completions, half server-side conversations; shared system prompt of "
+            f"{args.system_words} words, openings of {args.opening_words}, questions "
+            f"of {args.question_words}; {args.max_tokens}-token greedy replies; "
+            f"{args.think} s think time",
+            "memory": f"each replica's KV pool {args.kv_cache_mib} MiB, host pool "
+            f"{args.host_cache_mib} MiB: about its share of the users' histories (what "
+            "a fleet is for: more live conversations than one replica holds)",
+        },
+        load_start=load_start,
+        load_end=load_end,
+    )
     table = markdown_table(
-        ["variant", "calls", "replicas used", "cached / ideal (replies)",
-         "cached / prompt (/metrics)", "TTFT p50 (ms)", "TTFT p99 (ms)",
-         "TTFT p50, 1-2k-token prompts (ms)",
-         "TTFT p50, first turn after the restart of its replica (ms)",
-         "prompt tokens those first turns computed", "sessions dropped", "failed", "lost",
-         "largest prompt (tokens)", "tokens loaded from the KV store",
-         "KV store write-behind / turn time"], rows)
+        [
+            "variant",
+            "calls",
+            "replicas used",
+            "cached / ideal (replies)",
+            "cached / prompt (/metrics)",
+            "TTFT p50 (ms)",
+            "TTFT p99 (ms)",
+            "TTFT p50, 1-2k-token prompts (ms)",
+            "TTFT p50, first turn after the restart of its replica (ms)",
+            "prompt tokens those first turns computed",
+            "sessions dropped",
+            "failed",
+            "lost",
+            "largest prompt (tokens)",
+            "tokens loaded from the KV store",
+            "KV store write-behind / turn time",
+        ],
+        rows,
+    )
     goals = []
     for suffix in ("", "+kvstore"):
         if "affinity" + suffix not in summaries:
             continue
         a = summaries["affinity" + suffix]
-        goals.append(f"- affinity{suffix} serves {a['cache_fraction']:.3f} of the ideal from "
-                     f"cache (goal >= 0.95: {'met' if a['cache_fraction'] >= 0.95 else 'not met'}"
-                     f"; {a['session_drops']:.0f} sessions dropped for room)")
+        goals.append(
+            f"- affinity{suffix} serves {a['cache_fraction']:.3f} of the ideal from "
+            f"cache (goal >= 0.95: {'met' if a['cache_fraction'] >= 0.95 else 'not met'}"
+            f"; {a['session_drops']:.0f} sessions dropped for room)"
+        )
         if "roundrobin" + suffix in summaries:
             r = summaries["roundrobin" + suffix]
             ratio = r["ttft_long_p50"] / a["ttft_long_p50"]
-            goals.append(f"- roundrobin{suffix} serves {r['cache_fraction']:.3f} of the ideal"
-                         + (" (about 1/3 expected with 3 replicas)" if not suffix else
-                            " (the rest loaded from the shared store)"))
-            goals.append(f"- TTFT p50 at 1-2k-token prompts: roundrobin{suffix} / "
-                         f"affinity{suffix} = {ratio:.2f}x (goal >= 3x: "
-                         f"{'met' if ratio >= 3 else 'not met'})")
+            goals.append(
+                f"- roundrobin{suffix} serves {r['cache_fraction']:.3f} of the ideal"
+                + (
+                    " (about 1/3 expected with 3 replicas)"
+                    if not suffix
+                    else " (the rest loaded from the shared store)"
+                )
+            )
+            goals.append(
+                f"- TTFT p50 at 1-2k-token prompts: roundrobin{suffix} / "
+                f"affinity{suffix} = {ratio:.2f}x (goal >= 3x: "
+                f"{'met' if ratio >= 3 else 'not met'})"
+            )
     if "restart" in summaries and "restart+kvstore" in summaries:
         without = summaries["restart"]["after_restart_p50"]
         with_store = summaries["restart+kvstore"]["after_restart_p50"]
         if without and with_store:
             ratio = with_store / without
-            goals.append(f"- first turn after the restart of its replica, TTFT p50: with the "
-                         f"KV store {with_store:.0f} ms, without {without:.0f} ms = "
-                         f"{ratio:.2f}x (goal <= 0.3x: {'met' if ratio <= 0.3 else 'not met'})"
-                         f"; the prompt tokens those turns computed: "
-                         f"{summaries['restart+kvstore']['after_restart_computed']} with the "
-                         f"store, {summaries['restart']['after_restart_computed']} without")
+            goals.append(
+                f"- first turn after the restart of its replica, TTFT p50: with the "
+                f"KV store {with_store:.0f} ms, without {without:.0f} ms = "
+                f"{ratio:.2f}x (goal <= 0.3x: {'met' if ratio <= 0.3 else 'not met'})"
+                f"; the prompt tokens those turns computed: "
+                f"{summaries['restart+kvstore']['after_restart_computed']} with the "
+                f"store, {summaries['restart']['after_restart_computed']} without"
+            )
         share = summaries["restart+kvstore"]["write_behind"]
-        goals.append(f"- KV store write-behind (engine-thread copies + writer thread) = "
-                     f"{100 * share:.2f}% of the calls' time (goal <= 5%: "
-                     f"{'met' if share <= 0.05 else 'not met'})")
+        goals.append(
+            f"- KV store write-behind (engine-thread copies + writer thread) = "
+            f"{100 * share:.2f}% of the calls' time (goal <= 5%: "
+            f"{'met' if share <= 0.05 else 'not met'})"
+        )
     failed = sum(s["failed"] for s in summaries.values())
     lost = sum(s["lost"] for s in summaries.values())
-    goals.append(f"- failed requests {failed}, lost messages {lost} (goal 0 and 0: "
-                 f"{'met' if failed == lost == 0 else 'not met'})")
-    text = header + "\n" + table + "\n" + "\n".join(goals) + "\n\n" + (
-        "cached / ideal: the replies' `cached_tokens` summed over rounds 2.. against the "
-        "history each call resent (the previous call's prompt and reply); round 1 is left "
-        "out (only the shared system prompt could be cached there). cached / prompt: the "
-        "replicas' kvchat:cached_tokens_total over kvchat:prompt_tokens_total, every round "
-        "(new messages included, so below 1 even with perfect reuse). TTFT is the client's, "
-        "through HAProxy, to the first streamed token. The restart variant restarts the "
-        "replica most calls had gone to after half the rounds, while every user waits "
-        "between two rounds, without a KV store: the first turns of its conversations "
-        "after it recompute their history; restart+kvstore does the same with the store on "
-        "(shared by the replicas), so they load it. Write-behind counts both the engine "
-        "thread's block copies (on the turn's path) and the writer thread's serializing "
-        "(beside it), over the summed wall time of every call.\n\n![TTFT and reuse by round]"
-        "(fleet.png)\n")
+    goals.append(
+        f"- failed requests {failed}, lost messages {lost} (goal 0 and 0: "
+        f"{'met' if failed == lost == 0 else 'not met'})"
+    )
+    text = (
+        header
+        + "\n"
+        + table
+        + "\n"
+        + "\n".join(goals)
+        + "\n\n"
+        + (
+            "cached / ideal: the replies' `cached_tokens` summed over rounds 2.. against the "
+            "history each call resent (the previous call's prompt and reply); round 1 is left "
+            "out (only the shared system prompt could be cached there). cached / prompt: the "
+            "replicas' kvchat:cached_tokens_total over kvchat:prompt_tokens_total, every round "
+            "(new messages included, so below 1 even with perfect reuse). TTFT is the client's, "
+            "through HAProxy, to the first streamed token. The restart variant restarts the "
+            "replica most calls had gone to after half the rounds, while every user waits "
+            "between two rounds, without a KV store: the first turns of its conversations "
+            "after it recompute their history; restart+kvstore does the same with the store on "
+            "(shared by the replicas), so they load it. Write-behind counts both the engine "
+            "thread's block copies (on the turn's path) and the writer thread's serializing "
+            "(beside it), over the summed wall time of every call.\n\n![TTFT and reuse by round]"
+            "(fleet.png)\n"
+        )
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     plot(outcomes, args.out.with_suffix(".png"))

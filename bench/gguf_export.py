@@ -123,20 +123,24 @@ def build_cl100k_tokenizer_json(path: Path) -> None:
         merges.append((spelled(parts[0]), spelled(parts[1])))
     # ignore_merges: a pre-token that is itself in the vocabulary is one token, as in tiktoken.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CL100K_PLAIN_PAT_STR), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(CL100K_PLAIN_PAT_STR), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     specials = sorted(dev_special_tokens().items(), key=lambda item: item[1])
     if tok.get_vocab_size() != specials[0][1]:
         raise ValueError("the special tokens must follow the ranks")
-    tok.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                            for text, _ in specials])
+    tok.add_special_tokens(
+        [AddedToken(text, special=True, normalized=False) for text, _ in specials]
+    )
     for text, token_id in specials:
         if tok.token_to_id(text) != token_id:
-            raise ValueError(f"special token {text} landed at {tok.token_to_id(text)}, "
-                             f"expected {token_id}")
+            raise ValueError(
+                f"special token {text} landed at {tok.token_to_id(text)}, expected {token_id}"
+            )
     tok.save(str(path))
 
 
@@ -158,7 +162,7 @@ def check_side_tokenizer(side_dir: Path, model_dir: Path) -> int:
             first = next(i for i, (a, b) in enumerate(zip(got + [-1], expected + [-1])) if a != b)
             raise ValueError(
                 f"side tokenizer.json differs from ours on {text[:40]!r} at token {first}: "
-                f"{got[first:first + 5]} vs {expected[first:first + 5]}"
+                f"{got[first : first + 5]} vs {expected[first : first + 5]}"
             )
         if side.decode(got, skip_special_tokens=False) != text:
             raise ValueError(f"side tokenizer.json does not round-trip {text[:40]!r}")
@@ -204,8 +208,19 @@ def converter_dir(cache_dir: Path, package: str, version: str) -> Path:
     sdists = list(sdist_dir.glob(f"{name}-{version}.tar.gz"))
     if not sdists:
         subprocess.run(
-            [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"{package}=={version}", "-d", str(sdist_dir)],
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"{package}=={version}",
+                "-d",
+                str(sdist_dir),
+            ],
             check=True,
         )
         sdists = list(sdist_dir.glob(f"{name}-{version}.tar.gz"))
@@ -215,7 +230,7 @@ def converter_dir(cache_dir: Path, package: str, version: str) -> Path:
         for member in tar.getmembers():
             if not member.name.startswith(prefix) or not member.isfile():
                 continue
-            relative = member.name[len(prefix):]
+            relative = member.name[len(prefix) :]
             if relative.startswith(_CONVERTER_MEMBERS):
                 member.name = relative
                 members.append(member)
@@ -232,8 +247,15 @@ def convert(side_dir: Path, out_file: Path, outtype: str, converter: Path) -> Pa
     tmp = out_file.with_suffix(".partial")
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     subprocess.run(
-        [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(side_dir),
-         "--outtype", outtype, "--outfile", str(tmp)],
+        [
+            sys.executable,
+            str(converter / "convert_hf_to_gguf.py"),
+            str(side_dir),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(tmp),
+        ],
         check=True,
         env=env,
         stdout=subprocess.DEVNULL,

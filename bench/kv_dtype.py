@@ -26,7 +26,7 @@ from kvchat.memory.config import CacheConfig
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Dear team,\n\nThank you for the detailed report on last quarter's results. Before the "
     "meeting on Thursday I would like to go through three points:",
     "Q: A train leaves the station at 9:40 and travels 180 km at 72 km/h. When does it arrive?\nA:",
@@ -44,8 +44,7 @@ class ForcingSampler:
         self.forced = forced
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 **kwargs: Any) -> Any:
+    def __call__(self, logits: torch.Tensor, params: Any, generators: Any, **kwargs: Any) -> Any:
         self.logits.append(logits[0].detach().float().clone())
         out = self.sampler(logits, params, generators, **kwargs)
         if self.forced is not None:
@@ -53,8 +52,9 @@ class ForcingSampler:
         return out
 
 
-def run(engine: Engine, prompt: list[int], new_tokens: int, forced: list[int] | None
-        ) -> tuple[list[int], list[torch.Tensor]]:
+def run(
+    engine: Engine, prompt: list[int], new_tokens: int, forced: list[int] | None
+) -> tuple[list[int], list[torch.Tensor]]:
     sampler = ForcingSampler(engine.sampler, forced)
     engine.sampler = sampler  # type: ignore[assignment]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -73,10 +73,15 @@ def main() -> None:
 
     model_dir = ensure_model(args.model, "bench")
     engines = {
-        kv: Engine(EngineConfig(
-            model=str(model_dir), dtype=args.dtype, device="cpu", attention_backend="torch",
-            cache=CacheConfig(kv_cache_dtype=kv, kv_cache_bytes=256 * 2**20),
-        ))
+        kv: Engine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=args.dtype,
+                device="cpu",
+                attention_backend="torch",
+                cache=CacheConfig(kv_cache_dtype=kv, kv_cache_bytes=256 * 2**20),
+            )
+        )
         for kv in ("auto", "int8", "fp8")
     }
     tokenizer = engines["auto"].tokenizer
@@ -101,39 +106,62 @@ def main() -> None:
                 forced_agree[kv].append(sum(agree) / len(agree))
                 bar.update(1)
                 free, _ = run(engines[kv], prompt, args.new_tokens, None)
-                same = next((i for i, (a, b) in enumerate(zip(tokens, free)) if a != b),
-                            len(tokens))
+                same = next(
+                    (i for i, (a, b) in enumerate(zip(tokens, free)) if a != b), len(tokens)
+                )
                 free_prefix[kv].append(same)
                 bar.update(1)
 
     auto_bytes = engines["auto"].kv_spec.bytes_per_token
-    rows: list[list[object]] = [[
-        "auto", str(engines["auto"].kv_spec.storage_dtype).removeprefix("torch."),
-        f"{auto_bytes:,}", "1.000", "0", "1.000", f"{args.new_tokens}/{args.new_tokens}",
-    ]]
+    rows: list[list[object]] = [
+        [
+            "auto",
+            str(engines["auto"].kv_spec.storage_dtype).removeprefix("torch."),
+            f"{auto_bytes:,}",
+            "1.000",
+            "0",
+            "1.000",
+            f"{args.new_tokens}/{args.new_tokens}",
+        ]
+    ]
     for kv in ("int8", "fp8"):
         spec = engines[kv].kv_spec
-        rows.append([
-            kv, f"{str(spec.storage_dtype).removeprefix('torch.')} + fp32 scale per token/head",
-            f"{spec.bytes_per_token:,}", f"{spec.bytes_per_token / auto_bytes:.3f}",
-            f"{sum(kl[kv]) / len(kl[kv]):.2e}",
-            f"{sum(forced_agree[kv]) / len(forced_agree[kv]):.3f}",
-            f"{min(free_prefix[kv])}-{max(free_prefix[kv])}/{args.new_tokens} "
-            f"(mean {sum(free_prefix[kv]) / len(free_prefix[kv]):.0f})",
-        ])
+        rows.append(
+            [
+                kv,
+                f"{str(spec.storage_dtype).removeprefix('torch.')} + fp32 scale per token/head",
+                f"{spec.bytes_per_token:,}",
+                f"{spec.bytes_per_token / auto_bytes:.3f}",
+                f"{sum(kl[kv]) / len(kl[kv]):.2e}",
+                f"{sum(forced_agree[kv]) / len(forced_agree[kv]):.3f}",
+                f"{min(free_prefix[kv])}-{max(free_prefix[kv])}/{args.new_tokens} "
+                f"(mean {sum(free_prefix[kv]) / len(free_prefix[kv]):.0f})",
+            ]
+        )
     mc = engines["auto"].model_config
-    report = machine_header("Quantized KV cache: size and quality against the model dtype", {
-        "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
-                 f"{args.dtype}, {mc.num_layers} layers x {mc.num_kv_heads} KV heads x head_dim "
-                 f"{mc.head_dim}",
-        "prompts": f"{len(prompts)} fixed prompts ({min(map(len, prompts))}-"
-                   f"{max(map(len, prompts))} tokens), {args.new_tokens} greedy tokens each",
-        "command": "python bench/kv_dtype.py",
-    })
+    report = machine_header(
+        "Quantized KV cache: size and quality against the model dtype",
+        {
+            "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
+            f"{args.dtype}, {mc.num_layers} layers x {mc.num_kv_heads} KV heads x head_dim "
+            f"{mc.head_dim}",
+            "prompts": f"{len(prompts)} fixed prompts ({min(map(len, prompts))}-"
+            f"{max(map(len, prompts))} tokens), {args.new_tokens} greedy tokens each",
+            "command": "python bench/kv_dtype.py",
+        },
+    )
     report += "\n" + markdown_table(
-        ["kv_cache_dtype", "storage", "KV bytes / token", "vs auto", "mean KL(auto ‖ quant)",
-         "greedy agreement (teacher-forced)", "free-running tokens equal before divergence"],
-        rows)
+        [
+            "kv_cache_dtype",
+            "storage",
+            "KV bytes / token",
+            "vs auto",
+            "mean KL(auto ‖ quant)",
+            "greedy agreement (teacher-forced)",
+            "free-running tokens equal before divergence",
+        ],
+        rows,
+    )
     report += (
         "\nKL and teacher-forced agreement are measured position by position on the auto run's "
         "tokens, so one early divergence does not spoil the rest. Random weights give flatter "

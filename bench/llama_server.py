@@ -40,7 +40,7 @@ def source_dir(cache_dir: Path = CACHE, version: str = VERSION) -> Path:
         members = []
         for member in tar.getmembers():
             if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
-                member.name = member.name[len(prefix):]
+                member.name = member.name[len(prefix) :]
                 if member.name:
                     members.append(member)
         tar.extractall(tmp, members=members, filter="data")
@@ -48,8 +48,7 @@ def source_dir(cache_dir: Path = CACHE, version: str = VERSION) -> Path:
     return root
 
 
-def server_binary(cache_dir: Path = CACHE, version: str = VERSION, jobs: int | None = None
-                  ) -> Path:
+def server_binary(cache_dir: Path = CACHE, version: str = VERSION, jobs: int | None = None) -> Path:
     """The llama-server binary, built for this CPU (GGML_NATIVE) the first time."""
     key = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
     build = cache_dir / f"llama-server-{version}-{key}"
@@ -57,18 +56,40 @@ def server_binary(cache_dir: Path = CACHE, version: str = VERSION, jobs: int | N
     if binary.is_file():
         return binary
     src = source_dir(cache_dir, version)
-    print(f"building llama-server {version} from {src} (once; ~10 min on 2 cores) ...",
-          file=sys.stderr)
-    subprocess.run(
-        ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-        check=True, stdout=subprocess.DEVNULL,
+    print(
+        f"building llama-server {version} from {src} (once; ~10 min on 2 cores) ...",
+        file=sys.stderr,
     )
     subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j",
-         str(jobs or os.cpu_count() or 2)],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        [
+            "cmake",
+            "--build",
+            str(build),
+            "--target",
+            "llama-server",
+            "-j",
+            str(jobs or os.cpu_count() or 2),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     if not binary.is_file():
         raise FileNotFoundError(f"the build left no {binary}")

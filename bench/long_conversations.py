@@ -7,16 +7,16 @@ the engine computed, and per policy the trim events, tokens dropped and summarie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from kvchat.history import HistoryPolicy
 from kvchat.inference.chat_template import load_chat_template
 from kvchat.inference.context_builder import ContextBuilder
 from kvchat.inference.conversation import Conversation
@@ -25,7 +25,6 @@ from kvchat.inference.engine_config import EngineConfig
 from kvchat.inference.sampling_params import SamplingParams
 from kvchat.inference.scheduler import SchedulerConfig
 from kvchat.memory.config import CacheConfig, SessionBudget
-from kvchat.history import HistoryPolicy
 from kvchat.memory.stats import HistoryStats
 
 POLICIES = ("drop", "drop_oldest", "summarize")

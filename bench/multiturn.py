@@ -72,10 +72,16 @@ class Result:
         """Two runs of the same variant as one: their turns together, their counters summed
         (the hit rate recomputed from the summed counts)."""
         stats = {k: self.stats[k] + other.stats.get(k, 0.0) for k in self.stats}
-        stats["hit_rate"] = stats["reused"] / stats["prompt_tokens"] if stats[
-            "prompt_tokens"] else 0.0
-        return Result(self.records + other.records, self.minimum + other.minimum, stats,
-                      self.wall + other.wall, self.bytes_per_block)
+        stats["hit_rate"] = (
+            stats["reused"] / stats["prompt_tokens"] if stats["prompt_tokens"] else 0.0
+        )
+        return Result(
+            self.records + other.records,
+            self.minimum + other.minimum,
+            stats,
+            self.wall + other.wall,
+            self.bytes_per_block,
+        )
 
     def ttft_by_turn(self) -> dict[int, list[float]]:
         groups: dict[int, list[float]] = {}
@@ -128,8 +134,14 @@ AMPLE = Scenario(
 )
 
 PRESSURE_WORKLOAD = WorkloadConfig(
-    conversations=24, min_turns=6, max_turns=8, system_tokens=300, user_tokens=(30, 80),
-    assistant_tokens=(16, 32), think_time=(4.0, 10.0), stagger=0.4,
+    conversations=24,
+    min_turns=6,
+    max_turns=8,
+    system_tokens=300,
+    user_tokens=(30, 80),
+    assistant_tokens=(16, 32),
+    think_time=(4.0, 10.0),
+    stagger=0.4,
 )
 PRESSURE = Scenario(
     name="pressure",
@@ -170,8 +182,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def bytes_per_block(model_dir: Path, args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(model_dir)
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, args.block_size,
-                       DTYPES[args.dtype])
+    spec = KVCacheSpec(
+        config.num_layers, config.num_kv_heads, config.head_dim, args.block_size, DTYPES[args.dtype]
+    )
     return spec.bytes_per_block
 
 
@@ -188,47 +201,62 @@ def run_scenario(
     # Variants interleaved: `repeats` rounds of all of them, in a rotating order, so a swing
     # in the machine's load falls on every variant alike.
     for repeat in range(args.repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-            run = run_variant(scenario, name, model_dir, args, pool_blocks, host_blocks,
-                              max_seqs)
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            run = run_variant(scenario, name, model_dir, args, pool_blocks, host_blocks, max_seqs)
             results[name] = results[name].merged(run) if name in results else run
     return {name: results[name] for name in names}
 
 
-def run_variant(scenario: Scenario, name: str, model_dir: Path, args: argparse.Namespace,
-                pool_blocks: int | None, host_blocks: int, max_seqs: int) -> Result:
+def run_variant(
+    scenario: Scenario,
+    name: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    pool_blocks: int | None,
+    host_blocks: int,
+    max_seqs: int,
+) -> Result:
     """One run of the whole workload under one variant, on a fresh engine."""
     workload = scenario.workload
     bs = args.block_size
     variant = scenario.variants[name]
     host_bytes = host_blocks * bytes_per_block(model_dir, args) if variant.host_tier else 0
-    engine = Engine(EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device="cpu",
-        cache=CacheConfig(
-            block_size=bs,
-            kv_cache_bytes=None if pool_blocks else int(args.kv_cache_gib * 2**30),
-            num_blocks_override=pool_blocks,
-            enable_prefix_caching=variant.prefix_cache,
-            enable_sessions=variant.sessions,
-            host_cache_bytes=host_bytes,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=args.dtype,
+            device="cpu",
+            cache=CacheConfig(
+                block_size=bs,
+                kv_cache_bytes=None if pool_blocks else int(args.kv_cache_gib * 2**30),
+                num_blocks_override=pool_blocks,
+                enable_prefix_caching=variant.prefix_cache,
+                enable_sessions=variant.sessions,
+                host_cache_bytes=host_bytes,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
+        )
+    )
     _, convs = make_conversations(workload, engine.model_config.vocab_size)
     with tqdm(total=sum(c.turns for c in convs), desc=name, unit="turn") as bar:
         start = time.perf_counter()
-        records, minimum = run_workload(engine, workload, variant.sessions,
-                                        on_turn=lambda: bar.update(1))
+        records, minimum = run_workload(
+            engine, workload, variant.sessions, on_turn=lambda: bar.update(1)
+        )
         wall = time.perf_counter() - start
     if scenario.name == "pressure":
-        print(f"{name}: pool {engine.layout.num_blocks} blocks, host "
-              f"{engine.layout.num_host_blocks} blocks")
-    return Result(records, minimum, engine.stats.snapshot(), wall,
-                  engine.layout.bytes_per_block)
+        print(
+            f"{name}: pool {engine.layout.num_blocks} blocks, host "
+            f"{engine.layout.num_host_blocks} blocks"
+        )
+    return Result(records, minimum, engine.stats.snapshot(), wall, engine.layout.bytes_per_block)
 
 
 def report_scenario(
-    scenario: Scenario, results: dict[str, Result], model_dir: Path, args: argparse.Namespace,
+    scenario: Scenario,
+    results: dict[str, Result],
+    model_dir: Path,
+    args: argparse.Namespace,
     started: tuple[time.struct_time, tuple[float, float, float]],
 ) -> tuple[str, str]:
     """(markdown section, goal line)"""
@@ -238,14 +266,23 @@ def report_scenario(
     summary = []
     for name, r in results.items():
         ttfts = [x.ttft for x in r.records]
-        summary.append([
-            name, f"{percentile(ttfts, 50) * 1e3:.0f}", f"{percentile(ttfts, 99) * 1e3:.0f}",
-            f"{r.computed:,}", f"{r.minimum:,}", f"{r.computed / r.minimum:.3f}",
-            f"{r.stats['hit_rate']:.3f}", int(r.stats["session_offloads"]),
-            int(r.stats["session_restores"]), int(r.stats["session_drops"]),
-            int(r.stats["preemptions_swap"] + r.stats["preemptions_recompute"]),
-            f"{r.bytes_moved / 2**20:.1f}", f"{r.wall:.0f}",
-        ])
+        summary.append(
+            [
+                name,
+                f"{percentile(ttfts, 50) * 1e3:.0f}",
+                f"{percentile(ttfts, 99) * 1e3:.0f}",
+                f"{r.computed:,}",
+                f"{r.minimum:,}",
+                f"{r.computed / r.minimum:.3f}",
+                f"{r.stats['hit_rate']:.3f}",
+                int(r.stats["session_offloads"]),
+                int(r.stats["session_restores"]),
+                int(r.stats["session_drops"]),
+                int(r.stats["preemptions_swap"] + r.stats["preemptions_recompute"]),
+                f"{r.bytes_moved / 2**20:.1f}",
+                f"{r.wall:.0f}",
+            ]
+        )
     by_turn = {name: r.ttft_by_turn() for name, r in results.items()}
     max_turn = max(r.turn for res in results.values() for r in res.records)
     turn_rows = []
@@ -255,7 +292,8 @@ def report_scenario(
             values = by_turn[name].get(turn, [])
             row.append(
                 f"{statistics.median(values) * 1e3:.0f} / {percentile(values, 99) * 1e3:.0f}"
-                if values else "-"
+                if values
+                else "-"
             )
         va, vb = by_turn[a].get(turn), by_turn[b].get(turn)
         row.append(f"{statistics.median(vb) / statistics.median(va):.1f}x" if va and vb else "-")
@@ -270,28 +308,37 @@ def report_scenario(
     if scenario.name == "ample":
         # Sessions sit on the prefix cache: at no turn may they cost more than it alone.
         worst_turn, worst = max(
-            ((turn, statistics.median(by_turn[a][turn]) / statistics.median(by_turn[b][turn]))
-             for turn in by_turn[a] if turn in by_turn[b]), key=lambda x: x[1])
-        goal = (f"At turns >= {scenario.late_turn}, median TTFT of (c) / (a) = "
-                f"{late(c) / late(a):.1f}x (goal >= 10x) and of (b) / (a) = "
-                f"{late(b) / late(a):.2f}x (goal >= 1, within noise); the worst turn for (a) "
-                f"against (b) is turn {worst_turn}, p50 (a) / (b) = {worst:.2f}x; prefill "
-                f"computed by (a) = {ratio_a:.3f}x the minimum (goal <= 1.05x).")
+            (
+                (turn, statistics.median(by_turn[a][turn]) / statistics.median(by_turn[b][turn]))
+                for turn in by_turn[a]
+                if turn in by_turn[b]
+            ),
+            key=lambda x: x[1],
+        )
+        goal = (
+            f"At turns >= {scenario.late_turn}, median TTFT of (c) / (a) = "
+            f"{late(c) / late(a):.1f}x (goal >= 10x) and of (b) / (a) = "
+            f"{late(b) / late(a):.2f}x (goal >= 1, within noise); the worst turn for (a) "
+            f"against (b) is turn {worst_turn}, p50 (a) / (b) = {worst:.2f}x; prefill "
+            f"computed by (a) = {ratio_a:.3f}x the minimum (goal <= 1.05x)."
+        )
     else:
-        goal = (f"At turns >= {scenario.late_turn}, median TTFT of (b) / (a) = "
-                f"{late(b) / late(a):.1f}x (goal >= 3x); prefill computed: (a) "
-                f"{ratio_a:.3f}x the minimum (goal <= 1.1x), (b) "
-                f"{results[b].computed / results[b].minimum:.2f}x, (c) "
-                f"{results[c].computed / results[c].minimum:.2f}x.")
+        goal = (
+            f"At turns >= {scenario.late_turn}, median TTFT of (b) / (a) = "
+            f"{late(b) / late(a):.1f}x (goal >= 3x); prefill computed: (a) "
+            f"{ratio_a:.3f}x the minimum (goal <= 1.1x), (b) "
+            f"{results[b].computed / results[b].minimum:.2f}x, (c) "
+            f"{results[c].computed / results[c].minimum:.2f}x."
+        )
     settings: dict[str, object] = {
         "model": f"{model_dir.name} preset, {args.dtype}, block size {args.block_size}",
         "workload": f"{workload.conversations} conversations x {workload.min_turns}-"
-                    f"{workload.max_turns} turns, shared system prompt of "
-                    f"{workload.system_tokens} tokens, user turns {workload.user_tokens[0]}-"
-                    f"{workload.user_tokens[1]} tokens, assistant turns "
-                    f"{workload.assistant_tokens[0]}-{workload.assistant_tokens[1]} tokens "
-                    f"(greedy), {scenario.describe}; variants interleaved, {args.repeats} runs of "
-                    "each on a fresh engine",
+        f"{workload.max_turns} turns, shared system prompt of "
+        f"{workload.system_tokens} tokens, user turns {workload.user_tokens[0]}-"
+        f"{workload.user_tokens[1]} tokens, assistant turns "
+        f"{workload.assistant_tokens[0]}-{workload.assistant_tokens[1]} tokens "
+        f"(greedy), {scenario.describe}; variants interleaved, {args.repeats} runs of "
+        "each on a fresh engine",
         "command": f"python bench/multiturn.py --scenario {scenario.name}",
     }
     if scenario.name == "pressure":
@@ -303,14 +350,30 @@ def report_scenario(
             f"{scenario.pool_blocks(workload, bs)} blocks (a third), host pool "
             f"{scenario.host_blocks(workload, bs)} blocks for (a)"
         )
-    section = machine_header(scenario.title, settings, started=started[0],
-                             load_start=started[1]).replace("# ", "## ", 1)
+    section = machine_header(
+        scenario.title, settings, started=started[0], load_start=started[1]
+    ).replace("# ", "## ", 1)
     section += "\n### Summary\n\n" + markdown_table(
-        ["variant", "TTFT p50 ms", "TTFT p99 ms", "prefill computed", "minimum possible",
-         "computed / minimum", "hit rate", "offloads", "restores", "drops", "preemptions",
-         "KV MiB moved", "wall s"], summary)
+        [
+            "variant",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "prefill computed",
+            "minimum possible",
+            "computed / minimum",
+            "hit rate",
+            "offloads",
+            "restores",
+            "drops",
+            "preemptions",
+            "KV MiB moved",
+            "wall s",
+        ],
+        summary,
+    )
     section += "\n### TTFT by turn, p50 / p99 (ms)\n\n" + markdown_table(
-        ["turn", *names, "b / a (p50)"], turn_rows)
+        ["turn", *names, "b / a (p50)"], turn_rows
+    )
     section += f"\n{goal}\n"
     suffix = "" if scenario.name == "ample" else f"_{scenario.name}"
     plot(by_turn, scenario, args.out.parent / f"{args.out.stem}{suffix}.png")
@@ -318,20 +381,28 @@ def report_scenario(
     return section, goal
 
 
-def run_long(model_dir: Path, args: argparse.Namespace,
-             started: tuple[time.struct_time, tuple[float, float, float]]) -> str:
+def run_long(
+    model_dir: Path,
+    args: argparse.Namespace,
+    started: tuple[time.struct_time, tuple[float, float, float]],
+) -> str:
     config = LongConfig()
     runs = {p: run_policy(model_dir, args.dtype, config, p) for p in LONG_POLICIES}
     tables, goal = report_long(runs, config, args.out.parent / f"{args.out.stem}_long.png")
-    section = machine_header(LONG.title, {
-        "model": f"{model_dir.name} preset, {args.dtype}, block size 16",
-        "workload": f"{config.conversations} conversations x {config.turns} turns at once "
-                    f"(closed loop), user turns {config.user_tokens[0]}-{config.user_tokens[1]} "
-                    f"words, replies {config.reply_tokens} tokens (sampled, seeded), context "
-                    f"budget {config.max_context_tokens} tokens per conversation, summaries up "
-                    f"to {config.max_summary_tokens} tokens at low priority",
-        "command": "python bench/multiturn.py --scenario long",
-    }, started=started[0], load_start=started[1]).replace("# ", "## ", 1)
+    section = machine_header(
+        LONG.title,
+        {
+            "model": f"{model_dir.name} preset, {args.dtype}, block size 16",
+            "workload": f"{config.conversations} conversations x {config.turns} turns at once "
+            f"(closed loop), user turns {config.user_tokens[0]}-{config.user_tokens[1]} "
+            f"words, replies {config.reply_tokens} tokens (sampled, seeded), context "
+            f"budget {config.max_context_tokens} tokens per conversation, summaries up "
+            f"to {config.max_summary_tokens} tokens at low priority",
+            "command": "python bench/multiturn.py --scenario long",
+        },
+        started=started[0],
+        load_start=started[1],
+    ).replace("# ", "## ", 1)
     section += "\n" + tables + f"\n{goal}\n\n![long conversations]({args.out.stem}_long.png)\n"
     return section
 
@@ -353,12 +424,20 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["all", *SCENARIOS], default="all")
     ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0,
-                    help="pool size of the ample scenario")
-    ap.add_argument("--dtype", default="bfloat16",
-                    help="bfloat16 runs ~2.5x faster than float32 on AVX-512 CPUs")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each variant, interleaved (ample and pressure)")
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="pool size of the ample scenario"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="bfloat16 runs ~2.5x faster than float32 on AVX-512 CPUs",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each variant, interleaved (ample and pressure)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "multiturn.md")
     args = ap.parse_args()
 

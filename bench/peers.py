@@ -36,7 +36,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, copy_bandwidth, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    copy_bandwidth,
+    ensure_model,
+    machine_header,
+    markdown_table,
+)
 
 PEERS_PACKAGE = "llama-cpp-python"
 PEERS_VERSION = "0.3.36"  # the pin of the [peers] extra in pyproject.toml
@@ -66,21 +73,36 @@ class LlamaCppRunner:
     """One llama.cpp context; a request is reset(), eval(prompt) and eval of each greedy
     token, the argmax read from the last row of logits."""
 
-    def __init__(self, gguf: Path, kv_type: str, n_ctx: int, threads: int,
-                 logits_all: bool = False, flash_attn: bool = False) -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        kv_type: str,
+        n_ctx: int,
+        threads: int,
+        logits_all: bool = False,
+        flash_attn: bool = False,
+    ) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(
-            model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
-            n_threads_batch=threads, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type],
-            logits_all=logits_all, flash_attn=flash_attn, verbose=False,
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=GGML_TYPES[kv_type],
+            type_v=GGML_TYPES[kv_type],
+            logits_all=logits_all,
+            flash_attn=flash_attn,
+            verbose=False,
         )
         self.n_vocab = self.llm.n_vocab()
 
     def _last_logits(self) -> np.ndarray:
         ptr = self.llm._ctx.get_logits_ith(-1)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                                     shape=(self.n_vocab,))
+        return np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+        )
 
     def all_logits(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens), vocab] float32 (needs logits_all)."""
@@ -111,11 +133,15 @@ class KVChatRunner:
         from kvchat.inference.scheduler import SchedulerConfig
         from kvchat.memory.config import CacheConfig
 
-        self.engine = Engine(EngineConfig(
-            model=str(model_dir), dtype=dtype, device="cpu",
-            cache=CacheConfig(kv_cache_bytes=512 * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
-        ))
+        self.engine = Engine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=dtype,
+                device="cpu",
+                cache=CacheConfig(kv_cache_bytes=512 * 1024**2),
+                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+            )
+        )
         self._count = 0
 
     def _params(self, new_tokens: int) -> Any:
@@ -182,8 +208,7 @@ class KVChatRunner:
         sampler = engine.sampler
         rows: list[torch.Tensor] = []
 
-        def recording(logits: torch.Tensor, params: Any, generators: Any,
-                      **kwargs: Any) -> Any:
+        def recording(logits: torch.Tensor, params: Any, generators: Any, **kwargs: Any) -> Any:
             rows.append(logits[0].detach().clone())
             return sampler(logits, params, generators, **kwargs)
 
@@ -247,8 +272,13 @@ def resident_memory(model_dir: Path, dtype: str) -> dict[str, int]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-P", "-c", _RESIDENT_PROBE, str(model_dir), dtype],
-                         check=True, capture_output=True, text=True, cwd=REPO).stdout
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", _RESIDENT_PROBE, str(model_dir), dtype],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    ).stdout
     result: dict[str, int] = json.loads(out.strip().splitlines()[-1])
     return result
 
@@ -266,8 +296,12 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 100_000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def check_logits(model_dir: Path, llama_f32: LlamaCppRunner, kvchat: dict[str, KVChatRunner],
-                 llama_half: dict[str, LlamaCppRunner]) -> list[list[object]]:
+def check_logits(
+    model_dir: Path,
+    llama_f32: LlamaCppRunner,
+    kvchat: dict[str, KVChatRunner],
+    llama_half: dict[str, LlamaCppRunner],
+) -> list[list[object]]:
     """Logits of every engine against transformers float32 on one prompt and the 8 tokens
     transformers picks after it, each engine's row at position k computed on transformers'
     tokens before k (teacher-forced). float32 must be within F32_LOGITS_ATOL and pick the
@@ -279,9 +313,14 @@ def check_logits(model_dir: Path, llama_f32: LlamaCppRunner, kvchat: dict[str, K
     new = 8
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        hf_ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long), max_new_tokens=new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        hf_ids = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         hf_logits = hf(torch.tensor([prompt + hf_ids])).logits[0].float().numpy()
     del hf
     positions = list(range(len(prompt) - 1, len(prompt) - 1 + new))
@@ -294,38 +333,58 @@ def check_logits(model_dir: Path, llama_f32: LlamaCppRunner, kvchat: dict[str, K
         err = float(np.abs(logits - ref).max())
         picks = [int(i) for i in logits.argmax(axis=1)]
         differ = [k for k in range(new) if picks[k] != hf_ids[k]]
-        greedy = "yes" if not differ else "no: " + ", ".join(
-            f"token {k + 1} of {new} (transformers' top-two margin {margins[k]:.2e})"
-            for k in differ)
+        greedy = (
+            "yes"
+            if not differ
+            else "no: "
+            + ", ".join(
+                f"token {k + 1} of {new} (transformers' top-two margin {margins[k]:.2e})"
+                for k in differ
+            )
+        )
         rows.append([name, f"{err:.2e}", greedy])
         if exact and (err > F32_LOGITS_ATOL or differ):
-            raise SystemExit(f"{name}: logits differ from transformers by {err:.2e} "
-                             f"(limit {F32_LOGITS_ATOL}) or greedy tokens differ; not timing")
+            raise SystemExit(
+                f"{name}: logits differ from transformers by {err:.2e} "
+                f"(limit {F32_LOGITS_ATOL}) or greedy tokens differ; not timing"
+            )
 
     for name, runner in [("llama.cpp f32", llama_f32), *llama_half.items()]:
         logits = runner.all_logits(prompt + hf_ids)
         compare(name, logits[len(prompt) - 1 : -1], exact=name.endswith("f32"))
     for dtype, kv_runner in kvchat.items():
-        compare(f"kvchat {dtype}", torch.stack(kv_runner.logits(prompt, hf_ids)).float().numpy(),
-                exact=dtype == "float32")
+        compare(
+            f"kvchat {dtype}",
+            torch.stack(kv_runner.logits(prompt, hf_ids)).float().numpy(),
+            exact=dtype == "float32",
+        )
     free = kvchat["float32"].greedy(prompt, new)
     if free != hf_ids:
-        raise SystemExit(f"kvchat float32 decoding freely picked {free}, transformers {hf_ids}; "
-                         "not timing")
+        raise SystemExit(
+            f"kvchat float32 decoding freely picked {free}, transformers {hf_ids}; not timing"
+        )
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
-    ap.add_argument("--cache-dir", type=Path, default=REPO / "models" / ".peers",
-                    help="where the GGUF files and the converter are kept")
+    ap.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=REPO / "models" / ".peers",
+        help="where the GGUF files and the converter are kept",
+    )
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--half", default="auto", choices=["auto", "bfloat16", "float16"],
-                    help="kvchat's half-precision dtype (auto: the one this CPU runs natively)")
+    ap.add_argument(
+        "--half",
+        default="auto",
+        choices=["auto", "bfloat16", "float16"],
+        help="kvchat's half-precision dtype (auto: the one this CPU runs natively)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.md")
     args = ap.parse_args()
 
@@ -341,8 +400,10 @@ def main() -> int:
 
     version = llama_cpp.__version__
     if version != PEERS_VERSION:
-        print(f"note: {PEERS_PACKAGE} {version} is installed, the extra pins {PEERS_VERSION}; "
-              f"converting with {version}'s converter")
+        print(
+            f"note: {PEERS_PACKAGE} {version} is installed, the extra pins {PEERS_VERSION}; "
+            f"converting with {version}'s converter"
+        )
     torch.set_num_threads(args.threads)
     model_dir = ensure_model(args.model, "bench")
     print("converting the weights to GGUF (cached by their hash) ...")
@@ -366,12 +427,18 @@ def main() -> int:
         model_dir,
         LlamaCppRunner(ggufs["f32"], "f32", check_ctx, args.threads, logits_all=True),
         kvchat,
-        {name: LlamaCppRunner(ggufs[name.split()[-1]], name.split()[-1], check_ctx,
-                              args.threads, logits_all=True)
-         for name in ("llama.cpp f16", "llama.cpp bf16")},
+        {
+            name: LlamaCppRunner(
+                ggufs[name.split()[-1]], name.split()[-1], check_ctx, args.threads, logits_all=True
+            )
+            for name in ("llama.cpp f16", "llama.cpp bf16")
+        },
     )
-    print(markdown_table(["engine", "max |logit - transformers f32|", "greedy = transformers"],
-                         checks))
+    print(
+        markdown_table(
+            ["engine", "max |logit - transformers f32|", "greedy = transformers"], checks
+        )
+    )
 
     variants: dict[str, Callable[[list[int], int], tuple[float, float, list[int]]]] = {
         f"kvchat {dtype}": runner.run for dtype, runner in kvchat.items()
@@ -387,7 +454,7 @@ def main() -> int:
     for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
         bandwidths.append(copy_bandwidth())
         prompt = random_prompts(1, args.prompt_tokens, seed=r)[0]
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             prefill, decode, ids = variants[name](prompt, args.new_tokens)
             t = timings[name]
             t.prefill_s.append(prefill)
@@ -406,16 +473,31 @@ def main() -> int:
         prompt = random_prompts(1, args.prompt_tokens, seed=500 + r)[0]
         for dtype, runner in kvchat.items():
             step, inside = runner.split_decode_step(prompt, args.new_tokens)
-            peer = llama["llama.cpp f32" if dtype == "float32" else
-                         "llama.cpp bf16" if dtype == "bfloat16" else "llama.cpp f16"]
+            peer = llama[
+                "llama.cpp f32"
+                if dtype == "float32"
+                else "llama.cpp bf16"
+                if dtype == "bfloat16"
+                else "llama.cpp f16"
+            ]
             _, peer_decode, _ = peer.run(prompt, args.new_tokens)
             splits[dtype].append((step, inside, peer_decode / (args.new_tokens - 1)))
 
     bandwidths.append(copy_bandwidth())
     load_end = os.getloadavg()
 
-    report = build_report(args, model_dir, timings, kvchat, checks, num_checked,
-                          max(bandwidths), version, splits, (load_start, load_end, started))
+    report = build_report(
+        args,
+        model_dir,
+        timings,
+        kvchat,
+        checks,
+        num_checked,
+        max(bandwidths),
+        version,
+        splits,
+        (load_start, load_end, started),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)
@@ -427,12 +509,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, Timings],
-                 kvchat: dict[str, KVChatRunner], checks: list[list[object]], num_checked: int,
-                 bandwidth: float, version: str,
-                 splits: dict[str, list[tuple[float, float, float]]],
-                 when: tuple[tuple[float, float, float], tuple[float, float, float],
-                             time.struct_time]) -> str:
+def build_report(
+    args: argparse.Namespace,
+    model_dir: Path,
+    timings: dict[str, Timings],
+    kvchat: dict[str, KVChatRunner],
+    checks: list[list[object]],
+    num_checked: int,
+    bandwidth: float,
+    version: str,
+    splits: dict[str, list[tuple[float, float, float]]],
+    when: tuple[tuple[float, float, float], tuple[float, float, float], time.struct_time],
+) -> str:
     from kvchat.inference.model_config import ModelConfig
     from kvchat.kernels.cpu_ops import cpu_flags, cpu_model
 
@@ -453,11 +541,17 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         e = elem.get(name.split()[-1], 2)
         step = median(t.decode_step_s)
         prefill = median(t.prefill_s)
-        rows.append([
-            name, f"{step * 1e3:.1f}", f"{1 / step:.1f}", f"{floor_s(e) / step:.2f}",
-            f"{args.prompt_tokens / prefill:.0f}", f"{floor_s(e) / prefill:.2f}",
-            f"{args.new_tokens / median(t.request_s):.1f}",
-        ])
+        rows.append(
+            [
+                name,
+                f"{step * 1e3:.1f}",
+                f"{1 / step:.1f}",
+                f"{floor_s(e) / step:.2f}",
+                f"{args.prompt_tokens / prefill:.0f}",
+                f"{floor_s(e) / prefill:.2f}",
+                f"{args.new_tokens / median(t.request_s):.1f}",
+            ]
+        )
 
     def paired(name: str, peer: str, field: str) -> list[float]:
         """kvchat's speed over the peer's in each round: the peer's time over kvchat's, both
@@ -467,16 +561,30 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
 
     def goal(measure: str, name: str, peer: str, field: str, target: float) -> list[str]:
         ratios = paired(name, peer, field)
-        return [measure, f"{median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
-                f">= {target:.1f}x"]
+        return [
+            measure,
+            f"{median(ratios):.2f}x",
+            f"{min(ratios):.2f}-{max(ratios):.2f}x",
+            f">= {target:.1f}x",
+        ]
 
     half = f"kvchat {args.half}"
     same = "llama.cpp bf16" if args.half == "bfloat16" else "llama.cpp f16"
     goals = [
-        goal("f32 decode tok/s, kvchat / llama.cpp f32", "kvchat float32", "llama.cpp f32",
-             "decode_step_s", 0.9),
-        goal("f32 prompt tok/s, kvchat / llama.cpp f32", "kvchat float32", "llama.cpp f32",
-             "prefill_s", 1.0),
+        goal(
+            "f32 decode tok/s, kvchat / llama.cpp f32",
+            "kvchat float32",
+            "llama.cpp f32",
+            "decode_step_s",
+            0.9,
+        ),
+        goal(
+            "f32 prompt tok/s, kvchat / llama.cpp f32",
+            "kvchat float32",
+            "llama.cpp f32",
+            "prefill_s",
+            1.0,
+        ),
     ]
     for peer in ("llama.cpp f16", "llama.cpp bf16"):
         mark = " (same type)" if peer == same else ""
@@ -487,23 +595,41 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
 
     load_start, load_end, started = when
     flags = set(cpu_flags().split())
-    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16",
-                               "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
-                   if f in flags)
+    isa = " ".join(
+        f
+        for f in (
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512_bf16",
+            "avx512_fp16",
+            "avx512_vnni",
+            "amx_tile",
+            "amx_bf16",
+        )
+        if f in flags
+    )
     settings: dict[str, object] = {
         "CPU": f"{cpu_vendor()} {cpu_model()}; ISA: {isa}",
         "model": f"bench preset, {params / 1e6:.1f}M parameters ({embed / 1e6:.1f}M of them the "
-                 f"tied embedding / lm_head), weights stored in bfloat16",
+        f"tied embedding / lm_head), weights stored in bfloat16",
         "llama.cpp": f"{PEERS_PACKAGE} {version}, GGUF from its convert_hf_to_gguf.py, KV cache "
-                     f"in the weights' type, {args.threads} threads",
+        f"in the weights' type, {args.threads} threads",
         "workload": f"{args.prompt_tokens}-token prompt + {args.new_tokens} greedy tokens, "
-                    f"{args.rounds} rounds, a fresh prompt each round, variants interleaved",
+        f"{args.rounds} rounds, a fresh prompt each round, variants interleaved",
         "command": "python bench/peers.py",
     }
     for dtype, runner in kvchat.items():
         settings[f"kvchat {dtype} linear paths"] = runner.engine.model.linear_plan.summary()
-    report = machine_header("Peers: kvchat vs llama.cpp (same weights, same run)", settings,
-                            started=started, load_start=load_start, load_end=load_end)
+    report = machine_header(
+        "Peers: kvchat vs llama.cpp (same weights, same run)",
+        settings,
+        started=started,
+        load_start=load_start,
+        load_end=load_end,
+    )
     report += (
         "\n## Checks before timing\n\n"
         f"Side tokenizer.json equals kvchat's tokenizer on {num_checked} tokens of test text; "
@@ -511,8 +637,9 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         "and the 8 tokens transformers picks after it, against transformers float32, each row "
         "computed on transformers' tokens before it (kvchat float32 also decodes the 8 "
         "freely and must pick them):\n\n"
-        + markdown_table(["engine", "max |logit - transformers f32|", "greedy = transformers"],
-                         checks)
+        + markdown_table(
+            ["engine", "max |logit - transformers f32|", "greedy = transformers"], checks
+        )
     )
     report += (
         f"\n## One sequence\n\nMedians over {args.rounds} rounds. Floor: bytes read per decode "
@@ -520,9 +647,18 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         f"{bandwidth / 1e9:.1f} GB/s (best measured copy bandwidth of the run); floor share "
         "= floor / measured time (1.0 = at the floor; prefill is compute-bound, its share is "
         "the same floor over the whole prompt's time).\n\n"
-        + markdown_table(["variant", "decode ms/token", "decode tok/s", "decode floor share",
-                          "prompt tok/s", "prompt floor share", "request tok/s (generated)"],
-                         rows)
+        + markdown_table(
+            [
+                "variant",
+                "decode ms/token",
+                "decode tok/s",
+                "decode floor share",
+                "prompt tok/s",
+                "prompt floor share",
+                "request tok/s (generated)",
+            ],
+            rows,
+        )
     )
     report += (
         "\n## Goals\n\nEach ratio is the median of the rounds' own ratios: a round runs every "
@@ -533,17 +669,33 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
     memory_rows = []
     for dtype in kvchat:
         m = resident_memory(model_dir, dtype)
-        memory_rows.append([f"kvchat {dtype}", f"{m['weights'] / 2**20:.0f}",
-                            f"{m['model'] / 2**20:.0f}", f"{m['model'] / m['weights']:.2f}",
-                            f"{m['engine'] / 2**20:.0f}", f"{m['engine'] / m['weights']:.2f}"])
+        memory_rows.append(
+            [
+                f"kvchat {dtype}",
+                f"{m['weights'] / 2**20:.0f}",
+                f"{m['model'] / 2**20:.0f}",
+                f"{m['model'] / m['weights']:.2f}",
+                f"{m['engine'] / 2**20:.0f}",
+                f"{m['engine'] / m['weights']:.2f}",
+            ]
+        )
     report += (
         "\n## Resident memory\n\nWhat building the model (its weights as the layers hold them) "
         "and a whole engine (the model plus the tokenizer, grammar tables and kernels; its KV "
         "pool left out) add to a fresh process's resident set, against the bytes of the "
         "weights (the tied embedding counted once); one copy of the weights is a ratio of "
         "about 1:\n\n"
-        + markdown_table(["engine", "weights MiB", "model resident MiB", "model / weights",
-                          "engine resident MiB", "engine / weights"], memory_rows)
+        + markdown_table(
+            [
+                "engine",
+                "weights MiB",
+                "model resident MiB",
+                "model / weights",
+                "engine resident MiB",
+                "engine / weights",
+            ],
+            memory_rows,
+        )
     )
     split_rows = []
     for dtype, triples in splits.items():
@@ -551,20 +703,37 @@ def build_report(args: argparse.Namespace, model_dir: Path, timings: dict[str, T
         linear = median([lin for _, lin, _ in triples])
         peer = "llama.cpp f32" if dtype == "float32" else same
         peer_step = median([p for _, _, p in triples])
-        split_rows.append([f"kvchat {dtype}", f"{step * 1e3:.1f}", f"{linear * 1e3:.1f}",
-                           f"{(step - linear) * 1e3:.1f}", f"{peer}: {peer_step * 1e3:.1f}"])
+        split_rows.append(
+            [
+                f"kvchat {dtype}",
+                f"{step * 1e3:.1f}",
+                f"{linear * 1e3:.1f}",
+                f"{(step - linear) * 1e3:.1f}",
+                f"{peer}: {peer_step * 1e3:.1f}",
+            ]
+        )
     report += (
         "\n## Where the decode step goes\n\n"
         "kvchat's single-sequence step split into the time inside its linear layers (the "
         "weight stream: every weight read once) and everything else (norms, RoPE, the paged "
         "attention's gather and SDPA, cache write, sampling, Python), beside llama.cpp's whole "
         "step on the same prompt; medians of 5 interleaved rounds:\n\n"
-        + markdown_table(["variant", "step ms", "in linear layers ms", "everything else ms",
-                          "llama.cpp step ms"], split_rows)
+        + markdown_table(
+            [
+                "variant",
+                "step ms",
+                "in linear layers ms",
+                "everything else ms",
+                "llama.cpp step ms",
+            ],
+            split_rows,
+        )
     )
-    report += ("\nServing many requests at once, against llama.cpp's own server: "
-               "bench/results/peers_serving.md (python bench/peers_serving.py). Where the time "
-               "of a decode step goes: bench/results/decode_profile.md.\n")
+    report += (
+        "\nServing many requests at once, against llama.cpp's own server: "
+        "bench/results/peers_serving.md (python bench/peers_serving.py). Where the time "
+        "of a decode step goes: bench/results/decode_profile.md.\n"
+    )
     return report
 
 
@@ -585,8 +754,7 @@ def plot(timings: dict[str, Timings], args: argparse.Namespace, path: Path) -> N
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     decode = [1 / median(timings[n].decode_step_s) for n in names]
     prompt = [args.prompt_tokens / median(timings[n].prefill_s) for n in names]
-    for ax, values, label in ((axes[0], decode, "decode tok/s"),
-                              (axes[1], prompt, "prompt tok/s")):
+    for ax, values, label in ((axes[0], decode, "decode tok/s"), (axes[1], prompt, "prompt tok/s")):
         bars = ax.barh(names, values, color=colors)
         ax.bar_label(bars, fmt="%.0f", padding=3)
         ax.set_xlabel(f"{label} (higher is better)")

@@ -50,12 +50,59 @@ from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 WORDS = (
-    "the", "model", "keeps", "each", "conversation", "cache", "pinned", "between", "turns",
-    "so", "next", "turn", "prefills", "only", "what", "is", "new", "while", "shared",
-    "system", "prompt", "computed", "once", "for", "all", "users", "of", "service", "and",
-    "short", "answers", "stream", "back", "river", "mountain", "lantern", "copper", "violet",
-    "harbor", "meadow", "signal", "quartz", "ember", "canyon", "orbit", "saddle", "timber",
-    "walnut", "falcon", "glacier", "pepper", "marble", "thistle",
+    "the",
+    "model",
+    "keeps",
+    "each",
+    "conversation",
+    "cache",
+    "pinned",
+    "between",
+    "turns",
+    "so",
+    "next",
+    "turn",
+    "prefills",
+    "only",
+    "what",
+    "is",
+    "new",
+    "while",
+    "shared",
+    "system",
+    "prompt",
+    "computed",
+    "once",
+    "for",
+    "all",
+    "users",
+    "of",
+    "service",
+    "and",
+    "short",
+    "answers",
+    "stream",
+    "back",
+    "river",
+    "mountain",
+    "lantern",
+    "copper",
+    "violet",
+    "harbor",
+    "meadow",
+    "signal",
+    "quartz",
+    "ember",
+    "canyon",
+    "orbit",
+    "saddle",
+    "timber",
+    "walnut",
+    "falcon",
+    "glacier",
+    "pepper",
+    "marble",
+    "thistle",
 )
 
 
@@ -71,12 +118,16 @@ class Workload:
     def system_prompt(self) -> str:
         rng = random.Random(self.seed)
         return "You are a helpful assistant. " + " ".join(
-            rng.choice(WORDS) for _ in range(self.system_words))
+            rng.choice(WORDS) for _ in range(self.system_words)
+        )
 
     def question(self, user: int, round_: int) -> str:
         rng = random.Random(self.seed * 1_000_003 + user * 1009 + round_)
-        return f"User {user}, question {round_}: " + " ".join(
-            rng.choice(WORDS) for _ in range(self.question_words)) + "?"
+        return (
+            f"User {user}, question {round_}: "
+            + " ".join(rng.choice(WORDS) for _ in range(self.question_words))
+            + "?"
+        )
 
 
 @dataclass
@@ -138,8 +189,11 @@ class RateRun:
     def sustained(self) -> bool:
         """Every request answered, served >= 90% of the offered rate, and the last round less
         than half a user's interval behind the schedule (the queue is not growing)."""
-        return (len(self.ok) == len(self.turns) and self.served_rate >= 0.9 * self.rate
-                and self.behind <= 0.5 * self.user_interval)
+        return (
+            len(self.ok) == len(self.turns)
+            and self.served_rate >= 0.9 * self.rate
+            and self.behind <= 0.5 * self.user_interval
+        )
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -152,14 +206,22 @@ def quantile(values: list[float], q: float) -> float:
 # -- the client ------------------------------------------------------------------------------
 
 
-async def run_rate(url: str, headers: dict[str, str], model: str, workload: Workload,
-                   rate: float, server: str, bar: tqdm) -> RateRun:
+async def run_rate(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    workload: Workload,
+    rate: float,
+    server: str,
+    bar: tqdm,
+) -> RateRun:
     run = RateRun(server, rate)
     system = workload.system_prompt()
     start = time.perf_counter() + 0.5
     limits = httpx.Limits(max_connections=workload.users * 2)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=900,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=900, limits=limits
+    ) as client:
 
         async def user_loop(user: int) -> None:
             messages: list[dict[str, str]] = [{"role": "system", "content": system}]
@@ -178,11 +240,22 @@ async def run_rate(url: str, headers: dict[str, str], model: str, workload: Work
     return run
 
 
-async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]],
-               max_tokens: int, turn: Turn) -> str:
-    body = {"model": model, "messages": messages, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0,
-            "max_tokens": max_tokens, "ignore_eos": True}
+async def chat(
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    turn: Turn,
+) -> str:
+    body = {
+        "model": model,
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     parts: list[str] = []
     turn.sent = time.perf_counter()
     try:
@@ -238,12 +311,31 @@ class KVChatServer(Server):
     def __init__(self, model_dir: Path, dtype: str, threads: int, data_dir: Path) -> None:
         port = free_port()
         self.name, self.url, self.model = "kvchat", f"http://127.0.0.1:{port}", model_dir.name
-        env = {**os.environ, "KVCHAT_DATA_DIR": str(data_dir), "KVCHAT_DTYPE": dtype,
-               "KVCHAT_SEED": "0", "KVCHAT_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(threads)}
+        env = {
+            **os.environ,
+            "KVCHAT_DATA_DIR": str(data_dir),
+            "KVCHAT_DTYPE": dtype,
+            "KVCHAT_SEED": "0",
+            "KVCHAT_LOG_LEVEL": "warning",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(threads),
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model_dir), "--port",
-             str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvchat.app.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         key = None
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:  # the key is printed once the app has started
@@ -253,26 +345,53 @@ class KVChatServer(Server):
                 break
         if key is None:
             raise RuntimeError(f"kvchat serve exited ({self.proc.poll()}) before printing a key")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout],  # type: ignore[union-attr]
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [None for _ in self.proc.stdout],  # type: ignore[union-attr]
+            daemon=True,
+        ).start()
         self.headers = {"Authorization": f"Bearer {key}"}
         wait_ready(f"{self.url}/readyz", self.proc)
 
 
 class LlamaServer(Server):
-    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx: int,
-                 kv_type: str) -> None:
+    def __init__(
+        self, binary: Path, gguf: Path, threads: int, slots: int, ctx: int, kv_type: str
+    ) -> None:
         port = free_port()
         self.name, self.url, self.model = "llama-server", f"http://127.0.0.1:{port}", gguf.stem
         self.headers = {}
         self.args = [
-            str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", str(slots),
-            "--cache-reuse", "256", "--cache-ram", "4096", "--chat-template", "chatml",
-            "-ctk", kv_type, "-ctv", kv_type, "--no-webui", "--log-disable",
+            str(binary),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(ctx),
+            "-np",
+            str(slots),
+            "--cache-reuse",
+            "256",
+            "--cache-ram",
+            "4096",
+            "--chat-template",
+            "chatml",
+            "-ctk",
+            kv_type,
+            "-ctv",
+            kv_type,
+            "--no-webui",
+            "--log-disable",
         ]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_ready(f"{self.url}/health", self.proc)
 
 
@@ -282,16 +401,23 @@ class LlamaServer(Server):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *GGUF_TYPES],
-                    help="the weights' type in both servers (auto: the half-precision type "
-                         "this CPU runs natively, as bench/peers.py chooses)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *GGUF_TYPES],
+        help="the weights' type in both servers (auto: the half-precision type "
+        "this CPU runs natively, as bench/peers.py chooses)",
+    )
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--system-words", type=int, default=200)
     ap.add_argument("--question-words", type=int, default=40)
     ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--rates", default="0.2,0.4,0.8,1.2,1.6,2.4,3.2,4.8",
-                    help="offered request rates (req/s), stepped up in this order")
+    ap.add_argument(
+        "--rates",
+        default="0.2,0.4,0.8,1.2,1.6,2.4,3.2,4.8",
+        help="offered request rates (req/s), stepped up in this order",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots")
     ap.add_argument("--out", type=Path, default=RESULTS / "peers_serving.md")
@@ -306,22 +432,32 @@ def main() -> int:
     load_start, started = os.getloadavg(), time.gmtime()
     model_dir = ensure_model(args.model, "bench")
     gguf = gguf_files(model_dir, CACHE, PACKAGE, VERSION, (GGUF_TYPES[args.dtype],))[
-        GGUF_TYPES[args.dtype]]
+        GGUF_TYPES[args.dtype]
+    ]
     binary = server_binary()
-    workload = Workload(args.users, args.rounds, args.system_words, args.question_words,
-                        args.answer_tokens)
+    workload = Workload(
+        args.users, args.rounds, args.system_words, args.question_words, args.answer_tokens
+    )
     rates = [float(r) for r in args.rates.split(",")]
     ctx = 16384
     runs: dict[str, list[RateRun]] = {"kvchat": [], "llama-server": []}
     total = len(rates) * workload.users * workload.rounds * 2
-    with tqdm(total=total, desc="requests", unit="req") as bar, \
-            tempfile.TemporaryDirectory(prefix="kvchat-peers-serving-") as tmp:
+    with (
+        tqdm(total=total, desc="requests", unit="req") as bar,
+        tempfile.TemporaryDirectory(prefix="kvchat-peers-serving-") as tmp,
+    ):
         starters = {
-            "kvchat": lambda i: KVChatServer(model_dir, args.dtype, args.threads,
-                                             Path(tmp) / f"data-{i}"),
-            "llama-server": lambda i: LlamaServer(binary, gguf, args.threads, args.slots, ctx,
-                                                  GGUF_TYPES[args.dtype]
-                                                  if args.dtype != "float32" else "f16"),
+            "kvchat": lambda i: KVChatServer(
+                model_dir, args.dtype, args.threads, Path(tmp) / f"data-{i}"
+            ),
+            "llama-server": lambda i: LlamaServer(
+                binary,
+                gguf,
+                args.threads,
+                args.slots,
+                ctx,
+                GGUF_TYPES[args.dtype] if args.dtype != "float32" else "f16",
+            ),
         }
         # Rates interleaved: at each rate, each server in turn on a fresh process (empty
         # caches), alternating which goes first; a server is dropped a rate after it stopped
@@ -335,8 +471,11 @@ def main() -> int:
                     continue
                 server = starters[name](i)
                 try:
-                    run = asyncio.run(run_rate(server.url, server.headers, server.model,
-                                               workload, rate, name, bar))
+                    run = asyncio.run(
+                        run_rate(
+                            server.url, server.headers, server.model, workload, rate, name, bar
+                        )
+                    )
                 finally:
                     server.stop()
                 runs[name].append(run)
@@ -364,24 +503,32 @@ def knee(runs: list[RateRun]) -> float:
     return best
 
 
-def build_report(args: argparse.Namespace, workload: Workload, runs: dict[str, list[RateRun]],
-                 load_start: tuple[float, float, float], load_end: tuple[float, float, float],
-                 started: time.struct_time, gguf: Path) -> str:
+def build_report(
+    args: argparse.Namespace,
+    workload: Workload,
+    runs: dict[str, list[RateRun]],
+    load_start: tuple[float, float, float],
+    load_end: tuple[float, float, float],
+    started: time.struct_time,
+    gguf: Path,
+) -> str:
     header = machine_header(
         "Serving against llama-server: multi-round chat at a fixed request rate",
         {
             "model": f"bench preset ({args.model.name}), {args.dtype}; llama-server on "
-                     f"{gguf.name} (llama.cpp's own conversion of the same weights)",
+            f"{gguf.name} (llama.cpp's own conversion of the same weights)",
             "workload": f"{workload.users} users x {workload.rounds} rounds; shared system "
-                        f"prompt of {workload.system_words} words, {workload.question_words}-"
-                        f"word questions, whole history resent, {workload.answer_tokens} greedy "
-                        "answer tokens (ignore_eos)",
+            f"prompt of {workload.system_words} words, {workload.question_words}-"
+            f"word questions, whole history resent, {workload.answer_tokens} greedy "
+            "answer tokens (ignore_eos)",
             "kvchat": "kvchat serve, defaults (prefix cache, no X-Session-Id)",
             "llama-server": f"{PACKAGE} {VERSION}'s llama.cpp, -np {args.slots}, --cache-reuse "
-                            f"256, --cache-ram 4096, ChatML, {args.threads} threads",
+            f"256, --cache-ram 4096, ChatML, {args.threads} threads",
             "command": "python bench/peers_serving.py",
         },
-        started=started, load_start=load_start, load_end=load_end,
+        started=started,
+        load_start=load_start,
+        load_end=load_end,
     )
     rows = []
     for name, server_runs in runs.items():
@@ -389,28 +536,55 @@ def build_report(args: argparse.Namespace, workload: Workload, runs: dict[str, l
             ok = run.ok
             sent = sum(t.prompt_tokens for t in ok)
             computed = sum(t.prompt_tokens - t.cached_tokens for t in ok)
-            rows.append([
-                name, f"{run.rate:g}", f"{run.served_rate:.2f}", f"{len(ok)}/{len(run.turns)}",
-                f"{run.ttft(0.5, {1}) * 1e3:.0f}", f"{run.ttft(0.5, set(range(2, 99))) * 1e3:.0f}",
-                f"{run.ttft(0.9, set(range(2, 99))) * 1e3:.0f}", f"{run.behind:.2f}",
-                f"{computed:,} / {sent:,}", "yes" if run.sustained else "no",
-            ])
+            rows.append(
+                [
+                    name,
+                    f"{run.rate:g}",
+                    f"{run.served_rate:.2f}",
+                    f"{len(ok)}/{len(run.turns)}",
+                    f"{run.ttft(0.5, {1}) * 1e3:.0f}",
+                    f"{run.ttft(0.5, set(range(2, 99))) * 1e3:.0f}",
+                    f"{run.ttft(0.9, set(range(2, 99))) * 1e3:.0f}",
+                    f"{run.behind:.2f}",
+                    f"{computed:,} / {sent:,}",
+                    "yes" if run.sustained else "no",
+                ]
+            )
     table = markdown_table(
-        ["server", "offered req/s", "served req/s", "ok", "TTFT p50 round 1 ms",
-         "TTFT p50 rounds >= 2 ms", "TTFT p90 rounds >= 2 ms", "last round behind s",
-         "prompt tokens computed / sent", "sustained"], rows)
+        [
+            "server",
+            "offered req/s",
+            "served req/s",
+            "ok",
+            "TTFT p50 round 1 ms",
+            "TTFT p50 rounds >= 2 ms",
+            "TTFT p90 rounds >= 2 ms",
+            "last round behind s",
+            "prompt tokens computed / sent",
+            "sustained",
+        ],
+        rows,
+    )
     by_round_rows = []
     for name, server_runs in runs.items():
         for run in server_runs:
-            by_round_rows.append([name, f"{run.rate:g}"] + [
-                f"{run.ttft(0.5, {r}) * 1e3:.0f} / {run.ttft(0.9, {r}) * 1e3:.0f}"
-                for r in range(1, workload.rounds + 1)])
-    by_round = markdown_table(["server", "offered req/s"]
-                              + [f"round {r}" for r in range(1, workload.rounds + 1)],
-                              by_round_rows)
+            by_round_rows.append(
+                [name, f"{run.rate:g}"]
+                + [
+                    f"{run.ttft(0.5, {r}) * 1e3:.0f} / {run.ttft(0.9, {r}) * 1e3:.0f}"
+                    for r in range(1, workload.rounds + 1)
+                ]
+            )
+    by_round = markdown_table(
+        ["server", "offered req/s"] + [f"round {r}" for r in range(1, workload.rounds + 1)],
+        by_round_rows,
+    )
     knees = {name: knee(server_runs) for name, server_runs in runs.items()}
-    both = [r for r in (run.rate for run in runs["kvchat"] if run.sustained)
-            if any(o.rate == r and o.sustained for o in runs["llama-server"])]
+    both = [
+        r
+        for r in (run.rate for run in runs["kvchat"] if run.sustained)
+        if any(o.rate == r and o.sustained for o in runs["llama-server"])
+    ]
     goals = []
     if both:
         rate = max(r for r in both if r <= 0.4) if any(r <= 0.4 for r in both) else min(both)
@@ -418,30 +592,47 @@ def build_report(args: argparse.Namespace, workload: Workload, runs: dict[str, l
         theirs = next(r for r in runs["llama-server"] if r.rate == rate)
         late = set(range(2, workload.rounds + 1))
         ratio = mine.ttft(0.5, late) / theirs.ttft(0.5, late)
-        goals.append([f"TTFT p50 at rounds >= 2, kvchat / llama-server, at {rate:g} req/s",
-                      f"{ratio:.2f}x", "<= 0.3x"])
+        goals.append(
+            [
+                f"TTFT p50 at rounds >= 2, kvchat / llama-server, at {rate:g} req/s",
+                f"{ratio:.2f}x",
+                "<= 0.3x",
+            ]
+        )
     # A server that kept up at every rate it was sent has its knee above the last one: the
     # figure is a lower bound (">=").
-    bound = {name: ">= " if all(r.sustained for r in server_runs) else ""
-             for name, server_runs in runs.items()}
+    bound = {
+        name: ">= " if all(r.sustained for r in server_runs) else ""
+        for name, server_runs in runs.items()
+    }
     if knees["llama-server"] and not bound["llama-server"]:
         ratio_text = f"{bound['kvchat']}{knees['kvchat'] / knees['llama-server']:.2f}x"
     else:
-        ratio_text = "not established (llama-server's knee not found)" if knees[
-            "llama-server"] else "not established (llama-server sustained no rate)"
-    goals.append(["knee (highest sustained req/s), kvchat / llama-server",
-                  f"{bound['kvchat']}{knees['kvchat']:g} / {bound['llama-server']}"
-                  f"{knees['llama-server']:g}: {ratio_text}", ">= 2x"])
+        ratio_text = (
+            "not established (llama-server's knee not found)"
+            if knees["llama-server"]
+            else "not established (llama-server sustained no rate)"
+        )
+    goals.append(
+        [
+            "knee (highest sustained req/s), kvchat / llama-server",
+            f"{bound['kvchat']}{knees['kvchat']:g} / {bound['llama-server']}"
+            f"{knees['llama-server']:g}: {ratio_text}",
+            ">= 2x",
+        ]
+    )
     return (
-        header
-        + "\nSustained: every request answered, served >= 90% of the offered rate, and the "
-          "last round's requests started (p50) less than half a user's interval (users / rate) "
-          "behind the schedule: the queue is not growing. Each "
-          "server runs on a fresh process at each rate; prompt tokens computed = prompt "
-          "tokens - cached tokens, as each server's usage reports them.\n\n"
-        + "## By offered rate\n\n" + table
-        + "\n## TTFT by round, p50 / p90 (ms)\n\n" + by_round
-        + "\n## Goals\n\n" + markdown_table(["measure", "measured", "goal"], goals)
+        header + "\nSustained: every request answered, served >= 90% of the offered rate, and the "
+        "last round's requests started (p50) less than half a user's interval (users / rate) "
+        "behind the schedule: the queue is not growing. Each "
+        "server runs on a fresh process at each rate; prompt tokens computed = prompt "
+        "tokens - cached tokens, as each server's usage reports them.\n\n"
+        + "## By offered rate\n\n"
+        + table
+        + "\n## TTFT by round, p50 / p90 (ms)\n\n"
+        + by_round
+        + "\n## Goals\n\n"
+        + markdown_table(["measure", "measured", "goal"], goals)
         + "\n![served rate and TTFT against offered rate](peers_serving.png)\n"
     )
 
@@ -457,8 +648,13 @@ def plot(runs: dict[str, list[RateRun]], path: Path) -> None:
     for name, server_runs in runs.items():
         rates = [r.rate for r in server_runs]
         a.plot(rates, [r.served_rate for r in server_runs], "o-", color=colors[name], label=name)
-        b.plot(rates, [r.ttft(0.5, set(range(2, 99))) * 1e3 for r in server_runs], "o-",
-               color=colors[name], label=name)
+        b.plot(
+            rates,
+            [r.ttft(0.5, set(range(2, 99))) * 1e3 for r in server_runs],
+            "o-",
+            color=colors[name],
+            label=name,
+        )
     top = max((r.rate for rs in runs.values() for r in rs), default=1.0)
     a.plot([0, top], [0, top], ":", color="#cccccc", label="served = offered")
     a.set_xlabel("offered requests/s")

@@ -127,8 +127,7 @@ async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
             prompt = template.render_ids(history)
             sent = time.perf_counter()
             first = None
-            request = engine.check_request(prompt, params,
-                                           session_id=f"s{i}" if sessions else None)
+            request = engine.check_request(prompt, params, session_id=f"s{i}" if sessions else None)
             async for out in runner.generate(f"e{i}-{turn}-{sessions}", request):
                 if first is None and out.new_text:  # visible text, as the service's chunks
                     first = time.perf_counter()
@@ -166,7 +165,17 @@ def start_server(model: Path, data_dir: Path, port: int) -> tuple[subprocess.Pop
         "PYTHONUNBUFFERED": "1",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model), "--port", str(port)],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvchat.app.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -272,14 +281,22 @@ def main() -> None:
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--reply-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of the four variants, interleaved (each with a fresh engine "
-                    "and a fresh server)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the four variants, interleaved (each with a fresh engine "
+        "and a fresh server)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_rest.md")
     args = ap.parse_args()
     model = ensure_model(args.model, "bench")
-    names = ["engine alone, sessions on", "engine alone, sessions off",
-             "service, X-Session-Id on", "service, X-Session-Id off"]
+    names = [
+        "engine alone, sessions on",
+        "engine alone, sessions off",
+        "service, X-Session-Id on",
+        "service, X-Session-Id off",
+    ]
     merged = {name: Run(name) for name in names}
     per_round: list[tuple[float, float]] = []
     total = args.loops * args.turns
@@ -287,23 +304,31 @@ def main() -> None:
         for r in range(args.rounds):
             # Fresh messages each round and each sessions setting (so no run finds another's
             # conversations in the prefix cache); the engine and the service get the same ones.
-            loads = {on: Load(args.loops, args.turns, args.reply_tokens, seed=2 * r + (not on))
-                     for on in (True, False)}
+            loads = {
+                on: Load(args.loops, args.turns, args.reply_tokens, seed=2 * r + (not on))
+                for on in (True, False)
+            }
             runs = [asyncio.run(run_engine(model, loads[on], on, bar)) for on in (True, False)]
             port = free_port()
             with tempfile.TemporaryDirectory() as data:
                 proc, key = start_server(model, Path(data), port)
                 try:
                     url = f"http://127.0.0.1:{port}"
-                    runs += [asyncio.run(run_service(url, key, model.name, loads[on], on, bar))
-                             for on in (True, False)]
+                    runs += [
+                        asyncio.run(run_service(url, key, model.name, loads[on], on, bar))
+                        for on in (True, False)
+                    ]
                 finally:
                     proc.terminate()
                     proc.wait(60)
             for run in runs:
                 merged[run.name].merge(run)
-            per_round.append((runs[2].tokens_per_second / runs[0].tokens_per_second,
-                              runs[3].tokens_per_second / runs[1].tokens_per_second))
+            per_round.append(
+                (
+                    runs[2].tokens_per_second / runs[0].tokens_per_second,
+                    runs[3].tokens_per_second / runs[1].tokens_per_second,
+                )
+            )
     load = Load(args.loops, args.turns, args.reply_tokens)
     runs = [merged[name] for name in names]
     engine_on, engine_off, service_on, service_off = runs
@@ -349,9 +374,7 @@ def main() -> None:
         f"\nService tokens/s as a share of the engine's on the same load: "
         f"{ratio_on:.2f} with X-Session-Id, {ratio_off:.2f} without (goal >= 0.90); "
         f"errors: {errors} (goal 0).\n\nPer round (service / engine tokens/s, with and "
-        f"without X-Session-Id): "
-        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_round)
-        + ".\n"
+        f"without X-Session-Id): " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in per_round) + ".\n"
     )
     for each in runs:
         for e in each.errors[:3]:

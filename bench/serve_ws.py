@@ -109,8 +109,7 @@ async def run_engine(model: Path, load: Load, bar: tqdm) -> Run:
             sent = time.perf_counter()
             last = None
             ids: list[int] = []
-            request = engine.check_request(template.render_ids(history), params,
-                                           session_id=f"s{i}")
+            request = engine.check_request(template.render_ids(history), params, session_id=f"s{i}")
             async for out in runner.generate(f"c{i}-{t}", request):
                 now = time.perf_counter()
                 ids += out.new_token_ids
@@ -235,8 +234,12 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--reply-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of engine alone then service, each with a fresh engine / server")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of engine alone then service, each with a fresh engine / server",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_ws.md")
     args = ap.parse_args()
     model = ensure_model(args.model, "bench")

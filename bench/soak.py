@@ -35,8 +35,15 @@ from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, mar
 from kvchat.bench.serve_rest import WORDS, free_port, start_server
 
 # (kind, weight): what a client does next, drawn from its own seeded generator.
-MIX = (("rest turn", 30), ("sse stream", 20), ("ws turn", 20), ("stop", 10),
-       ("regenerate", 10), ("budget", 5), ("evict", 5))
+MIX = (
+    ("rest turn", 30),
+    ("sse stream", 20),
+    ("ws turn", 20),
+    ("stop", 10),
+    ("regenerate", 10),
+    ("budget", 5),
+    ("evict", 5),
+)
 KINDS = tuple(kind for kind, _ in MIX)
 REQUEST_TIMEOUT_S = 120.0  # a request unanswered this long is a hang
 TURNS_PER_CONVERSATION = 20  # then the client deletes it and starts another
@@ -122,8 +129,16 @@ class Client:
     """One soak client: its own conversation (replaced every TURNS_PER_CONVERSATION turns),
     its own seeded choices."""
 
-    def __init__(self, soak: Soak, http: httpx.AsyncClient, ws_base: str, headers: dict[str, str],
-                 index: int, seed: int, reply_tokens: int) -> None:
+    def __init__(
+        self,
+        soak: Soak,
+        http: httpx.AsyncClient,
+        ws_base: str,
+        headers: dict[str, str],
+        index: int,
+        seed: int,
+        reply_tokens: int,
+    ) -> None:
         self.soak, self.http, self.ws_base, self.headers = soak, http, ws_base, headers
         self.index = index
         self.rng = random.Random(seed * 7919 + index)
@@ -163,8 +178,13 @@ class Client:
         if self.conversation is not None:
             await self.call("DELETE", f"/v1/conversations/{self.conversation}")
         # A system prompt of its own: no KV block is shared with another conversation.
-        conv = await self.call("POST", "/v1/conversations", json={
-            "system": f"Soak client {self.index}, conversation {time.monotonic_ns()}: be brief."})
+        conv = await self.call(
+            "POST",
+            "/v1/conversations",
+            json={
+                "system": f"Soak client {self.index}, conversation {time.monotonic_ns()}: be brief."
+            },
+        )
         self.conversation, self.turns = conv["id"], 0
 
     def turn_body(self, **extra: Any) -> dict[str, Any]:
@@ -173,8 +193,9 @@ class Client:
     # -- what a client does ----------------------------------------------------------------------
 
     async def rest_turn(self) -> None:
-        reply = await self.call("POST", f"/v1/conversations/{self.conversation}/messages",
-                                json=self.turn_body())
+        reply = await self.call(
+            "POST", f"/v1/conversations/{self.conversation}/messages", json=self.turn_body()
+        )
         if reply["status"] != "complete":
             raise Failed(f"reply {reply['id']} is {reply['status']}")
         self.turns += 1
@@ -200,8 +221,9 @@ class Client:
         """Send one frame on a new socket; the reply's frames until `done` (a `stop` frame
         after `stop_after` deltas). Returns the done frame."""
         url = f"{self.ws_base}/v1/conversations/{self.conversation}/ws"
-        async with websockets.connect(url, additional_headers=self.headers,
-                                      open_timeout=REQUEST_TIMEOUT_S) as ws:
+        async with websockets.connect(
+            url, additional_headers=self.headers, open_timeout=REQUEST_TIMEOUT_S
+        ) as ws:
             await ws.send(json.dumps(frame))
             deltas = 0
             while True:
@@ -225,22 +247,26 @@ class Client:
         """A long reply stopped after a few deltas: stored as cancelled (or complete, when it
         ended first)."""
         body = self.turn_body(max_tokens=10 * self.reply_tokens, ignore_eos=True)
-        done = await self.ws_frames({"type": "message", **body},
-                                    stop_after=self.rng.randint(1, 4))
+        done = await self.ws_frames({"type": "message", **body}, stop_after=self.rng.randint(1, 4))
         if done["status"] not in ("cancelled", "complete"):
             raise Failed(f"stopped reply {done['message_id']} is {done['status']}")
         self.turns += 1
 
     async def regenerate(self) -> None:
-        reply = await self.call("POST", f"/v1/conversations/{self.conversation}/regenerate",
-                                json={"max_tokens": self.reply_tokens})
+        reply = await self.call(
+            "POST",
+            f"/v1/conversations/{self.conversation}/regenerate",
+            json={"max_tokens": self.reply_tokens},
+        )
         if reply["status"] != "complete":
             raise Failed(f"regenerated reply {reply['id']} is {reply['status']}")
 
     async def budget(self) -> None:
         # Budgets every turn of the mix fits in (a stop's reply budget is 10 replies).
-        body = {"max_context_tokens": self.rng.choice([None, 512, 1024, 2048]),
-                "max_kv_tokens": self.rng.choice([None, 128, 256, 1024])}
+        body = {
+            "max_context_tokens": self.rng.choice([None, 512, 1024, 2048]),
+            "max_kv_tokens": self.rng.choice([None, 128, 256, 1024]),
+        }
         await self.call("PUT", f"/v1/admin/sessions/{self.conversation}", json=body)
 
     async def evict(self) -> None:
@@ -255,8 +281,15 @@ async def memory_report(http: httpx.AsyncClient) -> dict[str, Any]:
 
 
 async def soak(
-    url: str, key: str, pid: int | None, clients: int, duration_s: float, *, seed: int = 0,
-    reply_tokens: int = 16, sample_every_s: float = 2.0,
+    url: str,
+    key: str,
+    pid: int | None,
+    clients: int,
+    duration_s: float,
+    *,
+    seed: int = 0,
+    reply_tokens: int = 16,
+    sample_every_s: float = 2.0,
     progress: Callable[[float, Soak], None] | None = None,
 ) -> Soak:
     """Run `clients` clients for `duration_s` seconds against the server at `url`, then wait
@@ -264,8 +297,9 @@ async def soak(
     result = Soak(clients, duration_s)
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=4 * clients + 4)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S,
-                                 limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S, limits=limits
+    ) as http:
         start = time.monotonic()
         deadline = start + duration_s
         done = asyncio.Event()
@@ -274,9 +308,15 @@ async def soak(
             while True:
                 report = await memory_report(http)
                 used, held = pool_use(report)
-                result.samples.append(Sample(
-                    time.monotonic() - start, rss_bytes(pid) if pid else None, used, held,
-                    int(report["requests"]["running"])))
+                result.samples.append(
+                    Sample(
+                        time.monotonic() - start,
+                        rss_bytes(pid) if pid else None,
+                        used,
+                        held,
+                        int(report["requests"]["running"]),
+                    )
+                )
                 if progress is not None:
                     progress(time.monotonic() - start, result)
                 try:
@@ -287,9 +327,12 @@ async def soak(
 
         sampler = asyncio.ensure_future(sample())
         ws_base = url.replace("http", "ws", 1)
-        await asyncio.gather(*(
-            Client(result, http, ws_base, headers, i, seed, reply_tokens).run(deadline)
-            for i in range(clients)))
+        await asyncio.gather(
+            *(
+                Client(result, http, ws_base, headers, i, seed, reply_tokens).run(deadline)
+                for i in range(clients)
+            )
+        )
         done.set()
         await sampler
         idle_deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -308,28 +351,36 @@ async def soak(
 
 def write_report(result: Soak, header: str, path: Path) -> str:
     used, held = result.pool
-    rows = [[kind, result.requests[kind],
-             sum(e.startswith(f"{kind}:") for e in result.errors)] for kind in KINDS]
+    rows = [
+        [kind, result.requests[kind], sum(e.startswith(f"{kind}:") for e in result.errors)]
+        for kind in KINDS
+    ]
     rows.append(["all", sum(result.requests.values()), len(result.errors)])
     report = header + "\n"
     report += markdown_table(["kind", "requests", "errors"], rows)
     report += f"\nErrors: {len(result.errors)} (goal 0)\n"
     for error in result.errors[:20]:
         report += f"- {error}\n"
-    report += (f"\nOnce idle, the KV pool uses {used} blocks; the {len(result.final['sessions'])}"
-               f" live sessions hold {held} ({'equal' if used == held else 'NOT equal'}).\n")
+    report += (
+        f"\nOnce idle, the KV pool uses {used} blocks; the {len(result.final['sessions'])}"
+        f" live sessions hold {held} ({'equal' if used == held else 'NOT equal'}).\n"
+    )
     span = result.rss_over_second_half()
     if span is not None and result.rss_second_half_growth is not None:
         growth = result.rss_second_half_growth
         flat = abs(growth) <= RSS_FLAT
-        report += (f"\nServer RSS over the second half (goal: flat within {RSS_FLAT:.0%}): "
-                   f"{span[0] / 2**20:.0f} MiB at its start, {span[1] / 2**20:.0f} MiB at the "
-                   f"end: {growth:+.1%} ({'flat' if flat else 'NOT flat'}).")
+        report += (
+            f"\nServer RSS over the second half (goal: flat within {RSS_FLAT:.0%}): "
+            f"{span[0] / 2**20:.0f} MiB at its start, {span[1] / 2**20:.0f} MiB at the "
+            f"end: {growth:+.1%} ({'flat' if flat else 'NOT flat'})."
+        )
     halves = result.rss_halves()
     if halves is not None and result.rss_growth is not None:
-        report += (f" The mean of the first half (warm-up included) was "
-                   f"{halves[0] / 2**20:.0f} MiB, of the second {halves[1] / 2**20:.0f} MiB "
-                   f"({result.rss_growth:+.1%}).\n")
+        report += (
+            f" The mean of the first half (warm-up included) was "
+            f"{halves[0] / 2**20:.0f} MiB, of the second {halves[1] / 2**20:.0f} MiB "
+            f"({result.rss_growth:+.1%}).\n"
+        )
     report += f"\n![RSS and KV blocks over time]({path.with_suffix('.png').name})\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report)
@@ -366,8 +417,12 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", type=Path, default=REPO / "models" / "dev",
-                    help="the model of the server this script starts (not with --url)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=REPO / "models" / "dev",
+        help="the model of the server this script starts (not with --url)",
+    )
     ap.add_argument("--url", help="soak this running server instead of starting one")
     ap.add_argument("--key", help="an admin key of the --url server")
     ap.add_argument("--pid", type=int, help="the --url server's process id (for its RSS)")
@@ -385,18 +440,19 @@ def main() -> None:
             port = free_port()
             proc, key = start_server(model, Path(data), port)
             url, pid = f"http://127.0.0.1:{port}", proc.pid
-            server = f"its own `kvchat serve` ({model.name} preset, SQLite, in-process " \
-                     "coordination)"
+            server = (
+                f"its own `kvchat serve` ({model.name} preset, SQLite, in-process coordination)"
+            )
         title = f"Soak: {args.clients} clients x {args.minutes:g} minutes"
-        settings: dict[str, object] = (
-            {"server": server,
-             "mix": ", ".join(f"{kind} {w}%" for kind, w in MIX) + "; a conversation per "
-             f"client, replaced every {TURNS_PER_CONVERSATION} turns",
-             "reply tokens": f"{args.reply_tokens} (stops: {10 * args.reply_tokens}, stopped "
-             "after 1-4 deltas)",
-             "seed": args.seed,
-             "command": f"python bench/soak.py --clients {args.clients} --minutes "
-                        f"{args.minutes:g}"})
+        settings: dict[str, object] = {
+            "server": server,
+            "mix": ", ".join(f"{kind} {w}%" for kind, w in MIX) + "; a conversation per "
+            f"client, replaced every {TURNS_PER_CONVERSATION} turns",
+            "reply tokens": f"{args.reply_tokens} (stops: {10 * args.reply_tokens}, stopped "
+            "after 1-4 deltas)",
+            "seed": args.seed,
+            "command": f"python bench/soak.py --clients {args.clients} --minutes {args.minutes:g}",
+        }
         bar = tqdm(total=round(duration_s), unit="s", desc="soak")
 
         def progress(elapsed: float, result: Soak) -> None:
@@ -404,8 +460,18 @@ def main() -> None:
             bar.set_postfix(requests=sum(result.requests.values()), errors=len(result.errors))
 
         try:
-            result = asyncio.run(soak(url, key, pid, args.clients, duration_s, seed=args.seed,
-                                      reply_tokens=args.reply_tokens, progress=progress))
+            result = asyncio.run(
+                soak(
+                    url,
+                    key,
+                    pid,
+                    args.clients,
+                    duration_s,
+                    seed=args.seed,
+                    reply_tokens=args.reply_tokens,
+                    progress=progress,
+                )
+            )
         finally:
             bar.close()
             if proc is not None:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +45,13 @@ from kvchat.inference.tool_calls import HERMES
 from kvchat.memory.config import CacheConfig
 
 
-
 def open_schema(items: dict[str, Any]) -> dict[str, Any]:
     """An object holding an array of >= 1000 `items`: never closes within the run."""
-    return {"type": "object", "required": ["log"],
-            "properties": {"log": {"type": "array", "minItems": 1000, "items": items}}}
+    return {
+        "type": "object",
+        "required": ["log"],
+        "properties": {"log": {"type": "array", "minItems": 1000, "items": items}},
+    }
 
 
 # Constraint kinds, cheapest mask first; the last is the costliest.
@@ -66,9 +68,12 @@ ARGUMENTS = {
         "city": {"type": "string", "maxLength": 40},
         "days": {"type": "integer", "minimum": 1, "maximum": 14},
         "units": {"enum": ["metric", "imperial"]},
-        "place": {"type": "object", "properties": {"lat": {"type": "number"},
-                                                   "lon": {"type": "number"}},
-                  "required": ["lat", "lon"], "additionalProperties": False},
+        "place": {
+            "type": "object",
+            "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+            "required": ["lat", "lon"],
+            "additionalProperties": False,
+        },
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
     },
     "required": ["city", "days"],
@@ -94,13 +99,20 @@ class Timed:
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - start - (sum(t.seconds for t in self.inner)
-                                                           - inner)
+            self.seconds += (
+                time.perf_counter() - start - (sum(t.seconds for t in self.inner) - inner)
+            )
 
 
-def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, steps: int,
-                 seed: int, tag: str, schema: dict[str, Any] | None = None,
-                 ) -> list[tuple[float, float, float, int]]:
+def decode_steps(
+    engine: Engine,
+    prompts: list[list[int]],
+    constrained: int,
+    steps: int,
+    seed: int,
+    tag: str,
+    schema: dict[str, Any] | None = None,
+) -> list[tuple[float, float, float, int]]:
     """(step, mask computation, sampler seconds, rows masked) of each all-decode step, the
     first `constrained` rows with `schema`'s grammar (default: the costliest constraint).
     The sampler's seconds leave out the masks computed inside it."""
@@ -116,22 +128,33 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
     engine.sampler = sampler  # type: ignore[assignment]
     try:
         for i, ids in enumerate(prompts):
-            engine.add_request(f"{tag}-{i}", ids, SamplingParams(
-                max_tokens=budget, temperature=1.0, seed=seed + i, ignore_eos=True,
-                grammar=grammar if i < constrained else None))
+            engine.add_request(
+                f"{tag}-{i}",
+                ids,
+                SamplingParams(
+                    max_tokens=budget,
+                    temperature=1.0,
+                    seed=seed + i,
+                    ignore_eos=True,
+                    grammar=grammar if i < constrained else None,
+                ),
+            )
         timings = []
         while engine.has_unfinished_requests():
-            decoding = all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running) \
-                and len(engine.scheduler.running) == len(prompts) \
+            decoding = (
+                all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
+                and len(engine.scheduler.running) == len(prompts)
                 and not engine.scheduler.waiting
+            )
             mask.seconds = offsets.seconds = sampler.seconds = 0.0
             mask.rows = 0
             start = time.perf_counter()
             outputs = engine.step()
             elapsed = time.perf_counter() - start
             if decoding and not any(o.finished for o in outputs):
-                timings.append((elapsed, mask.seconds + offsets.seconds, sampler.seconds,
-                                mask.rows))
+                timings.append(
+                    (elapsed, mask.seconds + offsets.seconds, sampler.seconds, mask.rows)
+                )
         return timings[:steps]
     finally:
         engine.grammars.fill_bitmask = mask.fn  # type: ignore[method-assign]
@@ -139,8 +162,9 @@ def decode_steps(engine: Engine, prompts: list[list[int]], constrained: int, ste
         engine.sampler = sampler.fn  # type: ignore[assignment]
 
 
-def compile_times(compiler: GrammarCompiler, grammar: Grammar,
-                  repeats: int) -> tuple[float, float, float]:
+def compile_times(
+    compiler: GrammarCompiler, grammar: Grammar, repeats: int
+) -> tuple[float, float, float]:
     """Median seconds: cold compile (emptied cache), cached compile, a request's matcher."""
     cold, cached, copy = [], [], []
     for _ in range(repeats):
@@ -162,15 +186,22 @@ def compile_times(compiler: GrammarCompiler, grammar: Grammar,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "bench")
-    ap.add_argument("--dtype", default="auto",
-                    help="the model's dtype (default: the engine's, float32 on the CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="the model's dtype (default: the engine's, float32 on the CPU)",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, default=4, help="runs of each variant")
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's); 1 keeps a busy machine's other "
-                         "work from stalling the model's thread barrier")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 keeps a busy machine's other "
+        "work from stalling the model's thread barrier",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "structured.md")
     args = ap.parse_args()
     if args.threads is not None:
@@ -178,7 +209,10 @@ def main() -> None:
 
     model_dir = ensure_model(args.model, "bench")
     config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device="cpu", attention_backend="torch",
+        model=str(model_dir),
+        dtype=args.dtype,
+        device="cpu",
+        attention_backend="torch",
         cache=CacheConfig(kv_cache_bytes=512 * 2**20, enable_prefix_caching=False),
     )
     engine = Engine(config)
@@ -209,13 +243,18 @@ def main() -> None:
         # server's grammars are warm after their first requests.
         for repeat in range(-1, args.repeats):
             for batch, constrained, kind, checks in variants:
-                prompts = [tokenizer.encode(f"{i}: {text}")[: args.prompt_tokens]
-                           for i in range(batch)]
+                prompts = [
+                    tokenizer.encode(f"{i}: {text}")[: args.prompt_tokens] for i in range(batch)
+                ]
                 timings = decode_steps(
-                    engines[checks], prompts, constrained, args.steps,
+                    engines[checks],
+                    prompts,
+                    constrained,
+                    args.steps,
                     seed=10**6 if repeat < 0 else 1000 * repeat,
                     tag=f"{repeat}-{batch}-{constrained}-{kind}-{checks}",
-                    schema=CONSTRAINTS[kind] if kind else None)
+                    schema=CONSTRAINTS[kind] if kind else None,
+                )
                 if repeat >= 0:
                     runs[(batch, constrained, kind, checks)].append(timings)
                 bar.update(1)
@@ -233,11 +272,16 @@ def main() -> None:
         base_sampler = statistics.median(t[2] for t in plain)
         overhead = step / base - 1
         # The same, repeat by repeat (each against the unconstrained run beside it): the spread.
-        per_run = [
-            statistics.median(t[0] for t in run) / statistics.median(t[0] for t in base_run) - 1
-            for run, base_run in zip(runs[(batch, constrained, kind, checks)],
-                                     runs[(batch, 0, "", True)])
-        ] if constrained else []
+        per_run = (
+            [
+                statistics.median(t[0] for t in run) / statistics.median(t[0] for t in base_run) - 1
+                for run, base_run in zip(
+                    runs[(batch, constrained, kind, checks)], runs[(batch, 0, "", True)]
+                )
+            ]
+            if constrained
+            else []
+        )
         medians[(batch, constrained, kind, checks)] = step
         share = (masks + sampler - base_sampler) / base
         masked = sum(t[3] for t in timings) / (len(timings) * constrained) if constrained else 0
@@ -246,66 +290,107 @@ def main() -> None:
             # shared machine one lucky (or unlucky) median decides nothing.
             under = sum(r < GOAL for r in per_run)
             met = overhead < GOAL and under >= 0.75 * len(per_run)
-            verdicts.append(f"batch {batch}, {kind}: {overhead * 100:+.1f}%, {under} of "
-                            f"{len(per_run)} runs under ({'met' if met else 'NOT met'})")
-        rows.append([
-            batch, f"{constrained}/{batch}",
-            (kind or "-") + ("" if checks else " (masked every step)"),
-            len(timings), f"{step * 1e3:.1f}",
-            f"{overhead * 100:+.1f}%" if constrained else "-",
-            f"{min(per_run) * 100:+.1f}% .. {max(per_run) * 100:+.1f}%" if per_run else "-",
-            f"{masked * 100:.0f}%" if constrained else "-",
-            f"{masks * 1e3:.2f}", f"{(sampler - base_sampler) * 1e3:+.2f}" if constrained else "-",
-            f"{share * 100:.1f}%" if constrained else "-",
-        ])
+            verdicts.append(
+                f"batch {batch}, {kind}: {overhead * 100:+.1f}%, {under} of "
+                f"{len(per_run)} runs under ({'met' if met else 'NOT met'})"
+            )
+        rows.append(
+            [
+                batch,
+                f"{constrained}/{batch}",
+                (kind or "-") + ("" if checks else " (masked every step)"),
+                len(timings),
+                f"{step * 1e3:.1f}",
+                f"{overhead * 100:+.1f}%" if constrained else "-",
+                f"{min(per_run) * 100:+.1f}% .. {max(per_run) * 100:+.1f}%" if per_run else "-",
+                f"{masked * 100:.0f}%" if constrained else "-",
+                f"{masks * 1e3:.2f}",
+                f"{(sampler - base_sampler) * 1e3:+.2f}" if constrained else "-",
+                f"{share * 100:.1f}%" if constrained else "-",
+            ]
+        )
 
     for batch in args.batch:
         if batch >= 16:
-            ratio = (medians[(batch, batch, COSTLIEST, True)]
-                     / medians[(batch, batch, COSTLIEST, False)])
-            verdicts.append(f"batch {batch}, {COSTLIEST}, checks first vs masked every step: "
-                            f"{ratio:.3f}x the step time")
+            ratio = (
+                medians[(batch, batch, COSTLIEST, True)] / medians[(batch, batch, COSTLIEST, False)]
+            )
+            verdicts.append(
+                f"batch {batch}, {COSTLIEST}, checks first vs masked every step: "
+                f"{ratio:.3f}x the step time"
+            )
 
     compile_rows: list[list[object]] = []
     vocab = engine.model_config.vocab_size
     grammars = {
         "json_schema (5 properties, nested)": json_schema_grammar(ARGUMENTS),
-        "tool calls, 1 tool": tool_call_grammar([ToolSpec("get_weather", ARGUMENTS)], HERMES,
-                                                parallel=True),
+        "tool calls, 1 tool": tool_call_grammar(
+            [ToolSpec("get_weather", ARGUMENTS)], HERMES, parallel=True
+        ),
         "tool calls, 8 tools": tool_call_grammar(
-            [ToolSpec(f"tool_{i}", {**ARGUMENTS, "title": f"t{i}"}) for i in range(8)], HERMES,
-            parallel=True),
+            [ToolSpec(f"tool_{i}", {**ARGUMENTS, "title": f"t{i}"}) for i in range(8)],
+            HERMES,
+            parallel=True,
+        ),
     }
     for name, grammar in tqdm(grammars.items(), desc="compiles", unit="grammar"):
         cold, cached, copy = compile_times(engine.grammars, grammar, repeats=5)
-        compile_rows.append([name, f"{cold * 1e3:.2f}", f"{cached * 1e6:.1f}",
-                             f"{copy * 1e6:.1f}", f"{cold / cached:,.0f}x"])
+        compile_rows.append(
+            [
+                name,
+                f"{cold * 1e3:.2f}",
+                f"{cached * 1e6:.1f}",
+                f"{copy * 1e6:.1f}",
+                f"{cold / cached:,.0f}x",
+            ]
+        )
 
     mc = engine.model_config
-    report = machine_header("Structured output: constrained decoding overhead and compile time", {
-        "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
-                 f"{str(config.torch_dtype).removeprefix('torch.')}"
-                 f"{' (the engine default)' if args.dtype == 'auto' else ''}, "
-                 f"vocab {mc.vocab_size}",
-        "workload": f"{args.prompt_tokens}-token prompts, seeded sampling (temperature 1); "
-                    f"{args.steps} timed all-decode steps per run, {args.repeats} runs per "
-                    "variant, variants interleaved",
-        "constraints": "JSON schema: an object with an array of >= 1000 items (never closes "
-                       "within the run), items " + ", ".join(CONSTRAINTS),
-        "command": "python bench/structured.py" + "".join(
-            f" --{k} {v}" for k, v in (("threads", args.threads), ("steps", args.steps),
-                                      ("repeats", args.repeats)) if v is not None),
-    })
+    report = machine_header(
+        "Structured output: constrained decoding overhead and compile time",
+        {
+            "model": f"bench preset ({mc.num_parameters / 1e6:.0f}M parameters, random weights), "
+            f"{str(config.torch_dtype).removeprefix('torch.')}"
+            f"{' (the engine default)' if args.dtype == 'auto' else ''}, "
+            f"vocab {mc.vocab_size}",
+            "workload": f"{args.prompt_tokens}-token prompts, seeded sampling (temperature 1); "
+            f"{args.steps} timed all-decode steps per run, {args.repeats} runs per "
+            "variant, variants interleaved",
+            "constraints": "JSON schema: an object with an array of >= 1000 items (never closes "
+            "within the run), items " + ", ".join(CONSTRAINTS),
+            "command": "python bench/structured.py"
+            + "".join(
+                f" --{k} {v}"
+                for k, v in (
+                    ("threads", args.threads),
+                    ("steps", args.steps),
+                    ("repeats", args.repeats),
+                )
+                if v is not None
+            ),
+        },
+    )
     report += "\n## Decode step\n\n" + markdown_table(
-        ["batch", "constrained rows", "items", "steps", "step ms (median)",
-         "overhead vs unconstrained", "overhead, run by run", "row-steps masked",
-         "mask ms (median)", "sampler ms vs unconstrained (checks, apply)",
-         "masks + sampler, share of step"],
-        rows)
+        [
+            "batch",
+            "constrained rows",
+            "items",
+            "steps",
+            "step ms (median)",
+            "overhead vs unconstrained",
+            "overhead, run by run",
+            "row-steps masked",
+            "mask ms (median)",
+            "sampler ms vs unconstrained (checks, apply)",
+            "masks + sampler, share of step",
+        ],
+        rows,
+    )
     report += (
         "\nGoal: under 10% decode-step overhead with every row constrained at batch 16 (the "
-        "pooled median, and 3 runs in 4) — " + ("; ".join(verdicts) or "not judged: no batch of "
-        "16 or more in this run") + ". The overhead compares medians of whole steps (the same "
+        "pooled median, and 3 runs in 4) — "
+        + ("; ".join(verdicts) or "not judged: no batch of 16 or more in this run")
+        + ". The overhead compares medians of whole steps (the same "
         "batch, the same seeds, constrained or not, variants interleaved); the run-by-run "
         "column shows how much a shared machine moves them. A constrained row's draws are "
         "checked against its grammar first (a few microseconds a token); its mask is computed "
@@ -321,7 +406,8 @@ def main() -> None:
     )
     report += "\n## Grammar compile\n\n" + markdown_table(
         ["grammar", "cold compile ms", "cached µs", "per-request matcher µs", "cold / cached"],
-        compile_rows)
+        compile_rows,
+    )
     report += (
         f"\nBuilding the llguidance tokenizer from the model's {vocab:,} token byte strings: "
         f"{tokenizer_seconds * 1e3:.0f} ms, once per engine (the service does it at start-up). "

@@ -45,8 +45,14 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, bar: tqdm
     start = time.perf_counter()
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         bar.update(1)
     return time.perf_counter() - start
 
@@ -57,8 +63,14 @@ def transformers_decode_step(model, prompt: list[int], new_tokens: int) -> float
 
     def gen(n: int) -> float:
         t = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return time.perf_counter() - t
 
     gen(2)
@@ -106,8 +118,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds (throughput and decode step)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (throughput and decode step)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "throughput.md")
     args = ap.parse_args()
 
@@ -115,11 +128,15 @@ def main() -> None:
 
     model_dir = ensure_model(args.model, "bench")
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = Engine(EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu",
-        cache=CacheConfig(kv_cache_bytes=1024**3, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024),
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(kv_cache_bytes=1024**3, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024),
+        )
+    )
     vocab = engine.model_config.vocab_size
     total_new = args.requests * args.new_tokens
     concurrencies = [1, 4, 16]
@@ -132,14 +149,16 @@ def main() -> None:
     engine.generate([warm], SamplingParams(max_tokens=2, temperature=0.0))
 
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    with torch.inference_mode(), tqdm(
-        total=args.rounds * args.requests * len(names), desc="requests", unit="req"
-    ) as bar:
+    with (
+        torch.inference_mode(),
+        tqdm(total=args.rounds * args.requests * len(names), desc="requests", unit="req") as bar,
+    ):
         for r in range(args.rounds):
-            for i, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
+            for i, name in enumerate(names[r % len(names) :] + names[: r % len(names)]):
                 # Fresh prompts for every variant of every round.
-                prompts = make_prompts(args.requests, args.prompt_tokens, vocab,
-                                       seed=1000 * r + i + 1)
+                prompts = make_prompts(
+                    args.requests, args.prompt_tokens, vocab, seed=1000 * r + i + 1
+                )
                 if name == "transformers sequential":
                     seconds[name].append(run_transformers(hf, prompts, args.new_tokens, bar))
                 else:
@@ -164,10 +183,16 @@ def main() -> None:
         return f"{min(values):.2f}-{max(values):.2f}"
 
     rows = [
-        [name, f"{t:.2f}", spread_s(seconds[name]), f"{total_new / t:.1f}",
-         f"{total_new / t / base:.2f}x"]
+        [
+            name,
+            f"{t:.2f}",
+            spread_s(seconds[name]),
+            f"{total_new / t:.1f}",
+            f"{total_new / t / base:.2f}x",
+        ]
         for name, t in results.items()
     ]
+
     def spread(steps: list[float]) -> str:
         return f"{min(steps) * 1e3:.1f}-{max(steps) * 1e3:.1f}"
 
@@ -175,26 +200,42 @@ def main() -> None:
         ["transformers", f"{hf_step * 1e3:.1f}", spread(hf_steps), f"{floor / hf_step:.2f}"],
         ["kvchat", f"{kv_step * 1e3:.1f}", spread(kv_steps), f"{floor / kv_step:.2f}"],
     ]
-    report = machine_header("Throughput: kvchat vs transformers (same weights, same run)", {
-        "model": f"bench preset, {engine.model_config.num_parameters / 1e6:.1f}M parameters, "
-                 f"float32 ({weight_bytes / 1e6:.0f} MB of weights)",
-        "workload": f"{args.requests} requests x {args.prompt_tokens} prompt tokens, "
-                    f"{args.new_tokens} new tokens each, greedy; fresh prompts per variant and "
-                    f"round, prefix cache off; {args.rounds} interleaved rounds, medians",
-        "linear paths": engine.model.linear_plan.summary(),
-        "command": "python bench/throughput.py",
-    })
+    report = machine_header(
+        "Throughput: kvchat vs transformers (same weights, same run)",
+        {
+            "model": f"bench preset, {engine.model_config.num_parameters / 1e6:.1f}M parameters, "
+            f"float32 ({weight_bytes / 1e6:.0f} MB of weights)",
+            "workload": f"{args.requests} requests x {args.prompt_tokens} prompt tokens, "
+            f"{args.new_tokens} new tokens each, greedy; fresh prompts per variant and "
+            f"round, prefix cache off; {args.rounds} interleaved rounds, medians",
+            "linear paths": engine.model.linear_plan.summary(),
+            "command": "python bench/throughput.py",
+        },
+    )
     report += "\n## Tokens per second\n\n" + markdown_table(
-        ["variant", "seconds (median)", "range over rounds", "generated tok/s",
-         "vs transformers sequential"], rows
+        [
+            "variant",
+            "seconds (median)",
+            "range over rounds",
+            "generated tok/s",
+            "vs transformers sequential",
+        ],
+        rows,
     )
     report += (
         f"\n## Single-sequence decode step\n\nMemory-bandwidth floor: {weight_bytes / 1e6:.0f} MB "
         f"of weights / {bandwidth / 1e9:.1f} GB/s measured copy bandwidth = "
         f"{floor * 1e3:.1f} ms per step.\n\n"
         + f"Median of {args.rounds} interleaved rounds of {args.new_tokens - 1} steps each.\n\n"
-        + markdown_table(["engine", "ms per step (median)", "range over rounds",
-                          "floor / step (1.0 = at the floor)"], step_rows)
+        + markdown_table(
+            [
+                "engine",
+                "ms per step (median)",
+                "range over rounds",
+                "floor / step (1.0 = at the floor)",
+            ],
+            step_rows,
+        )
     )
     ratio16 = results["kvchat concurrency 16"]
     report += (

@@ -81,11 +81,30 @@ class Probe:
 
 
 def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "KVCHAT_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1",
-           "KVCHAT_LOG_LEVEL": "warning"}
+    env = {
+        **os.environ,
+        "KVCHAT_DATA_DIR": str(data),
+        "PYTHONUNBUFFERED": "1",
+        "KVCHAT_LOG_LEVEL": "warning",
+    }
     process = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(model), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvchat.app.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     key = None
     assert process.stdout is not None
     for line in process.stdout:
@@ -110,33 +129,51 @@ def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[s
 
 
 def body(turn: int, max_tokens: int) -> dict[str, object]:
-    return {"content": f"Question {turn:04d}: what do you make of the weather today?",
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return {
+        "content": f"Question {turn:04d}: what do you make of the weather today?",
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 def rest_turns(url: str, key: str, turns: int, max_tokens: int) -> list[Turn]:
     headers = {"Authorization": f"Bearer {key}"}
     out = []
     with httpx.Client(timeout=120) as client:
-        conv = client.post(f"{url}/v1/conversations", headers=headers,
-                           json={"system": "You are terse."}).json()["id"]
+        conv = client.post(
+            f"{url}/v1/conversations", headers=headers, json={"system": "You are terse."}
+        ).json()["id"]
         for turn in tqdm(range(1, turns + 1), desc="REST turns"):
             start = time.perf_counter()
-            r = client.post(f"{url}/v1/conversations/{conv}/messages", headers=headers,
-                            json=body(turn, max_tokens))
+            r = client.post(
+                f"{url}/v1/conversations/{conv}/messages",
+                headers=headers,
+                json=body(turn, max_tokens),
+            )
             wall = (time.perf_counter() - start) * 1e3
             r.raise_for_status()
             reply = r.json()
-            out.append(Turn(wall, reply["timings"]["ttft_ms"], reply["timings"]["total_ms"],
-                            reply["usage"]["prompt_tokens"], reply["usage"]["cached_tokens"]))
+            out.append(
+                Turn(
+                    wall,
+                    reply["timings"]["ttft_ms"],
+                    reply["timings"]["total_ms"],
+                    reply["usage"]["prompt_tokens"],
+                    reply["usage"]["cached_tokens"],
+                )
+            )
     return out
 
 
 async def websocket_turns(url: str, key: str, turns: int, max_tokens: int) -> list[Turn]:
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(timeout=120) as client:
-        conv = (await client.post(f"{url}/v1/conversations", headers=headers,
-                                  json={"system": "You are terse."})).json()["id"]
+        conv = (
+            await client.post(
+                f"{url}/v1/conversations", headers=headers, json={"system": "You are terse."}
+            )
+        ).json()["id"]
     out = []
     socket_url = url.replace("http", "ws", 1) + f"/v1/conversations/{conv}/ws"
     async with websockets.connect(socket_url, additional_headers=headers) as ws:
@@ -148,13 +185,20 @@ async def websocket_turns(url: str, key: str, turns: int, max_tokens: int) -> li
             wall = (time.perf_counter() - start) * 1e3
             if frame["type"] == "error":
                 raise RuntimeError(f"turn {turn}: {frame}")
-            out.append(Turn(wall, frame["timings"]["ttft_ms"], frame["timings"]["total_ms"],
-                            frame["usage"]["prompt_tokens"], frame["usage"]["cached_tokens"]))
+            out.append(
+                Turn(
+                    wall,
+                    frame["timings"]["ttft_ms"],
+                    frame["timings"]["total_ms"],
+                    frame["usage"]["prompt_tokens"],
+                    frame["usage"]["cached_tokens"],
+                )
+            )
     return out
 
 
 def median(turns: list[Turn], span: tuple[int, int], attr: str) -> float:
-    values = [getattr(t, attr) for t in turns[span[0] - 1: span[1]]]
+    values = [getattr(t, attr) for t in turns[span[0] - 1 : span[1]]]
     return statistics.median(values)
 
 
@@ -163,11 +207,19 @@ def summarize(name: str, turns: list[Turn], lag: list[float]) -> tuple[list[obje
     early = median(turns, EARLY, "wall_ms")
     late = median(turns, late_span, "wall_ms")
     share = median(turns, late_span, "service_ms")
-    row = [name, f"{early:.1f}", f"{late:.1f}", f"{late / early:.2f}x",
-           f"{median(turns, EARLY, 'ttft_ms'):.1f} / {median(turns, late_span, 'ttft_ms'):.1f}",
-           f"{median(turns, EARLY, 'service_ms'):.1f}", f"{share:.1f}",
-           f"{max(lag):.1f}", f"{statistics.quantiles(lag, n=100)[98]:.1f}",
-           turns[-1].prompt_tokens, turns[-1].cached_tokens]
+    row = [
+        name,
+        f"{early:.1f}",
+        f"{late:.1f}",
+        f"{late / early:.2f}x",
+        f"{median(turns, EARLY, 'ttft_ms'):.1f} / {median(turns, late_span, 'ttft_ms'):.1f}",
+        f"{median(turns, EARLY, 'service_ms'):.1f}",
+        f"{share:.1f}",
+        f"{max(lag):.1f}",
+        f"{statistics.quantiles(lag, n=100)[98]:.1f}",
+        turns[-1].prompt_tokens,
+        turns[-1].cached_tokens,
+    ]
     return row, {"ratio": late / early, "share": share, "lag": max(lag)}
 
 
@@ -219,7 +271,8 @@ def main() -> None:
                     results[name] = rest_turns(url, key, args.turns, args.max_tokens)
                 else:
                     results[name] = asyncio.run(
-                        websocket_turns(url, key, args.turns, args.max_tokens))
+                        websocket_turns(url, key, args.turns, args.max_tokens)
+                    )
                 lags[name] = probe.stop()
         finally:
             process.terminate()
@@ -230,30 +283,56 @@ def main() -> None:
         row, verdict = summarize(name, turns, lags[name])
         rows.append(row)
         verdicts[name] = verdict
-    header = machine_header("What the service adds to a turn (bench/turn_overhead.py)", {
-        "server": f"kvchat serve --model {args.model.name} (SQLite, in-process coordination)",
-        "turns": f"{args.turns} per transport, {args.max_tokens}-token replies (greedy, "
-                 "ignore_eos), one conversation each",
-    }, load_start=load_start, load_end=load_end)
+    header = machine_header(
+        "What the service adds to a turn (bench/turn_overhead.py)",
+        {
+            "server": f"kvchat serve --model {args.model.name} (SQLite, in-process coordination)",
+            "turns": f"{args.turns} per transport, {args.max_tokens}-token replies (greedy, "
+            "ignore_eos), one conversation each",
+        },
+        load_start=load_start,
+        load_end=load_end,
+    )
     table = markdown_table(
-        ["transport", f"wall p50 turns {EARLY[0]}-{EARLY[1]} (ms)",
-         "wall p50 last 10 turns (ms)", "ratio", "engine TTFT p50 early / late (ms)",
-         "service share early (ms)", "service share late (ms)", "worst /healthz (ms)",
-         "p99 /healthz (ms)", "prompt tokens at the last turn", "cached at the last turn"],
-        rows)
+        [
+            "transport",
+            f"wall p50 turns {EARLY[0]}-{EARLY[1]} (ms)",
+            "wall p50 last 10 turns (ms)",
+            "ratio",
+            "engine TTFT p50 early / late (ms)",
+            "service share early (ms)",
+            "service share late (ms)",
+            "worst /healthz (ms)",
+            "p99 /healthz (ms)",
+            "prompt tokens at the last turn",
+            "cached at the last turn",
+        ],
+        rows,
+    )
     goals = []
     for name, v in verdicts.items():
-        goals.append(f"- {name}: late/early wall {v['ratio']:.2f}x (goal <= 1.3x: "
-                     f"{'met' if v['ratio'] <= 1.3 else 'not met'}); service share "
-                     f"{v['share']:.1f} ms (goal <= 15 ms: "
-                     f"{'met' if v['share'] <= 15 else 'not met'}); worst /healthz "
-                     f"{v['lag']:.1f} ms (goal <= 50 ms: {'met' if v['lag'] <= 50 else 'not met'})")
-    text = header + "\n" + table + "\n" + "\n".join(goals) + "\n\n" + (
-        "The service's share is the client's wall time minus the engine's total for the "
-        "reply (from its creation to its last token): planning, rendering, storing, HTTP or "
-        "the WebSocket frame. /healthz is asked every 20 ms by another client while the "
-        "turns run; its latency includes loopback HTTP (about a millisecond).\n\n"
-        "![per turn](turn_overhead.png)\n")
+        goals.append(
+            f"- {name}: late/early wall {v['ratio']:.2f}x (goal <= 1.3x: "
+            f"{'met' if v['ratio'] <= 1.3 else 'not met'}); service share "
+            f"{v['share']:.1f} ms (goal <= 15 ms: "
+            f"{'met' if v['share'] <= 15 else 'not met'}); worst /healthz "
+            f"{v['lag']:.1f} ms (goal <= 50 ms: {'met' if v['lag'] <= 50 else 'not met'})"
+        )
+    text = (
+        header
+        + "\n"
+        + table
+        + "\n"
+        + "\n".join(goals)
+        + "\n\n"
+        + (
+            "The service's share is the client's wall time minus the engine's total for the "
+            "reply (from its creation to its last token): planning, rendering, storing, HTTP or "
+            "the WebSocket frame. /healthz is asked every 20 ms by another client while the "
+            "turns run; its latency includes loopback HTTP (about a millisecond).\n\n"
+            "![per turn](turn_overhead.png)\n"
+        )
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     plot(results, args.out.with_suffix(".png"))

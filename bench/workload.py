@@ -67,14 +67,16 @@ def make_conversations(config: WorkloadConfig, vocab: int) -> tuple[list[int], l
     convs = []
     for i in range(config.conversations):
         turns = rng.randint(config.min_turns, config.max_turns)
-        convs.append(Conversation(
-            index=i,
-            turns=turns,
-            user_messages=[text(rng.randint(*config.user_tokens)) for _ in range(turns)],
-            answer_lengths=[rng.randint(*config.assistant_tokens) for _ in range(turns)],
-            history=list(system),
-            think_times=[rng.uniform(*config.think_time) for _ in range(turns)],
-        ))
+        convs.append(
+            Conversation(
+                index=i,
+                turns=turns,
+                user_messages=[text(rng.randint(*config.user_tokens)) for _ in range(turns)],
+                answer_lengths=[rng.randint(*config.assistant_tokens) for _ in range(turns)],
+                history=list(system),
+                think_times=[rng.uniform(*config.think_time) for _ in range(turns)],
+            )
+        )
     return system, convs
 
 
@@ -117,10 +119,12 @@ def run_workload(
         user = message("user", conv.user_messages[conv.turn])
         prompt = conv.history + user + [IM_START, ROLE_IDS["assistant"], NEWLINE]
         rid = f"c{conv.index}-t{conv.turn}"
-        params = SamplingParams(max_tokens=conv.answer_lengths[conv.turn], temperature=0.0,
-                                ignore_eos=True)
-        engine.add_request(rid, prompt, params,
-                           session_id=f"conv-{conv.index}" if use_sessions else None)
+        params = SamplingParams(
+            max_tokens=conv.answer_lengths[conv.turn], temperature=0.0, ignore_eos=True
+        )
+        engine.add_request(
+            rid, prompt, params, session_id=f"conv-{conv.index}" if use_sessions else None
+        )
         minimum.add_prompt(prompt)
         live[rid] = (conv, prompt, time.perf_counter())
 
@@ -149,11 +153,17 @@ def run_workload(
             # one after the reply), so none of it need be computed again.
             minimum.add_computed(prompt + generated)
             ttft = first_token_at.pop(out.request_id) - sent
-            records.append(TurnRecord(
-                conversation=conv.index, turn=conv.turn + 1, prompt_tokens=len(prompt),
-                cached_tokens=out.num_cached_tokens, ttft=ttft,
-                decode_tokens=len(generated) - 1, decode_seconds=now - sent - ttft,
-            ))
+            records.append(
+                TurnRecord(
+                    conversation=conv.index,
+                    turn=conv.turn + 1,
+                    prompt_tokens=len(prompt),
+                    cached_tokens=out.num_cached_tokens,
+                    ttft=ttft,
+                    decode_tokens=len(generated) - 1,
+                    decode_seconds=now - sent - ttft,
+                )
+            )
             if callable(on_turn):
                 on_turn()
             conv.history = prompt + generated + [IM_END, NEWLINE]

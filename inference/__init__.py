@@ -71,8 +71,14 @@ _MODULE_OF = {
     ),
     **dict.fromkeys(("EngineDeadError", "InvalidRequestError", "ModelLoadError"), "errors"),
     **dict.fromkeys(
-        ("ANY_OBJECT", "Grammar", "ToolSpec", "json_object_grammar", "json_schema_grammar",
-         "tool_call_grammar"),
+        (
+            "ANY_OBJECT",
+            "Grammar",
+            "ToolSpec",
+            "json_object_grammar",
+            "json_schema_grammar",
+            "tool_call_grammar",
+        ),
         "grammar",
     ),
     **dict.fromkeys(("GrammarCompiler", "GrammarError"), "grammar_compiler"),
@@ -86,11 +92,10 @@ _MODULE_OF = {
     **dict.fromkeys(("Tokenizer", "TokenizerError"), "tokenizer"),
     "load_tokenizer": "tokenizer_files",
     **dict.fromkeys(
-        ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser",
-         "parse_tool_calls"), "tool_calls"
+        ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser", "parse_tool_calls"),
+        "tool_calls",
     ),
-    **dict.fromkeys(("NEW", "TurnPlan", "branch_key", "plan_turn", "prompt_key"),
-                    "turn_planner"),
+    **dict.fromkeys(("NEW", "TurnPlan", "branch_key", "plan_turn", "prompt_key"), "turn_planner"),
 }
 
 __all__ = sorted(_MODULE_OF)

@@ -37,8 +37,8 @@ from kvchat.memory.config import SessionBudget
 
 from .engine import Engine
 from .engine_config import EngineConfig
-from .engine_thread import EngineThread
 from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
+from .engine_thread import EngineThread
 from .errors import EngineDeadError, InvalidRequestError
 from .priority import PRIORITY_NORMAL
 from .request_checks import CheckedRequest
@@ -207,14 +207,16 @@ class AsyncEngine:
         """Offload (or drop) an idle session's KV; answers with the session just before and
         just after."""
         return await self._on_engine_thread(
-            lambda: self.engine.evict_session(session_id, offload=offload))
+            lambda: self.engine.evict_session(session_id, offload=offload)
+        )
 
     async def set_session_budget(
         self, session_id: str, budget: SessionBudget
     ) -> SessionInfo | None:
         """Change a session's budget (from its next turn on); answers with the session."""
         return await self._on_engine_thread(
-            lambda: self.engine.set_session_budget(session_id, budget))
+            lambda: self.engine.set_session_budget(session_id, budget)
+        )
 
     async def close_session(self, session_id: str) -> None:
         """Forget a session and free its KV."""
@@ -222,7 +224,8 @@ class AsyncEngine:
 
     async def session_info(self, session_id: str) -> SessionInfo | None:
         return await self._on_engine_thread(
-            lambda: self.engine.submit(lambda: self.engine.session_info(session_id)))
+            lambda: self.engine.submit(lambda: self.engine.session_info(session_id))
+        )
 
     async def memory_report(self) -> MemoryReport:
         return await self._on_engine_thread(lambda: self.engine.submit(self.engine.memory_report))
@@ -277,8 +280,11 @@ class AsyncEngine:
             self._streams.clear()
         for stream in streams:
             self._put(stream, error)
-        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(
-            f"the engine stopped: {error!r}")
+        dead = (
+            error
+            if isinstance(error, EngineDeadError)
+            else EngineDeadError(f"the engine stopped: {error!r}")
+        )
         self.engine.inbox.fail_calls(dead)
 
     def _remove(self, stream: _Stream) -> None:

@@ -71,7 +71,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
     "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' and loop.first and tools %}"
@@ -145,8 +145,14 @@ MessageKey = tuple[Any, ...]
 def message_key(message: ChatMessage) -> MessageKey:
     """What a message's rendering depends on, hashable (to tell whether two are the same)."""
     calls = json.dumps(message.tool_calls, sort_keys=True) if message.tool_calls else None
-    return (message.role, message.content, message.token_ids, message.name, calls,
-            message.tool_call_id)
+    return (
+        message.role,
+        message.content,
+        message.token_ids,
+        message.name,
+        calls,
+        message.tool_call_id,
+    )
 
 
 def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str | None:
@@ -287,12 +293,18 @@ class ChatTemplate:
         keys = tuple(message_key(m) for m in messages)
         tools_key = _tools_key(tools_variable)
         reused = 0
-        if (previous is not None and previous.tools_key == tools_key
-                and len(previous.keys) <= len(keys) and keys[: len(previous.keys)] == previous.keys
-                and previous.complete):
+        if (
+            previous is not None
+            and previous.tools_key == tools_key
+            and len(previous.keys) <= len(keys)
+            and keys[: len(previous.keys)] == previous.keys
+            and previous.complete
+        ):
             reused = len(previous.keys)
-        dicts = [*(previous.dicts if reused and previous else ()),
-                 *(self._as_dict(m) for m in messages[reused:])]
+        dicts = [
+            *(previous.dicts if reused and previous else ()),
+            *(self._as_dict(m) for m in messages[reused:]),
+        ]
         without = self._render(dicts, False, tools_variable)
         full = self._render(dicts, True, tools_variable) if add_generation_prompt else without
         if reused and previous is not None and not full.startswith(previous.text):
@@ -321,8 +333,12 @@ class ChatTemplate:
             start = end
         prompt = Segment(None, self._tokenize(full[start:])) if add_generation_prompt else None
         return RenderedSegments(
-            keys=keys, tools_key=tools_key, dicts=tuple(dicts), text=full[:start] if complete
-            else without, message_segments=tuple(segments), prompt=prompt,
+            keys=keys,
+            tools_key=tools_key,
+            dicts=tuple(dicts),
+            text=full[:start] if complete else without,
+            message_segments=tuple(segments),
+            prompt=prompt,
             complete=complete and full.startswith(without),
         )
 

@@ -98,7 +98,7 @@ class ContextBuilder:
         for segment in segments:
             if segment.message_index is not None:
                 lengths[segment.message_index] += len(segment.token_ids)
-        return lengths[len(head):]
+        return lengths[len(head) :]
 
     def content_tokens(self, message: ChatMessage) -> int:
         if message.token_ids is not None:
@@ -183,8 +183,9 @@ class ContextBuilder:
             message = messages[message_id]
             cap = plan.capped.get(message_id)
             chat.append(self.cut_tool_result(message, cap) if cap is not None else message)
-        return self.renderer.render_ids(chat, add_generation_prompt=True, tools=tools,
-                                        state_key=state_key)
+        return self.renderer.render_ids(
+            chat, add_generation_prompt=True, tools=tools, state_key=state_key
+        )
 
     def cut_tool_result(self, message: ChatMessage, cap: int) -> ChatMessage:
         """A tool result shortened to about `cap` content tokens: its head, a marker saying
@@ -214,7 +215,9 @@ class ContextBuilder:
             + (self.tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
         )
         return ChatMessage(
-            role=message.role, content=text, name=message.name,
+            role=message.role,
+            content=text,
+            name=message.name,
             tool_call_id=message.tool_call_id,
         )
 
@@ -223,8 +226,10 @@ class ContextBuilder:
     ) -> list[int]:
         """The prompt that folds `dropped` (and the previous summary) into a new summary."""
         pairs = [(m.role, self._text(m)) for m in dropped]
-        chat = [ChatMessage(role, content) for role, content in
-                summarization_messages(previous_summary, pairs)]
+        chat = [
+            ChatMessage(role, content)
+            for role, content in summarization_messages(previous_summary, pairs)
+        ]
         return self.template.render_ids(chat, add_generation_prompt=True)
 
     def _text(self, message: ChatMessage) -> str:

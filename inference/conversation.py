@@ -29,12 +29,12 @@ from kvchat.memory.stats import HistoryStats
 
 from .chat_template import ChatMessage
 from .context_builder import ContextBuilder, MessageCounts, history_message
-from .turn_planner import branch_key, plan_turn
 from .engine import Engine
 from .errors import InvalidRequestError
 from .priority import PRIORITY_LOW
 from .request_output import RequestOutput
 from .sampling_params import SamplingParams
+from .turn_planner import branch_key, plan_turn
 
 _ids = itertools.count()
 
@@ -81,8 +81,9 @@ class Conversation:
         self.messages[message_id] = message
         self.order.append(message_id)
         branch = [self.messages[i] for i in self.order]
-        self.counts[message_id] = self.builder.count_last(self.system, branch, None,
-                                                          branch_key(self.session_id))
+        self.counts[message_id] = self.builder.count_last(
+            self.system, branch, None, branch_key(self.session_id)
+        )
         return message_id
 
     def history(self) -> list[HistoryMessage]:
@@ -95,25 +96,36 @@ class Conversation:
 
     # -- a turn ---------------------------------------------------------------------------------
 
-    def submit(self, content: str, params: SamplingParams, role: str = "user") -> tuple[
-        str, ContextPlan, list[int]
-    ]:
+    def submit(
+        self, content: str, params: SamplingParams, role: str = "user"
+    ) -> tuple[str, ContextPlan, list[int]]:
         """Append the message, plan the turn (the service's planning step), add the request
         (not run)."""
         self.append(ChatMessage(role, content))
         planned = plan_turn(
-            self.builder, system=self.system,
+            self.builder,
+            system=self.system,
             branch=[(i, self.messages[i], self.counts[i]) for i in self.order],
-            new_message=None, tools=None, policy=self.policy,
-            max_context_tokens=self.max_context_tokens, requested_max_tokens=params.max_tokens,
-            default_max_tokens=None, summary=self.summary, start_id=self.start_id,
+            new_message=None,
+            tools=None,
+            policy=self.policy,
+            max_context_tokens=self.max_context_tokens,
+            requested_max_tokens=params.max_tokens,
+            default_max_tokens=None,
+            summary=self.summary,
+            start_id=self.start_id,
             generation_prompt_tokens=self.builder.generation_prompt_tokens(),
             conversation=self.session_id,
         )
         plan = planned.plan
         request_id = f"{self.session_id}-turn{next(_ids)}"
-        self.engine.add_request(request_id, planned.prompt_ids, params,
-                                session_id=self.session_id, cache_salt=self.cache_salt)
+        self.engine.add_request(
+            request_id,
+            planned.prompt_ids,
+            params,
+            session_id=self.session_id,
+            cache_salt=self.cache_salt,
+        )
         self.start_id = plan.start_id
         self.history_stats.add(planned.history_stats)
         return request_id, plan, planned.prompt_ids
@@ -144,8 +156,9 @@ class Conversation:
         request_id = f"{self.session_id}-summary{next(_ids)}"
         params = self.summary_params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=self.cache_salt,
-                                    priority=PRIORITY_LOW)
+            self.engine.add_request(
+                request_id, prompt, params, cache_salt=self.cache_salt, priority=PRIORITY_LOW
+            )
         except InvalidRequestError:  # the dropped text alone overflows the model: no summary
             return False
         self.pending_summary = _PendingSummary(request_id, newly)
@@ -162,12 +175,16 @@ class Conversation:
                 share = self.policy.summary_share_tokens(self.max_context_tokens)
                 measured = self.builder.summary_state(self.system, output.text.strip(), (),
                                                       max_num_tokens=share)  # fmt: skip
-                self.summary = merge_summary(self.summary, measured.text, measured.num_tokens,
-                                             pending.covers)
+                self.summary = merge_summary(
+                    self.summary, measured.text, measured.num_tokens, pending.covers
+                )
                 self.summaries.append(self.summary)
-                self.history_stats.add(HistoryStats(
-                    summaries=1, summary_tokens=output.num_output_tokens,
-                ))
+                self.history_stats.add(
+                    HistoryStats(
+                        summaries=1,
+                        summary_tokens=output.num_output_tokens,
+                    )
+                )
         return True
 
     def turn(

@@ -98,8 +98,12 @@ class Engine:
         cache = config.cache
         self.kv_spec = kv_spec_for(mc, cache, self.dtype)
         self.layout = size_kv_pools(
-            cache, self.kv_spec, self.model, self.ops,
-            min(config.scheduler.max_num_batched_tokens, self.max_model_len), self.device,
+            cache,
+            self.kv_spec,
+            self.model,
+            self.ops,
+            min(config.scheduler.max_num_batched_tokens, self.max_model_len),
+            self.device,
         )
         self.kv_cache = KVCache(
             self.kv_spec, self.layout.num_blocks, self.device, self.layout.num_host_blocks
@@ -109,8 +113,13 @@ class Engine:
         self.stats = CacheStats()
         self.kv_store = open_kv_store(cache, config.model, self.kv_spec, self.kv_cache)
         self.kv_manager = KVCacheManager(
-            self.block_pool, self.kv_cache, cache.block_size, cache.enable_prefix_caching,
-            host_pool=self.host_pool, stats=self.stats, store=self.kv_store,
+            self.block_pool,
+            self.kv_cache,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            host_pool=self.host_pool,
+            stats=self.stats,
+            store=self.kv_store,
         )
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
@@ -123,13 +132,18 @@ class Engine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device,
+            self.tokenizer,
+            mc.vocab_size,
+            self.eos_token_ids,
+            self.device,
             checks_first=config.grammar_checks_first,
         )
         self.checker = RequestChecker(
-            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
             kv_capacity_tokens=self.layout.num_blocks * cache.block_size,
-            has_tokenizer=self.tokenizer is not None, structured=self.structured_output,
+            has_tokenizer=self.tokenizer is not None,
+            structured=self.structured_output,
             budget_of=self.sessions.budget,
         )
         self.inbox = EngineInbox()
@@ -209,8 +223,11 @@ class Engine:
             session_id=request.session_id,
             kv=KVState(salt=cache_salt),
             window=window,
-            matcher=(None if params.grammar is None
-                     else self.structured_output.new_matcher(params.grammar)),
+            matcher=(
+                None
+                if params.grammar is None
+                else self.structured_output.new_matcher(params.grammar)
+            ),
         )
 
     def _window_for(self, request: CheckedRequest) -> KVWindow | None:
@@ -224,8 +241,9 @@ class Engine:
         budget = request.max_kv_tokens
         if budget is None or request.max_total_tokens <= budget:
             return None
-        return KVWindow.for_budget(budget, self.config.cache.block_size,
-                                   self.config.cache.window_sink_tokens)
+        return KVWindow.for_budget(
+            budget, self.config.cache.block_size, self.config.cache.window_sink_tokens
+        )
 
     def _enqueue(self, seqs: list[Sequence]) -> None:
         """Take the ids (all or none) and queue the sequences for the next step."""
@@ -311,14 +329,19 @@ class Engine:
         return logits, sampled, ready
 
     def _postprocess(
-        self, batch: ScheduledBatch, logits: torch.Tensor, sampled: list[int],
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        sampled: list[int],
         ready: dict[int, torch.Tensor],
     ) -> list[RequestOutput]:
         """Commit the step's KV, pin finished session turns, sample and append the tokens."""
         finishing = [s.status is SequenceStatus.FINISHING for s in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.kv_manager.commit(
-                seq.kv, seq.token_ids, seq.num_computed_tokens + n,
+                seq.kv,
+                seq.token_ids,
+                seq.num_computed_tokens + n,
                 shareable_tokens=None if seq.window is None else seq.window.exact_tokens,
             )
             if seq.status is SequenceStatus.FINISHING:  # its last token's KV is in: pin it
@@ -332,7 +355,9 @@ class Engine:
         sampling_seqs = [batch.seqs[i] for i in sampled]
         grammar = self.structured_output.step_grammars(sampling_seqs, sampled, ready)
         result = self.sampler(
-            logits, [s.params for s in sampling_seqs], [s.generator for s in sampling_seqs],
+            logits,
+            [s.params for s in sampling_seqs],
+            [s.generator for s in sampling_seqs],
             grammar=grammar,
         )
         if grammar is not None:
@@ -341,8 +366,7 @@ class Engine:
             token_id = result.token_ids[j]
             logprob = result.logprobs[j] if result.logprobs is not None else None
             top = result.top_logprobs[j] if result.top_logprobs is not None else None
-            grammar_done = (seq.matcher is not None
-                            and self.structured_output.advance(seq, token_id))
+            grammar_done = seq.matcher is not None and self.structured_output.advance(seq, token_id)
             out = self.output_processor.append_token(
                 seq, token_id, logprob, top, grammar_done=grammar_done
             )
@@ -435,7 +459,11 @@ class Engine:
 
     def _stats(self) -> EngineStats:
         return engine_reports.engine_stats(
-            self.scheduler, self.sessions, self.block_pool, self.host_pool, self.stats,
+            self.scheduler,
+            self.sessions,
+            self.block_pool,
+            self.host_pool,
+            self.stats,
             self.kv_store.snapshot() if self.kv_store is not None else None,
         )
 
@@ -459,4 +487,3 @@ class Engine:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[rid] for rid in ids]
-

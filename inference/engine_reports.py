@@ -105,8 +105,12 @@ class MemoryReport:
 
 
 def engine_stats(
-    scheduler: Scheduler, sessions: SessionStore, pool: BlockPool, host_pool: BlockPool,
-    cache: CacheStats, kv_store: KVStoreStats | None = None,
+    scheduler: Scheduler,
+    sessions: SessionStore,
+    pool: BlockPool,
+    host_pool: BlockPool,
+    cache: CacheStats,
+    kv_store: KVStoreStats | None = None,
 ) -> EngineStats:
     tally = sessions.tally()
     return EngineStats(
@@ -145,7 +149,8 @@ def _describe(sessions: SessionStore, session: Session) -> SessionInfo:
         num_host_blocks=len(session.kv.host_block_ids),
         num_turns=session.num_turns,
         idle_seconds=(
-            None if session.state is SessionState.ACTIVE
+            None
+            if session.state is SessionState.ACTIVE
             else round(time.monotonic() - session.last_used, 3)
         ),
         budget=sessions.budget(session.session_id),

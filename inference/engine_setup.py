@@ -12,8 +12,8 @@ from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_cache import KVCache
 from kvchat.memory.kv_cache_manager import KVState
 from kvchat.memory.kv_layout import DeviceMemory, KVCacheLayout, plan_kv_layout
-from kvchat.memory.kv_store import KVStore, store_fingerprint, weights_fingerprint
 from kvchat.memory.kv_spec import KVCacheSpec, cdiv
+from kvchat.memory.kv_store import KVStore, store_fingerprint, weights_fingerprint
 
 from .errors import ModelLoadError
 from .model import LlamaModel
@@ -51,8 +51,7 @@ def size_kv_pools(
     def measure() -> DeviceMemory:
         return profile_cuda_memory(model, spec, ops, profile_tokens, device)
 
-    layout = plan_kv_layout(cache, spec.bytes_per_block,
-                            measure if device.type == "cuda" else None)
+    layout = plan_kv_layout(cache, spec.bytes_per_block, measure if device.type == "cuda" else None)
     if layout.num_blocks < 1:
         raise ModelLoadError(
             f"the KV cache budget holds no block of {layout.bytes_per_block} bytes; raise "
@@ -99,11 +98,18 @@ def open_kv_store(
     if not cache.kv_store_dir or cache.kv_store_bytes <= 0:
         return None
     kv_shape, scales_shape = kv.block_byte_shapes()
-    fingerprint = store_fingerprint(weights_fingerprint(model_dir), {
-        "model_dtype": str(spec.model_dtype), "kv_cache_dtype": cache.kv_cache_dtype,
-        "storage_dtype": str(spec.storage_dtype), "block_size": spec.block_size,
-        "kv_shape": kv_shape, "scales_shape": scales_shape, "format": 1,
-    })
+    fingerprint = store_fingerprint(
+        weights_fingerprint(model_dir),
+        {
+            "model_dtype": str(spec.model_dtype),
+            "kv_cache_dtype": cache.kv_cache_dtype,
+            "storage_dtype": str(spec.storage_dtype),
+            "block_size": spec.block_size,
+            "kv_shape": kv_shape,
+            "scales_shape": scales_shape,
+            "format": 1,
+        },
+    )
     return KVStore(cache.kv_store_dir, fingerprint, cache.kv_store_bytes, kv_shape, scales_shape)
 
 

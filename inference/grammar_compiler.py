@@ -56,8 +56,7 @@ class _TokenTable:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int) -> None:
         self._tokenizer = tokenizer
         self.tokens = [
-            tokenizer.token_bytes(i) if tokenizer.is_known_id(i) else b""
-            for i in range(vocab_size)
+            tokenizer.token_bytes(i) if tokenizer.is_known_id(i) else b"" for i in range(vocab_size)
         ]
         self.eos_token_id = eos_token_id
         self.bos_token_id = tokenizer.bos_token_id

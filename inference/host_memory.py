@@ -56,8 +56,12 @@ def _apply() -> bool:
     ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
-    log.debug("glibc malloc: mmap threshold %d, trim threshold %d: %s",
-              MMAP_THRESHOLD, TRIM_THRESHOLD, "set" if ok else "refused")
+    log.debug(
+        "glibc malloc: mmap threshold %d, trim threshold %d: %s",
+        MMAP_THRESHOLD,
+        TRIM_THRESHOLD,
+        "set" if ok else "refused",
+    )
     return ok
 
 
@@ -101,10 +105,12 @@ class HugePageArena:
         """A copy of `tensor` (contiguous, same shape and dtype) in the arena."""
         num_bytes = tensor.numel() * tensor.element_size()
         if self._offset + num_bytes > self.capacity:
-            raise ValueError(f"arena full: {num_bytes} bytes asked, "
-                             f"{self.capacity - self._offset} left")
-        out = torch.frombuffer(self._map, dtype=tensor.dtype, count=tensor.numel(),
-                               offset=self._offset).view(tensor.shape)
+            raise ValueError(
+                f"arena full: {num_bytes} bytes asked, {self.capacity - self._offset} left"
+            )
+        out = torch.frombuffer(
+            self._map, dtype=tensor.dtype, count=tensor.numel(), offset=self._offset
+        ).view(tensor.shape)
         out.copy_(tensor)
         self._offset += -(-num_bytes // 4096) * 4096  # the next on a 4 KiB page
         return out

@@ -18,8 +18,14 @@ from .linear_plan import PATH_FNS, PREPACKED, LinearFn, LinearPlan, prepack
 class Linear:
     """A frozen linear layer (inference only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan,
-                 *, is_head: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: LinearPlan,
+        *,
+        is_head: bool = False,
+    ) -> None:
         assert weight.dim() == 2, "weight must be [out_features, in_features]"
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype

@@ -56,9 +56,12 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 def cpu_description() -> dict[str, object]:
     """The CPU the paths were chosen on: its model, the ISA features that matter here and
     torch's own kernel level."""
-    return {"model": cpu_model(), "isa": cpu_isa(),
-            "torch_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "model": cpu_model(),
+        "isa": cpu_isa(),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -82,8 +85,7 @@ def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     return gemv(x, w, b)
 
 
-def gemv_prefetch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-                         ) -> torch.Tensor:
+def gemv_prefetch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     gemv = load_gemv()
     assert gemv is not None
     return gemv(x, w, b, True)
@@ -164,8 +166,11 @@ class LinearPlan:
         return (
             f"{self.dtype} weights {self.layout}: decode {paths(self.decode_paths)}; prefill "
             f"{self.prefill_path}; lm_head {paths(self.head_decode_paths)}"
-            + (f" [ms per {self.probe_bytes / 2**20:.0f} MiB pass, by rows: {measured}]"
-               if measured else "")
+            + (
+                f" [ms per {self.probe_bytes / 2**20:.0f} MiB pass, by rows: {measured}]"
+                if measured
+                else ""
+            )
             + (f" ({self.reason})" if self.reason else "")
         )
 
@@ -177,8 +182,9 @@ class LinearPlan:
             "prefill_path": self.prefill_path,
             "lm_head_decode_paths": [{"max_rows": r, "path": p} for r, p in self.head_decode_paths],
             "probe_bytes": self.probe_bytes,
-            "probe_ms": {k: {str(r): round(ms, 3) for r, ms in v.items()}
-                         for k, v in self.probe_ms.items()},
+            "probe_ms": {
+                k: {str(r): round(ms, 3) for r, ms in v.items()} for k, v in self.probe_ms.items()
+            },
             "reason": self.reason,
         }
 
@@ -186,8 +192,7 @@ class LinearPlan:
 def fixed_plan(dtype: torch.dtype, device: torch.device, path: str = "auto") -> LinearPlan:
     """A plan without measuring: CUDA (cuBLAS everywhere) or a path forced by the config."""
     if device.type != "cpu":
-        return LinearPlan(dtype, PLAIN, ((0, "torch"),), "torch", ((0, "torch"),),
-                          reason="cuBLAS")
+        return LinearPlan(dtype, PLAIN, ((0, "torch"),), "torch", ((0, "torch"),), reason="cuBLAS")
     assert path in LINEAR_PATHS and path != "auto", path
     if path in GEMV_PATHS and load_gemv() is None:
         raise ValueError(f"linear_path={path}: kvchat's CPU kernel could not be built here")
@@ -195,10 +200,15 @@ def fixed_plan(dtype: torch.dtype, device: torch.device, path: str = "auto") -> 
         raise ValueError(f"linear_path=onednn-prepacked: oneDNN has no native {dtype} here")
     rows = ((GEMV_MAX_ROWS, path),)
     if path == PREPACKED:
-        return LinearPlan(dtype, PREPACKED, rows, PREPACKED, ((GEMV_MAX_ROWS, "torch"),),
-                          reason="set by linear_path")
-    return LinearPlan(dtype, PLAIN, rows, default_prefill(dtype), rows,
-                      reason="set by linear_path")
+        return LinearPlan(
+            dtype,
+            PREPACKED,
+            rows,
+            PREPACKED,
+            ((GEMV_MAX_ROWS, "torch"),),
+            reason="set by linear_path",
+        )
+    return LinearPlan(dtype, PLAIN, rows, default_prefill(dtype), rows, reason="set by linear_path")
 
 
 def default_prefill(dtype: torch.dtype) -> str:
@@ -209,8 +219,12 @@ def default_prefill(dtype: torch.dtype) -> str:
     return "torch"
 
 
-def _time_pass(fn: LinearFn, weights: Sequence[torch.Tensor], in_dims: Sequence[int],
-               xs: dict[int, torch.Tensor]) -> float:
+def _time_pass(
+    fn: LinearFn,
+    weights: Sequence[torch.Tensor],
+    in_dims: Sequence[int],
+    xs: dict[int, torch.Tensor],
+) -> float:
     """Seconds of one pass: each weight applied to the input of its width."""
     start = time.perf_counter()
     for w, in_features in zip(weights, in_dims):
@@ -265,8 +279,9 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
                 for name, (fn, ws) in runs.items():
                     seconds = _time_pass(fn, ws, widths, xs) * len(probe) / len(ws)
                     times[name].setdefault(rows, []).append(seconds)
-    probe_ms = {name: {rows: min(v) * 1e3 for rows, v in by_rows.items()}
-                for name, by_rows in times.items()}
+    probe_ms = {
+        name: {rows: min(v) * 1e3 for rows, v in by_rows.items()} for name, by_rows in times.items()
+    }
 
     def fastest(names: Sequence[str], rows: int) -> str:
         present = [n for n in names if rows in probe_ms.get(n, {})]
@@ -275,12 +290,20 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
     plain = [n for n in (*GEMV_PATHS, "torch", "onednn") if n in candidates]
     # The layout is the one whose best path runs a single-sequence step fastest.
     best_plain = fastest(plain, 1)
-    layout = PREPACKED if fastest([best_plain, PREPACKED] if PREPACKED in candidates
-                                  else [best_plain], 1) == PREPACKED else PLAIN
+    layout = (
+        PREPACKED
+        if fastest([best_plain, PREPACKED] if PREPACKED in candidates else [best_plain], 1)
+        == PREPACKED
+        else PLAIN
+    )
     held = [PREPACKED] if layout == PREPACKED else plain
-    prefill = (PREPACKED if layout == PREPACKED
-               else fastest([n for n in ("torch", "onednn", "upcast", "widen") if n in candidates],
-                            PREFILL_ROWS))
+    prefill = (
+        PREPACKED
+        if layout == PREPACKED
+        else fastest(
+            [n for n in ("torch", "onednn", "upcast", "widen") if n in candidates], PREFILL_ROWS
+        )
+    )
 
     def by_rows(names: Sequence[str]) -> tuple[tuple[int, str], ...]:
         table = [(rows, fastest(names, rows)) for rows in DECODE_ROWS]
@@ -293,15 +316,20 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
             kept.append((rows, path))
         return tuple(kept) or ((1, table[0][1]),)
 
-    return LinearPlan(dtype, layout, by_rows(held), prefill, by_rows(plain), probe_ms, total,
-                      reason="measured")
+    return LinearPlan(
+        dtype, layout, by_rows(held), prefill, by_rows(plain), probe_ms, total, reason="measured"
+    )
 
 
 _PLANS: dict[tuple[object, ...], LinearPlan] = {}
 
 
-def plan_for(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device,
-             path: str = "auto") -> LinearPlan:
+def plan_for(
+    layer_weights: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    path: str = "auto",
+) -> LinearPlan:
     """The plan for a model, measured once per process per (dtype, shapes)."""
     if device.type != "cpu" or path != "auto":
         return fixed_plan(dtype, device, path)

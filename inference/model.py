@@ -13,8 +13,8 @@ from kvchat.kernels.cpu_ops import load_cpu_ops
 from kvchat.memory.kv_cache import KVCache
 
 from .attention_metadata import AttentionMetadata
-from .linear import Linear
 from .host_memory import HugePageArena
+from .linear import Linear
 from .linear_plan import LinearPlan, plan_for
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -44,8 +44,7 @@ SILU_MUL_MAX_ROWS = 16
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] -> silu(gate) * up [T, I]; a decode step's few rows in one C++ op on the CPU."""
-    if (gate_up.device.type == "cpu" and gate_up.shape[0] <= SILU_MUL_MAX_ROWS
-            and load_cpu_ops()):
+    if gate_up.device.type == "cpu" and gate_up.shape[0] <= SILU_MUL_MAX_ROWS and load_cpu_ops():
         out: torch.Tensor = torch.ops.kvchat_cpu.silu_mul(gate_up)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
@@ -139,10 +138,21 @@ class DecoderLayer:
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
         key_cache, value_cache, key_scales, value_scales = kv_views
-        q = ops.rotary_cache_write(
-            qkv, cos, sin, key_cache, value_cache, meta.slot_mapping, c.num_heads,
-            c.num_kv_heads, key_scales,
-        ) if ops.rotary_cache_write is not None else None
+        q = (
+            ops.rotary_cache_write(
+                qkv,
+                cos,
+                sin,
+                key_cache,
+                value_cache,
+                meta.slot_mapping,
+                c.num_heads,
+                c.num_kv_heads,
+                key_scales,
+            )
+            if ops.rotary_cache_write is not None
+            else None
+        )
         if q is None:
             # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
@@ -159,21 +169,36 @@ class DecoderLayer:
         while group is not None:  # the step's groups, one after another in the tokens
             end = start + group.num_tokens
             if group.window is None:
-                window = dict(sliding_window=self.sliding_window,
-                              num_sink_tokens=group.num_sink_tokens)
+                window = dict(
+                    sliding_window=self.sliding_window, num_sink_tokens=group.num_sink_tokens
+                )
             else:
                 window = dict(sliding_window=group.window[0], num_sink_tokens=group.window[1])
             mid = start + group.num_decode
             if group.num_decode:
                 ops.decode(
-                    q[start:mid], key_cache, value_cache, group.decode_block_tables,
-                    group.decode_seq_lens, self.scale, out=attn[start:mid], **window, **scales,
+                    q[start:mid],
+                    key_cache,
+                    value_cache,
+                    group.decode_block_tables,
+                    group.decode_seq_lens,
+                    self.scale,
+                    out=attn[start:mid],
+                    **window,
+                    **scales,
                 )
             if mid < end:
                 ops.prefill(
-                    q[mid:end], key_cache, value_cache, group.prefill_block_tables,
-                    group.prefill_seq_lens, group.prefill_query_start_loc, self.scale,
-                    out=attn[mid:end], **window, **scales,
+                    q[mid:end],
+                    key_cache,
+                    value_cache,
+                    group.prefill_block_tables,
+                    group.prefill_seq_lens,
+                    group.prefill_query_start_loc,
+                    self.scale,
+                    out=attn[mid:end],
+                    **window,
+                    **scales,
                 )
             start, group = end, group.windowed
         x = x + self.o_proj(attn.view(num_tokens, c.q_size))

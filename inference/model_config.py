@@ -206,8 +206,10 @@ def _sliding_windows(
     layer_types = d.get("layer_types")
     if layer_types is not None:
         if len(layer_types) != num_layers:
-            raise ModelLoadError(f"{source}: layer_types has {len(layer_types)} entries, "
-                                 f"expected num_hidden_layers = {num_layers}")
+            raise ModelLoadError(
+                f"{source}: layer_types has {len(layer_types)} entries, "
+                f"expected num_hidden_layers = {num_layers}"
+            )
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if not d.get("use_sliding_window", False):
         return (None,) * num_layers

@@ -69,7 +69,8 @@ class ModelRunner:
         for window, group in by_window.items():
             # Decodes (one new token) first, in batch order.
             group = [i for i in group if batch.num_new_tokens[i] == 1] + [
-                i for i in group if batch.num_new_tokens[i] != 1]
+                i for i in group if batch.num_new_tokens[i] != 1
+            ]
             seq_lens: list[int] = []
             for i in group:
                 seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -87,22 +88,24 @@ class ModelRunner:
             nd = sum(1 for i in group if batch.num_new_tokens[i] == 1)
             tables = [batch.seqs[i].kv.block_ids for i in group]
             prefill_lens = [batch.num_new_tokens[i] for i in group[nd:]]
-            metas.append(AttentionMetadata(
-                slot_mapping=torch.empty(0),
-                num_decode=nd,
-                decode_block_tables=_block_table_tensor(tables[:nd], dev),
-                decode_seq_lens=_int_tensor(seq_lens[:nd], dev, torch.int32),
-                prefill_block_tables=_block_table_tensor(tables[nd:], dev),
-                prefill_seq_lens=_int_tensor(seq_lens[nd:], dev, torch.int32),
-                prefill_query_start_loc=_int_tensor(
-                    np.concatenate([[0], np.cumsum(prefill_lens, dtype=np.int64)]).tolist(),
-                    dev,
-                    torch.int32,
-                ),
-                num_sink_tokens=self.num_sink_tokens,
-                num_tokens=sum(batch.num_new_tokens[i] for i in group),
-                window=None if window is None else (window.size, window.num_sinks),
-            ))
+            metas.append(
+                AttentionMetadata(
+                    slot_mapping=torch.empty(0),
+                    num_decode=nd,
+                    decode_block_tables=_block_table_tensor(tables[:nd], dev),
+                    decode_seq_lens=_int_tensor(seq_lens[:nd], dev, torch.int32),
+                    prefill_block_tables=_block_table_tensor(tables[nd:], dev),
+                    prefill_seq_lens=_int_tensor(seq_lens[nd:], dev, torch.int32),
+                    prefill_query_start_loc=_int_tensor(
+                        np.concatenate([[0], np.cumsum(prefill_lens, dtype=np.int64)]).tolist(),
+                        dev,
+                        torch.int32,
+                    ),
+                    num_sink_tokens=self.num_sink_tokens,
+                    num_tokens=sum(batch.num_new_tokens[i] for i in group),
+                    window=None if window is None else (window.size, window.num_sinks),
+                )
+            )
         meta = None
         for group_meta in reversed(metas):  # chained: each group's tokens follow the last's
             meta = dataclasses.replace(group_meta, windowed=meta)

@@ -77,8 +77,13 @@ class OutputProcessor:
         if reason is None and seq.num_tokens >= seq.max_total_tokens:
             reason = "length"
         if reason is not None:
-            return self.finish(seq, reason, new_token_id=token_id, new_logprob=logprob,
-                               new_top_logprobs=top_logprobs)
+            return self.finish(
+                seq,
+                reason,
+                new_token_id=token_id,
+                new_logprob=logprob,
+                new_top_logprobs=top_logprobs,
+            )
         new_text = ""
         if text is not None:
             hold = max((len(s) - 1 for s in params.stop), default=0)
@@ -109,7 +114,13 @@ class OutputProcessor:
             full_text = text.text
             new_text = text.text[text.num_emitted :]
         return _output(
-            seq, new_token_id, new_logprob, new_text, reason, full_text, abort_reason,
+            seq,
+            new_token_id,
+            new_logprob,
+            new_text,
+            reason,
+            full_text,
+            abort_reason,
             new_top_logprobs,
         )
 

@@ -126,7 +126,9 @@ class RequestChecker:
         if params.max_tokens is not None:
             limit = min(limit, n + params.max_tokens)
         return CheckedRequest(
-            prompt_token_ids=tuple(prompt_token_ids), params=params, session_id=session_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            params=params,
+            session_id=session_id,
             max_total_tokens=limit,
             max_kv_tokens=None if budget is None else budget.max_kv_tokens,
         )

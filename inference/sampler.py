@@ -127,8 +127,7 @@ class Sampler:
         first: list[int] = []
         if grammar is not None:
             for r in grammar.rows:
-                (first if masks_first(params[r]) or r in grammar.mask_first
-                 else checked).append(r)
+                (first if masks_first(params[r]) or r in grammar.mask_first else checked).append(r)
         # Out of place: the logits may be an inference-mode tensor.
         copied = False
         if logit_mask is not None:  # one pass; rows without a constraint are all 0
@@ -152,17 +151,18 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             scaled = logits if everyone else logits[rows]
             if any(params[i].temperature != 1.0 for i in random_rows):
-                temps = torch.tensor([params[i].temperature for i in random_rows],
-                                     device=logits.device, dtype=logits.dtype)
+                temps = torch.tensor(
+                    [params[i].temperature for i in random_rows],
+                    device=logits.device,
+                    dtype=logits.dtype,
+                )
                 scaled = scaled / temps.unsqueeze(1)
             if any(params[i].needs_filtering for i in random_rows):
                 top_k = torch.tensor(
                     [min(params[i].top_k or vocab, vocab) for i in random_rows],
                     device=logits.device,
                 )
-                top_p = torch.tensor(
-                    [params[i].top_p for i in random_rows], device=logits.device
-                )
+                top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
                 scaled = _filter_top_k_top_p(scaled, top_k, top_p)
             is_checked = set(checked)
             u = self._uniforms(
@@ -179,8 +179,9 @@ class Sampler:
         fell_back: list[int] = []
         if checked:
             assert grammar is not None
-            fell_back = self._check(logits, scaled, drawn, u, random_rows, checked, grammar,
-                                    token_ids)
+            fell_back = self._check(
+                logits, scaled, drawn, u, random_rows, checked, grammar, token_ids
+            )
             if fell_back:
                 chosen = torch.tensor(token_ids, device=logits.device)
         logprobs = None
@@ -193,10 +194,15 @@ class Sampler:
                 values, ids = log_probs.topk(k, dim=-1)
                 # Tokens that cannot be chosen (a grammar allows fewer than k) are left out.
                 top = [
-                    [(t, v) for t, v in zip(ids[i, : p.top_logprobs].tolist(),
-                                            values[i, : p.top_logprobs].tolist())
-                     if v != float("-inf")]
-                    if p.top_logprobs else None
+                    [
+                        (t, v)
+                        for t, v in zip(
+                            ids[i, : p.top_logprobs].tolist(), values[i, : p.top_logprobs].tolist()
+                        )
+                        if v != float("-inf")
+                    ]
+                    if p.top_logprobs
+                    else None
                     for i, p in enumerate(params)
                 ]
         return SamplerOutput(token_ids, logprobs, top, tuple(fell_back))
@@ -244,8 +250,9 @@ class Sampler:
             assert drawn is not None
             at = torch.tensor([position[fell_back[j]] for j in sampled], device=logits.device)
             allowed = offsets[torch.tensor(sampled, device=logits.device)] == 0
-            picks = drawn.rows(at).restricted(allowed, lambda: scaled[at]).draw(
-                u[at, CHECKED_DRAWS:])
+            picks = (
+                drawn.rows(at).restricted(allowed, lambda: scaled[at]).draw(u[at, CHECKED_DRAWS:])
+            )
             for j, t in zip(sampled, picks.squeeze(1).tolist()):
                 token_ids[fell_back[j]] = t
         return fell_back
@@ -256,13 +263,21 @@ class Sampler:
         """[N, max(counts)] float64 uniforms on the CPU (where per-request generators live):
         row i's first counts[i] come from its generator (or the sampler's own), the rest are
         unused padding."""
-        shared = iter(torch.rand(sum(c for g, c in zip(generators, counts) if g is None),
-                                 dtype=torch.float64, generator=self._generator).tolist())
+        shared = iter(
+            torch.rand(
+                sum(c for g, c in zip(generators, counts) if g is None),
+                dtype=torch.float64,
+                generator=self._generator,
+            ).tolist()
+        )
         width = max(counts)
         rows = []
         for g, c in zip(generators, counts):
-            row = ([next(shared) for _ in range(c)] if g is None
-                   else torch.rand(c, dtype=torch.float64, generator=g).tolist())
+            row = (
+                [next(shared) for _ in range(c)]
+                if g is None
+                else torch.rand(c, dtype=torch.float64, generator=g).tolist()
+            )
             rows.append(row + [0.5] * (width - c))
         return torch.tensor(rows, dtype=torch.float64)
 
@@ -292,8 +307,7 @@ class _Inversion:
     def rows(self, at: torch.Tensor) -> _Inversion:
         return _Inversion(self.weights[at], self.blocks[at])
 
-    def restricted(self, allowed: torch.Tensor, logits: Callable[[], torch.Tensor]
-                   ) -> _Inversion:
+    def restricted(self, allowed: torch.Tensor, logits: Callable[[], torch.Tensor]) -> _Inversion:
         """The same rows with only the `allowed` ([N, V] bool) tokens' weights left. Where a
         row's allowed tokens' probabilities all but vanish in float32 (logits ~70 and more
         below the row's top, temperature applied), its weights are the softmax of its
@@ -313,13 +327,16 @@ class _Inversion:
         rows, k = u.shape
         blocks = self.blocks if at is None else self.blocks[at]
         block, frac = _locate(blocks, u.to(blocks.device))  # [N, k] each
-        ids = (block.unsqueeze(-1) * _BLOCK
-               + torch.arange(_BLOCK, device=self.weights.device)).view(rows, -1)
-        inside = (self.weights.gather(1, ids.clamp(max=vocab - 1)) if at is None
-                  else self.weights[at.unsqueeze(1), ids.clamp(max=vocab - 1)]).double()
+        ids = (
+            block.unsqueeze(-1) * _BLOCK + torch.arange(_BLOCK, device=self.weights.device)
+        ).view(rows, -1)
+        inside = (
+            self.weights.gather(1, ids.clamp(max=vocab - 1))
+            if at is None
+            else self.weights[at.unsqueeze(1), ids.clamp(max=vocab - 1)]
+        ).double()
         inside.masked_fill_(ids >= vocab, 0.0)
-        offset, _ = _locate(inside.view(rows * k, _BLOCK).cumsum(dim=-1),
-                            frac.reshape(rows * k, 1))
+        offset, _ = _locate(inside.view(rows * k, _BLOCK).cumsum(dim=-1), frac.reshape(rows * k, 1))
         return ids.view(rows * k, _BLOCK).gather(1, offset).view(rows, k).clamp_(max=vocab - 1)
 
 

@@ -51,9 +51,7 @@ class SamplingParams:
         if self.top_k is not None and self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", field="top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(
-                f"top_p must be in (0, 1], got {self.top_p}", field="top_p"
-            )
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
                 f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",

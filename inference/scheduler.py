@@ -121,8 +121,12 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """A sequence's output is final: release it now, or, in a session with its last token
         still without KV on the device, once a step has computed it."""
-        if (seq.session_id is None or seq.kv.is_on_host or seq.num_uncomputed_tokens != 1
-                or seq.window_applied):
+        if (
+            seq.session_id is None
+            or seq.kv.is_on_host
+            or seq.num_uncomputed_tokens != 1
+            or seq.window_applied
+        ):
             self.remove(seq)
             return
         for queue in (self.running, self.waiting):
@@ -142,8 +146,7 @@ class Scheduler:
             self.kv_manager.free(seq.kv)
         if seq.window_applied and seq.window is not None:
             # Only KV that full attention would have computed may be kept for reuse.
-            keep = min(seq.kv.leading_tokens(self.kv_manager.block_size),
-                       seq.window.exact_tokens)
+            keep = min(seq.kv.leading_tokens(self.kv_manager.block_size), seq.window.exact_tokens)
             self.kv_manager.truncate(seq.kv, keep)
         self.kv_manager.persist(seq.kv, seq.token_ids)  # write-behind to the KV store
         if seq.session_id is not None:
@@ -170,8 +173,13 @@ class Scheduler:
             self._admit([s for s in self.waiting if s.priority == PRIORITY_NORMAL], step)
         self._plan_running(background, [], step)
         if not short:
-            self._admit(sorted((s for s in self.waiting if s.priority != PRIORITY_NORMAL),
-                               key=lambda s: s.priority), step)
+            self._admit(
+                sorted(
+                    (s for s in self.waiting if s.priority != PRIORITY_NORMAL),
+                    key=lambda s: s.priority,
+                ),
+                step,
+            )
         return step.batch()
 
     def _plan_finishing(self, step: _Step) -> None:
@@ -191,9 +199,7 @@ class Scheduler:
             self.stats.cow_copies += self.kv_manager.reserve_slots(seq.kv, seq.num_tokens)
             step.plan(seq, 1)
 
-    def _plan_running(
-        self, queue: list[Sequence], victims: list[Sequence], step: _Step
-    ) -> bool:
+    def _plan_running(self, queue: list[Sequence], victims: list[Sequence], step: _Step) -> bool:
         """Give running sequences their next tokens, oldest first; when blocks run out,
         preempt from `victims` (newest first), then the newest of `queue`, then the sequence
         itself. Returns whether a normal request found the pool short."""

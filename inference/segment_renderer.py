@@ -34,6 +34,8 @@ from kvchat.inference.chat_template import (
     RenderedSegments,
     Segment,
     message_key,
+)
+from kvchat.inference.chat_template import (
     tools_key as _tools_key,
 )
 
@@ -41,11 +43,21 @@ Tools = Sequence[Mapping[str, Any]] | None
 MAX_HEADS = 4096  # heads (system prompt, summary, tools) kept
 
 # Conversation shapes the locality probes render (with and without tools).
-_CALL = {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-_PROBE_TOOLS = ({"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},)
+_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+_PROBE_TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+)
 
 
 class SegmentRenderer:
@@ -98,8 +110,9 @@ class SegmentRenderer:
     ) -> list[int]:
         if self.is_local and messages:
             return self._local_ids(messages, add_generation_prompt, tools)
-        segments = self.render_segments(messages, add_generation_prompt=add_generation_prompt,
-                                        tools=tools, state_key=state_key)
+        segments = self.render_segments(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, state_key=state_key
+        )
         return [token_id for segment in segments for token_id in segment.token_ids]
 
     def forget(self, state_key: Hashable) -> None:
@@ -157,8 +170,9 @@ class SegmentRenderer:
         if self.is_local and len(messages) - 1 >= self._head_length(messages, tools):
             return len(self._alone(messages[-1]))
         last = len(messages) - 1
-        segments = self.render_segments(messages, add_generation_prompt=False, tools=tools,
-                                        state_key=state_key)
+        segments = self.render_segments(
+            messages, add_generation_prompt=False, tools=tools, state_key=state_key
+        )
         return sum(len(s.token_ids) for s in segments if s.message_index == last)
 
     def _head(self, head: Sequence[ChatMessage], tools: Tools) -> tuple[Segment, ...]:
@@ -170,8 +184,9 @@ class SegmentRenderer:
             if cached is not None:
                 self._heads.move_to_end(key)
                 return cached
-        segments = tuple(self.template.render_segments(head, add_generation_prompt=False,
-                                                       tools=tools))
+        segments = tuple(
+            self.template.render_segments(head, add_generation_prompt=False, tools=tools)
+        )
         with self._lock:
             self._heads[key] = segments
             while len(self._heads) > MAX_HEADS:
@@ -214,22 +229,28 @@ class SegmentRenderer:
         calls = ChatMessage("assistant", None, tool_calls=(_CALL,))
         result = ChatMessage("tool", '{"temp": 21}', tool_call_id="call_1")
         result2 = ChatMessage("tool", '{"temp": 22}', tool_call_id="call_2")
-        generated = ChatMessage("assistant", None,
-                                token_ids=tuple(self.template._tokenize("Generated.")))
+        generated = ChatMessage(
+            "assistant", None, token_ids=tuple(self.template._tokenize("Generated."))
+        )
         probes: list[list[ChatMessage]] = [
-            [user], [system, user], [system, user, reply, other],
+            [user],
+            [system, user],
+            [system, user, reply, other],
             [user, reply, other, generated, other],
             [system, system, user, reply],
         ]
         if self.template.supports_tools:
-            probes += [[system, user, calls, result, reply, other],
-                       [user, calls, result, result2, other]]
+            probes += [
+                [system, user, calls, result, reply, other],
+                [user, calls, result, result2, other],
+            ]
         try:
             for probe in probes:
-                for tools in ((None, _PROBE_TOOLS) if self.template.supports_tools else (None,)):
+                for tools in (None, _PROBE_TOOLS) if self.template.supports_tools else (None,):
                     for prompt in (True, False):
                         whole = self.template.render_segments(
-                            probe, add_generation_prompt=prompt, tools=tools)
+                            probe, add_generation_prompt=prompt, tools=tools
+                        )
                         if whole != self._local(probe, prompt, tools):
                             return False
         except ChatTemplateError:
@@ -256,16 +277,17 @@ class SegmentRenderer:
             with self._lock:
                 previous = self._states.get(state_key)
         rendered = self.template.extend_segments(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools,
-            previous=previous)
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, previous=previous
+        )
         if state_key is not None:
             with self._lock:
                 old = self._states.pop(state_key, None)
                 self._state_chars -= len(old.text) if old is not None else 0
                 self._states[state_key] = rendered
                 self._state_chars += len(rendered.text)
-                while len(self._states) > 1 and (len(self._states) > self.max_states
-                                                  or self._state_chars > self.max_state_chars):
+                while len(self._states) > 1 and (
+                    len(self._states) > self.max_states or self._state_chars > self.max_state_chars
+                ):
                     _, dropped = self._states.popitem(last=False)
                     self._state_chars -= len(dropped.text)
         return rendered.segments

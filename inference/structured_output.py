@@ -51,7 +51,8 @@ def _compute_masks(
     seconds: list[float] = []
     bitmask = grammars.fill_bitmask(
         [(k, cast(llguidance.LLMatcher, seq.matcher)) for k, (_, seq) in enumerate(seqs)],
-        len(seqs), seconds,
+        len(seqs),
+        seconds,
     )
     for (_, seq), took in zip(seqs, seconds):
         # Up at once, down slowly: one cheap mask among costly ones is no forecast.
@@ -65,8 +66,13 @@ class StepGrammars:
     are checked by their matchers, and a mask asked for then is computed on the engine
     thread."""
 
-    def __init__(self, grammars: GrammarCompiler, seqs: list[Sequence],
-                 ready: dict[int, torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        grammars: GrammarCompiler,
+        seqs: list[Sequence],
+        ready: dict[int, torch.Tensor],
+        device: torch.device,
+    ) -> None:
         self._grammars = grammars
         self._seqs = seqs
         self._words = dict(ready)  # logits row -> mask words
@@ -80,8 +86,9 @@ class StepGrammars:
     def offsets(self, rows: list[int], num_rows: int | None = None) -> torch.Tensor:
         missing = [row for row in rows if row not in self._words]
         if missing:
-            self._words.update(_compute_masks(
-                self._grammars, [(row, self._seqs[row]) for row in missing]))
+            self._words.update(
+                _compute_masks(self._grammars, [(row, self._seqs[row]) for row in missing])
+            )
         if num_rows is None:
             words = torch.stack([self._words[row] for row in rows])
         else:  # other rows allow every token
@@ -95,8 +102,14 @@ class StructuredOutputManager:
     """Owns the grammar compiler (built on first use, from any thread), the mask worker and
     the placement forecast. `checks_first` False masks every constrained row first."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
-                 eos_token_ids: frozenset[int], device: torch.device, checks_first: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+        checks_first: bool,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
@@ -128,9 +141,7 @@ class StructuredOutputManager:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def start_masks(
-        self, batch: ScheduledBatch
-    ) -> Callable[[], dict[int, torch.Tensor]] | None:
+    def start_masks(self, batch: ScheduledBatch) -> Callable[[], dict[int, torch.Tensor]] | None:
         """Starts computing the masks of the constrained rows that take theirs first (top-k/p,
         logprobs, or checks rejected lately: Sequence.mask_first_steps); the other
         constrained rows are checked after sampling and get a mask only if all their draws
@@ -142,8 +153,10 @@ class StructuredOutputManager:
         about half its time, and a thread's memory traffic slows the forward's threads. A
         row's cost is forecast from its own last masks."""
         first = [
-            (i, seq) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if seq.matcher is not None and seq.status is not SequenceStatus.FINISHING
+            (i, seq)
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+            if seq.matcher is not None
+            and seq.status is not SequenceStatus.FINISHING
             and seq.num_computed_tokens + n == seq.num_tokens  # it samples (its prompt is in)
             and (masks_first(seq.params) or seq.mask_first_steps > 0 or not self.checks_first)
         ]
@@ -151,15 +164,15 @@ class StructuredOutputManager:
             return None
         compute = functools.partial(_compute_masks, self.grammars, first)
         expected = sum(seq.mask_seconds for _, seq in first)
-        if (self.device.type == "cpu" and not self.spare_core
-                and expected < MASK_WORKER_MIN_SECONDS):
+        if self.device.type == "cpu" and not self.spare_core and expected < MASK_WORKER_MIN_SECONDS:
             return compute
         if self.mask_worker is None:
             self.mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kvchat-grammar")
         return self.mask_worker.submit(compute).result
 
-    def step_grammars(self, sampling_seqs: list[Sequence], sampled: list[int],
-                      ready: dict[int, torch.Tensor]) -> StepGrammars | None:
+    def step_grammars(
+        self, sampling_seqs: list[Sequence], sampled: list[int], ready: dict[int, torch.Tensor]
+    ) -> StepGrammars | None:
         """The sampler's view of this step's constrained rows: `sampled` maps logits rows to
         batch rows, `ready` holds the masks computed first (by batch row). None when no row
         that samples is constrained."""
@@ -167,13 +180,16 @@ class StructuredOutputManager:
             return None
         row_of = {i: j for j, i in enumerate(sampled)}  # batch row -> logits row
         return StepGrammars(
-            self.grammars, sampling_seqs,
-            {row_of[i]: words for i, words in ready.items() if i in row_of}, self.device,
+            self.grammars,
+            sampling_seqs,
+            {row_of[i]: words for i, words in ready.items() if i in row_of},
+            self.device,
         )
 
     @staticmethod
-    def note_checks(seqs: list[Sequence], grammar: StepGrammars,
-                    fell_back: tuple[int, ...]) -> None:
+    def note_checks(
+        seqs: list[Sequence], grammar: StepGrammars, fell_back: tuple[int, ...]
+    ) -> None:
         """After sampling: a checked row whose draws were all rejected takes its mask first
         for the next 1, 2, 4, ... steps (MAX_MASK_FIRST_STEPS at most); one whose check
         passed is checked again next step, and its next rejection backs off one step less
@@ -188,8 +204,9 @@ class StructuredOutputManager:
             if j in grammar.mask_first:
                 seq.mask_first_steps -= 1
             elif j in fell_back:
-                seq.mask_first_backoff = min(max(1, 2 * seq.mask_first_backoff),
-                                             MAX_MASK_FIRST_STEPS)
+                seq.mask_first_backoff = min(
+                    max(1, 2 * seq.mask_first_backoff), MAX_MASK_FIRST_STEPS
+                )
                 seq.mask_first_steps = seq.mask_first_backoff
             else:
                 seq.mask_first_backoff = max(0, seq.mask_first_backoff - 1)
@@ -201,7 +218,11 @@ class StructuredOutputManager:
         matcher = seq.matcher
         assert matcher is not None
         if not matcher.consume_token(token_id):
-            log.warning("request %s: grammar rejected token %d (%s); ending it",
-                        seq.request_id, token_id, matcher.get_error())
+            log.warning(
+                "request %s: grammar rejected token %d (%s); ending it",
+                seq.request_id,
+                token_id,
+                matcher.get_error(),
+            )
             return True
         return matcher.is_stopped()

@@ -339,14 +339,18 @@ class HFTokenizer(Tokenizer):
             table = {char: byte for byte, char in _gpt2_byte_chars().items()}
             pieces = {
                 i: bytes(table[c] for c in piece)
-                for piece, i in vocab.items() if all(c in table for c in piece)
+                for piece, i in vocab.items()
+                if all(c in table for c in piece)
             }
         else:
             pieces = {}
             for piece, i in vocab.items():
                 match = _BYTE_PIECE.fullmatch(piece) if byte_fallback else None
-                pieces[i] = (bytes([int(match.group(1), 16)]) if match
-                             else piece.replace("\u2581", " ").encode("utf-8"))
+                pieces[i] = (
+                    bytes([int(match.group(1), 16)])
+                    if match
+                    else piece.replace("\u2581", " ").encode("utf-8")
+                )
         for i, token in self._tokenizer.get_added_tokens_decoder().items():
             pieces[i] = token.content.encode("utf-8")
         return pieces

@@ -21,7 +21,6 @@ from .tokenizer import (
     TokenizerError,
 )
 
-
 DEV_VOCAB_SIZE = 100277  # cl100k ranks 0..100255, special tokens 100256..100276
 
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvchat.history import ContextPlan, HistoryPolicy, SummaryState, plan_context, reply_budget
-from kvchat.memory.stats import HistoryStats
-
 from kvchat.inference.chat_template import ChatMessage
 from kvchat.inference.context_builder import ContextBuilder, MessageCounts, history_message
+from kvchat.memory.stats import HistoryStats
 
 NEW = "__new__"  # the plan's id for the message being added
 
@@ -32,8 +31,11 @@ class TurnPlan:
     @property
     def history_stats(self) -> HistoryStats:
         plan = self.plan
-        return HistoryStats(trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
-                            tool_results_capped=len(plan.capped))
+        return HistoryStats(
+            trims=int(plan.trimmed),
+            dropped_tokens=plan.num_dropped_tokens,
+            tool_results_capped=len(plan.capped),
+        )
 
 
 def branch_key(conversation: Hashable) -> tuple[Hashable, str]:
@@ -71,8 +73,11 @@ def plan_turn(
     new_counts = None
     if new_message is not None:
         new_counts = builder.count_last(
-            system, [*chat, new_message], tools,
-            branch_key(conversation) if conversation is not None else None)
+            system,
+            [*chat, new_message],
+            tools,
+            branch_key(conversation) if conversation is not None else None,
+        )
         history.append(history_message(NEW, new_message, new_counts))
     max_tokens = reply_budget(requested_max_tokens, max_context_tokens, default_max_tokens)
     plan = plan_context(
@@ -88,7 +93,11 @@ def plan_turn(
     by_id: dict[str, ChatMessage] = {i: m for i, m, _ in branch}
     if new_message is not None:
         by_id[NEW] = new_message
-    prompt = builder.build(system, by_id, plan, tools=tools,
-                           state_key=prompt_key(conversation) if conversation is not None
-                           else None)
+    prompt = builder.build(
+        system,
+        by_id,
+        plan,
+        tools=tools,
+        state_key=prompt_key(conversation) if conversation is not None else None,
+    )
     return TurnPlan(new_counts, plan, prompt, max_tokens)

@@ -35,8 +35,13 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 
 @triton.jit
 def _key_tile_span(
-    q_pos_lo, q_pos_hi, seq_len, sliding_window, num_sink_tokens,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_pos_lo,
+    q_pos_hi,
+    seq_len,
+    sliding_window,
+    num_sink_tokens,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Key tiles that queries at positions [q_pos_lo, q_pos_hi] can see, as a virtual range
     0..num_tiles: index t is tile t below num_sink_tiles, else tile
@@ -86,14 +91,20 @@ def check_cache_pair(
     with a contiguous head_dim; for an int8/fp8 cache, float32 scale caches
     [num_blocks, block_size, num_kv_heads] sharing strides. Returns the devices involved."""
     if key_cache.dim() != 4:
-        raise ValueError("key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)}")
+        raise ValueError(
+            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)}"
+        )
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must "
-                         f"match key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
+        raise ValueError(
+            f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must "
+            f"match key_cache {tuple(key_cache.shape)} {key_cache.dtype}"
+        )
     if value_cache.stride() != key_cache.stride() or key_cache.stride(-1) != 1:
-        raise ValueError("key_cache and value_cache must share strides with a contiguous "
-                         f"head_dim, got {key_cache.stride()} and {value_cache.stride()}")
+        raise ValueError(
+            "key_cache and value_cache must share strides with a contiguous "
+            f"head_dim, got {key_cache.stride()} and {value_cache.stride()}"
+        )
     devices = {key_cache.device, value_cache.device}
     if not is_quantized(key_cache.dtype):
         return devices
@@ -101,13 +112,17 @@ def check_cache_pair(
         raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and value_scale_cache")
     for name, s in (("key_scale_cache", key_scale_cache), ("value_scale_cache", value_scale_cache)):
         if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
-            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads] = "
-                             f"{tuple(key_cache.shape[:3])} float32, got "
-                             f"{tuple(s.shape)} {s.dtype}")
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, num_kv_heads] = "
+                f"{tuple(key_cache.shape[:3])} float32, got "
+                f"{tuple(s.shape)} {s.dtype}"
+            )
         devices.add(s.device)
     if value_scale_cache.stride() != key_scale_cache.stride():
-        raise ValueError("key_scale_cache and value_scale_cache must share strides, got "
-                         f"{key_scale_cache.stride()} and {value_scale_cache.stride()}")
+        raise ValueError(
+            "key_scale_cache and value_scale_cache must share strides, got "
+            f"{key_scale_cache.stride()} and {value_scale_cache.stride()}"
+        )
     return devices
 
 
@@ -134,25 +149,30 @@ def check_paged_attention_args(
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     if query.shape[2] != head_dim or head_dim > 256:
-        raise ValueError(f"query head_dim {query.shape[2]} must equal the cache's {head_dim} "
-                         "and be at most 256")
+        raise ValueError(
+            f"query head_dim {query.shape[2]} must equal the cache's {head_dim} and be at most 256"
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"block_size must be a power of two <= 256, got {block_size}")
     quantized = is_quantized(key_cache.dtype)
     if not quantized and key_cache.dtype != query.dtype:
-        raise ValueError(f"an unquantized cache must hold the query dtype {query.dtype}, got "
-                         f"{key_cache.dtype}")
+        raise ValueError(
+            f"an unquantized cache must hold the query dtype {query.dtype}, got {key_cache.dtype}"
+        )
     devices |= {t.device for t in (query, block_tables, seq_lens)}
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if num_seqs < 0 or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be [num_seqs] int32, got {tuple(seq_lens.shape)} "
-                         f"{seq_lens.dtype}")
-    if (block_tables.dim() != 2 or block_tables.shape[0] < num_seqs
-            or block_tables.dtype not in (torch.int32, torch.int64)
-            or block_tables.stride(-1) != 1):
+        raise ValueError(
+            f"seq_lens must be [num_seqs] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] < num_seqs
+        or block_tables.dtype not in (torch.int32, torch.int64)
+        or block_tables.stride(-1) != 1
+    ):
         raise ValueError(
             f"block_tables must be [num_seqs >= {num_seqs}, max_blocks_per_seq] int32 with "
             f"contiguous rows, got {tuple(block_tables.shape)} {block_tables.dtype} "
@@ -164,8 +184,10 @@ def check_paged_attention_args(
         raise ValueError(f"num_sink_tokens must be >= 0, got {num_sink_tokens}")
     if out is not None:
         if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} with a contiguous "
-                             f"head_dim, got {tuple(out.shape)} {out.dtype}")
+            raise ValueError(
+                f"out must be {tuple(query.shape)} {query.dtype} with a contiguous "
+                f"head_dim, got {tuple(out.shape)} {out.dtype}"
+            )
         devices.add(out.device)
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

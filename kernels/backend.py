@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,8 +43,13 @@ def get_attention_ops(backend: str, device: torch.device) -> AttentionOps:
 
         # The references, with what the layers of a step share derived once (per engine); on
         # the CPU, kvchat's C++ ops where they apply.
-        return AttentionOps("torch", StepCacheWrite(), StepDecode(), paged_prefill_attention_ref,
-                            rotary_cache_write_cpu if device.type == "cpu" else None)
+        return AttentionOps(
+            "torch",
+            StepCacheWrite(),
+            StepDecode(),
+            paged_prefill_attention_ref,
+            rotary_cache_write_cpu if device.type == "cpu" else None,
+        )
     from .cache_write import write_kv_cache
     from .decode_attention import paged_decode_attention
     from .prefill_attention import paged_prefill_attention

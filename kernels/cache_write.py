@@ -43,8 +43,9 @@ def write_kv_cache_ref(
     if bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    write_kv_slots_ref(key, value, key_cache, value_cache, slots, key_scale_cache,
-                       value_scale_cache)
+    write_kv_slots_ref(
+        key, value, key_cache, value_cache, slots, key_scale_cache, value_scale_cache
+    )
 
 
 def write_kv_slots_ref(
@@ -136,10 +137,16 @@ def _write_kv_cache_kernel(
     key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (quantized only)
     value_scale_ptr,
     slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
-    stride_kt, stride_kh,  # key; head_dim stride is 1
-    stride_vt, stride_vh,  # value
-    stride_cb, stride_ct, stride_ch,  # both caches (same strides), head_dim stride is 1
-    stride_sb, stride_st, stride_sh,  # both scale caches
+    stride_kt,
+    stride_kh,  # key; head_dim stride is 1
+    stride_vt,
+    stride_vh,  # value
+    stride_cb,
+    stride_ct,
+    stride_ch,  # both caches (same strides), head_dim stride is 1
+    stride_sb,
+    stride_st,
+    stride_sh,  # both scale caches
     NUM_KV_HEADS: tl.constexpr,
     NUM_KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -163,20 +170,42 @@ def _write_kv_cache_kernel(
     mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     src = token.to(tl.int64)
-    k = tl.load(key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                mask=mask, other=0.0)
-    v = tl.load(value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                mask=mask, other=0.0)
+    k = tl.load(
+        key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    v = tl.load(
+        value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
     dst = block * stride_cb + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
     if QUANT == 0:  # same dtype: a plain copy
         tl.store(key_cache_ptr + dst, k, mask=mask)
         tl.store(value_cache_ptr + dst, v, mask=mask)
     else:
         dst_scale = block * stride_sb + offset * stride_st + offs_h * stride_sh
-        _quantize_store(k.to(tl.float32), key_cache_ptr + dst, key_scale_ptr + dst_scale,
-                        mask, mask_h, QUANT, QMAX, MIN_SCALE_)
-        _quantize_store(v.to(tl.float32), value_cache_ptr + dst, value_scale_ptr + dst_scale,
-                        mask, mask_h, QUANT, QMAX, MIN_SCALE_)
+        _quantize_store(
+            k.to(tl.float32),
+            key_cache_ptr + dst,
+            key_scale_ptr + dst_scale,
+            mask,
+            mask_h,
+            QUANT,
+            QMAX,
+            MIN_SCALE_,
+        )
+        _quantize_store(
+            v.to(tl.float32),
+            value_cache_ptr + dst,
+            value_scale_ptr + dst_scale,
+            mask,
+            mask_h,
+            QUANT,
+            QMAX,
+            MIN_SCALE_,
+        )
 
 
 def write_kv_cache(
@@ -211,10 +240,20 @@ def write_kv_cache(
         k_scale, v_scale = key_cache, value_cache  # unused placeholders
         scale_strides = (0, 0, 0)
     _write_kv_cache_kernel[(num_tokens,)](
-        key, value, k_dst, v_dst, k_scale, v_scale, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key,
+        value,
+        k_dst,
+        v_dst,
+        k_scale,
+        v_scale,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         *scale_strides,
         NUM_KV_HEADS=num_kv_heads,
         NUM_KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
@@ -242,12 +281,16 @@ def _check_cache_write_args(
     expected = (key.shape[0], num_kv_heads, head_dim)
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = "
-                             f"{expected}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be [num_tokens, num_kv_heads, head_dim] = "
+                f"{expected}, got {tuple(t.shape)}"
+            )
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous head_dim, got strides {t.stride()}")
-    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int64,
-                                                                            torch.int32):
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (
+        torch.int64,
+        torch.int32,
+    ):
         raise ValueError(
             f"slot_mapping must be [num_tokens] = [{key.shape[0]}] int64, got "
             f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}"

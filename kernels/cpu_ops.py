@@ -34,8 +34,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_rms_norm.cpp", "cpu_layer_ops.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in (
+        "cpu_gemv.cpp",
+        "cpu_decode_attention.cpp",
+        "cpu_rms_norm.cpp",
+        "cpu_layer_ops.cpp",
+    )
+)
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: in the build key
 GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
 # -fopenmp: at::parallel_for is OpenMP in a header, serial without it; the runtime it links is
@@ -78,8 +85,19 @@ def cpu_model() -> str:
 
 
 # The instruction-set features that decide which kernels a CPU runs well.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
-             "amx_tile", "amx_bf16", "asimd", "sve")
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
 
 
 def cpu_isa() -> list[str]:
@@ -144,8 +162,11 @@ def load_cpu_ops() -> bool:
             verbose=False,
         )
     except Exception as e:  # any build failure leaves the library paths
-        log.warning("kvchat's CPU ops could not be built (%s: %s); decode linears use the "
-                    "library paths, attention the torch reference", type(e).__name__,
-                    str(e).splitlines()[0][:200])
+        log.warning(
+            "kvchat's CPU ops could not be built (%s: %s); decode linears use the "
+            "library paths, attention the torch reference",
+            type(e).__name__,
+            str(e).splitlines()[0][:200],
+        )
         return False
     return True

@@ -34,6 +34,7 @@ from ._attention_common import (
 from ._paged import compute_dtype_for, gather_rows, visible
 from .quant import is_quantized
 
+
 def paged_decode_attention_ref(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -50,12 +51,22 @@ def paged_decode_attention_ref(
 ) -> torch.Tensor:
     """Torch reference (and the CPU path): all sequences at once, padded to the longest."""
     plan = plan_decode_gather(
-        block_tables, seq_lens, key_cache.shape[1], query.shape[0], sliding_window,
+        block_tables,
+        seq_lens,
+        key_cache.shape[1],
+        query.shape[0],
+        sliding_window,
         num_sink_tokens,
     )
     return paged_decode_attention_gathered(
-        query, key_cache, value_cache, plan, scale, key_scale_cache=key_scale_cache,
-        value_scale_cache=value_scale_cache, out=out,
+        query,
+        key_cache,
+        value_cache,
+        plan,
+        scale,
+        key_scale_cache=key_scale_cache,
+        value_scale_cache=value_scale_cache,
+        out=out,
     )
 
 
@@ -150,11 +161,17 @@ def _paged_decode_kernel(
     sliding_window,
     num_sink_tokens,
     num_splits,
-    stride_qs, stride_qh,  # query; head_dim stride is 1
-    stride_cb, stride_ct, stride_ch,  # key/value cache; head_dim stride is 1
-    stride_sb, stride_st, stride_sh,  # key/value scale cache
+    stride_qs,
+    stride_qh,  # query; head_dim stride is 1
+    stride_cb,
+    stride_ct,
+    stride_ch,  # key/value cache; head_dim stride is 1
+    stride_sb,
+    stride_st,
+    stride_sh,  # key/value scale cache
     stride_bts,  # block_tables; block stride is 1
-    stride_os, stride_oh,  # out; head_dim stride is 1
+    stride_os,
+    stride_oh,  # out; head_dim stride is 1
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16 so tl.dot gets a full M tile
     HEAD_DIM: tl.constexpr,
@@ -236,8 +253,9 @@ def _paged_decode_kernel(
         row = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD]
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o,
-                 mask=mask_g[:, None])
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=mask_g[:, None]
+        )
     else:
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -252,7 +270,8 @@ def _decode_reduce_kernel(
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, log2 domain
     out_ptr,  # [num_seqs, num_heads, head_dim]
     num_splits,
-    stride_os, stride_oh,
+    stride_os,
+    stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS_PAD: tl.constexpr,
@@ -267,12 +286,18 @@ def _decode_reduce_kernel(
     lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))  # [NUM_SPLITS_PAD]
     m = tl.max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    part = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     total = tl.sum(weight, axis=0)
     o = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask_d,
+    )
 
 
 # --------------------------------------------------------------------------- launcher
@@ -313,23 +338,40 @@ def paged_decode_attention(
     empty context gives 0). `num_splits` (split-K over the visible keys) defaults to a
     choice from the block-table width and the device's SM count; it needs no host sync."""
     check_paged_attention_args(
-        query, key_cache, value_cache, block_tables, seq_lens, sliding_window,
-        num_sink_tokens, key_scale_cache, value_scale_cache, out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        sliding_window,
+        num_sink_tokens,
+        key_scale_cache,
+        value_scale_cache,
+        out,
     )
     if query.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"query has {query.shape[0]} sequences but seq_lens has "
-                         f"{seq_lens.shape[0]}")
+        raise ValueError(
+            f"query has {query.shape[0]} sequences but seq_lens has {seq_lens.shape[0]}"
+        )
     config = default_decode_config(query.dtype, key_cache.shape[1], query.shape[2])
     return paged_decode_attention_with_config(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, config,
-        sliding_window=sliding_window, num_sink_tokens=num_sink_tokens,
-        key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache, out=out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        config,
+        sliding_window=sliding_window,
+        num_sink_tokens=num_sink_tokens,
+        key_scale_cache=key_scale_cache,
+        value_scale_cache=value_scale_cache,
+        out=out,
         num_splits=num_splits,
     )
 
 
-def default_decode_config(query_dtype: torch.dtype, block_size: int,
-                          head_dim: int) -> DecodeConfig:
+def default_decode_config(query_dtype: torch.dtype, block_size: int, head_dim: int) -> DecodeConfig:
     """Chosen on an H200 with bench/gpu_kernels.py --sweep (Llama-3-8B shapes). bf16 KV
     reaches 87-104% of the copy bandwidth at batch >= 32, context >= 4k. int8/fp8 KV are
     fastest with the same tile but reach only ~45-57% (about bf16's wall time): converting
@@ -379,8 +421,10 @@ def paged_decode_attention_with_config(
     if num_seqs == 0:
         return out
     if config.block_n % block_size or config.block_n & (config.block_n - 1):
-        raise ValueError(f"block_n must be a power-of-two multiple of block_size "
-                         f"{block_size}, got {config.block_n}")
+        raise ValueError(
+            f"block_n must be a power-of-two multiple of block_size "
+            f"{block_size}, got {config.block_n}"
+        )
     if num_splits is None:
         max_visible = block_tables.shape[1] * block_size  # an upper bound, no host sync
         if sliding_window is not None:
@@ -396,24 +440,38 @@ def paged_decode_attention_with_config(
     scale_strides = key_scale_cache.stride() if key_scale_cache is not None else (0, 0, 0)
     is_split = num_splits > 1
     if is_split:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad,
-                               dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits,
-                               dtype=torch.float32, device=query.device)
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
     else:
         part_out = part_lse = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, out,
-        part_out, part_lse,
+        query,
+        key_cache,
+        value_cache,
+        k_scale,
+        v_scale,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
         scale * LOG2E,
         sliding_window if sliding_window is not None else 0,
         num_sink_tokens,
         num_splits,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         *scale_strides,
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -429,7 +487,12 @@ def paged_decode_attention_with_config(
     )
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            part_out,
+            part_lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import compute_dtype_for, gather_kv, visible
 from ._attention_common import (
     LOG2E,
     _dot,
@@ -28,6 +27,7 @@ from ._attention_common import (
     check_paged_attention_args,
     dot_mode,
 )
+from ._paged import compute_dtype_for, gather_kv, visible
 from .quant import is_quantized
 
 
@@ -105,11 +105,17 @@ def _paged_prefill_kernel(
     sliding_window,
     num_sink_tokens,
     num_seqs,
-    stride_qt, stride_qh,  # query; head_dim stride is 1
-    stride_cb, stride_ct, stride_ch,  # key/value cache; head_dim stride is 1
-    stride_sb, stride_st, stride_sh,  # key/value scale cache
+    stride_qt,
+    stride_qh,  # query; head_dim stride is 1
+    stride_cb,
+    stride_ct,
+    stride_ch,  # key/value cache; head_dim stride is 1
+    stride_sb,
+    stride_st,
+    stride_sh,  # key/value scale cache
     stride_bts,  # block_tables; block stride is 1
-    stride_ot, stride_oh,  # out; head_dim stride is 1
+    stride_ot,
+    stride_oh,  # out; head_dim stride is 1
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # new tokens per tile
@@ -144,8 +150,10 @@ def _paged_prefill_kernel(
     q_pos = cached_len + tok  # [BLOCK_M] absolute positions
 
     q = tl.load(
-        query_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_qt
-        + heads[:, None] * stride_qh + offs_d[None, :],
+        query_ptr
+        + (q_begin + tok).to(tl.int64)[:, None] * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
@@ -166,8 +174,9 @@ def _paged_prefill_kernel(
         # window may be freed, -1 in the table).
         mask_n = offs_key <= q_pos_hi
         if HAS_WINDOW:
-            mask_n = mask_n & ((offs_key > q_pos_lo - sliding_window)
-                               | (offs_key < num_sink_tokens))
+            mask_n = mask_n & (
+                (offs_key > q_pos_lo - sliding_window) | (offs_key < num_sink_tokens)
+            )
         block_ids = tl.load(block_table + offs_key // BLOCK_SIZE, mask=mask_n, other=0)
         offs_slot = block_ids.to(tl.int64) * stride_cb + (offs_key % BLOCK_SIZE) * stride_ct
         offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_d[None, :]
@@ -182,8 +191,10 @@ def _paged_prefill_kernel(
             s = s * k_scale[None, :]
         seen = mask_n[None, :] & (offs_key[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
-            seen = seen & ((offs_key[None, :] > q_pos[:, None] - sliding_window)
-                           | (offs_key[None, :] < num_sink_tokens))
+            seen = seen & (
+                (offs_key[None, :] > q_pos[:, None] - sliding_window)
+                | (offs_key[None, :] < num_sink_tokens)
+            )
         s = tl.where(seen, s * qk_scale, float("-inf"))
 
         # A row may see nothing in this tile (window): keep its state, no NaN from -inf - -inf.
@@ -201,8 +212,10 @@ def _paged_prefill_kernel(
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_ot
-        + heads[:, None] * stride_oh + offs_d[None, :],
+        out_ptr
+        + (q_begin + tok).to(tl.int64)[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -244,22 +257,43 @@ def paged_prefill_attention(
     """Triton paged prefill attention (same contract as `paged_prefill_attention_ref`);
     query_start_loc[-1] must equal num_tokens (not checked: that would sync)."""
     check_paged_attention_args(
-        query, key_cache, value_cache, block_tables, seq_lens, sliding_window,
-        num_sink_tokens, key_scale_cache, value_scale_cache, out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        sliding_window,
+        num_sink_tokens,
+        key_scale_cache,
+        value_scale_cache,
+        out,
     )
     num_seqs = seq_lens.shape[0]
-    if (query_start_loc.shape != (num_seqs + 1,)
-            or query_start_loc.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] int32, "
-                         f"got {tuple(query_start_loc.shape)} {query_start_loc.dtype}")
+    if query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] int32, "
+            f"got {tuple(query_start_loc.shape)} {query_start_loc.dtype}"
+        )
     if query_start_loc.device != query.device:
-        raise ValueError(f"query_start_loc is on {query_start_loc.device}, query on "
-                         f"{query.device}")
+        raise ValueError(f"query_start_loc is on {query_start_loc.device}, query on {query.device}")
     config = default_prefill_config(query.dtype, key_cache.shape[1], query.shape[2])
     return paged_prefill_attention_with_config(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, config,
-        sliding_window=sliding_window, num_sink_tokens=num_sink_tokens,
-        key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache, out=out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        config,
+        sliding_window=sliding_window,
+        num_sink_tokens=num_sink_tokens,
+        key_scale_cache=key_scale_cache,
+        value_scale_cache=value_scale_cache,
+        out=out,
     )
 
 
@@ -289,8 +323,10 @@ def paged_prefill_attention_with_config(
     if num_tokens == 0 or num_seqs == 0:
         return out
     if config.block_n % block_size or config.block_n & (config.block_n - 1):
-        raise ValueError(f"block_n must be a power-of-two multiple of block_size "
-                         f"{block_size}, got {config.block_n}")
+        raise ValueError(
+            f"block_n must be a power-of-two multiple of block_size "
+            f"{block_size}, got {config.block_n}"
+        )
     group_pad = triton.next_power_of_2(group)
     block_m = max(config.block_m, group_pad, 16)
     block_q = block_m // group_pad
@@ -301,17 +337,30 @@ def paged_prefill_attention_with_config(
     v_scale = value_scale_cache if quantized else value_cache
     scale_strides = key_scale_cache.stride() if key_scale_cache is not None else (0, 0, 0)
     _paged_prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
-        query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens,
-        query_start_loc, tile_seq, tile_q_start, out,
+        query,
+        key_cache,
+        value_cache,
+        k_scale,
+        v_scale,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        tile_seq,
+        tile_q_start,
+        out,
         scale * LOG2E,
         sliding_window if sliding_window is not None else 0,
         num_sink_tokens,
         num_seqs,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         *scale_strides,
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,

@@ -52,9 +52,15 @@ class StepDecode:
         value_scale_cache: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (self.use_cpu_kernel and sliding_window is None and num_sink_tokens == 0
-                and key_scale_cache is None and query.device.type == "cpu"
-                and query.dtype == key_cache.dtype and load_cpu_ops()):
+        if (
+            self.use_cpu_kernel
+            and sliding_window is None
+            and num_sink_tokens == 0
+            and key_scale_cache is None
+            and query.device.type == "cpu"
+            and query.dtype == key_cache.dtype
+            and load_cpu_ops()
+        ):
             if out is None:
                 out = torch.empty_like(query)
             torch.ops.kvchat_cpu.decode_attention(
@@ -68,13 +74,23 @@ class StepDecode:
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_decode_gather(
-                block_tables, seq_lens, block_size, query.shape[0], sliding_window,
+                block_tables,
+                seq_lens,
+                block_size,
+                query.shape[0],
+                sliding_window,
                 num_sink_tokens,
             )
             self._plans[key] = plan
         return paged_decode_attention_gathered(
-            query, key_cache, value_cache, plan, scale, key_scale_cache=key_scale_cache,
-            value_scale_cache=value_scale_cache, out=out,
+            query,
+            key_cache,
+            value_cache,
+            plan,
+            scale,
+            key_scale_cache=key_scale_cache,
+            value_scale_cache=value_scale_cache,
+            out=out,
         )
 
 
@@ -107,7 +123,12 @@ class StepCacheWrite:
         if self._keep is not None:
             key, value = key[self._keep], value[self._keep]
         write_kv_slots_ref(
-            key, value, key_cache, value_cache, self._kept_slots, key_scale_cache,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            self._kept_slots,
+            key_scale_cache,
             value_scale_cache,
         )
 
@@ -126,9 +147,13 @@ def rotary_cache_write_cpu(
     """kernels/cpu_layer_ops.cpp's rotary_cache_write -> q [T, Hq, D]; None where it does not
     apply (a quantized cache, another dtype or device, no C++ ops), so the caller takes the
     separate ops."""
-    if (key_scale_cache is not None or qkv.device.type != "cpu"
-            or qkv.dtype != key_cache.dtype or not key_cache.is_contiguous()
-            or not load_cpu_ops()):
+    if (
+        key_scale_cache is not None
+        or qkv.device.type != "cpu"
+        or qkv.dtype != key_cache.dtype
+        or not key_cache.is_contiguous()
+        or not load_cpu_ops()
+    ):
         return None
     q: torch.Tensor = torch.ops.kvchat_cpu.rotary_cache_write(
         qkv, cos, signed_sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads

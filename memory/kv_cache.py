@@ -86,9 +86,13 @@ class KVCache:
         scale_bytes = None
         if scales is not None:
             scale_bytes = _bytes(scales).index_select(2, index).to("cpu")
-        return [(kv_bytes[:, :, i].clone(),
-                 None if scale_bytes is None else scale_bytes[:, :, i].clone())
-                for i in range(len(ids))]
+        return [
+            (
+                kv_bytes[:, :, i].clone(),
+                None if scale_bytes is None else scale_bytes[:, :, i].clone(),
+            )
+            for i in range(len(ids))
+        ]
 
     def write_block(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Fill one device block from bytes shaped as `block_bytes` gives them."""

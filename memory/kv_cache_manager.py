@@ -230,16 +230,21 @@ class KVCacheManager:
         on_host = state.is_on_host
         table = state.host_block_ids if on_host else state.block_ids
         bs = self.block_size
-        wanted = [(i, h) for i, h in enumerate(state.block_hashes)
-                  if i < len(table) and table[i] != HOLE and not store.knows(h)]
+        wanted = [
+            (i, h)
+            for i, h in enumerate(state.block_hashes)
+            if i < len(table) and table[i] != HOLE and not store.knows(h)
+        ]
         if not wanted:
             return 0
         began = time.perf_counter()
         copies = self._kv().block_bytes([table[i] for i, _ in wanted], on_host)
-        store.put([
-            BlockData(h, tuple(token_ids[i * bs : (i + 1) * bs]), kv, scales)
-            for (i, h), (kv, scales) in zip(wanted, copies)
-        ])
+        store.put(
+            [
+                BlockData(h, tuple(token_ids[i * bs : (i + 1) * bs]), kv, scales)
+                for (i, h), (kv, scales) in zip(wanted, copies)
+            ]
+        )
         store.note_copy(time.perf_counter() - began)
         self.stats.blocks_to_store += len(wanted)
         return len(wanted)

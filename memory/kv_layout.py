@@ -53,8 +53,11 @@ def plan_kv_layout(
         num_blocks = cache.kv_cache_bytes // bytes_per_block
     elif measure is not None:
         measured = measure()
-        budget = (cache.gpu_memory_utilization * measured.total_bytes - measured.peak_bytes
-                  - measured.non_torch_bytes)
+        budget = (
+            cache.gpu_memory_utilization * measured.total_bytes
+            - measured.peak_bytes
+            - measured.non_torch_bytes
+        )
         num_blocks = int(budget // bytes_per_block)
     else:
         num_blocks = CPU_DEFAULT_KV_CACHE_BYTES // bytes_per_block

@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .stats import KVStoreStats
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from .stats import KVStoreStats
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,9 @@ class KVStore:
         self._pending: set[bytes] = set()  # queued, not yet written
         self._queue: queue.Queue[list[BlockData] | None] = queue.Queue()
         self._rescan()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-store-writer", daemon=True
+        )
         self._writer.start()
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -140,8 +141,11 @@ class KVStore:
     def put(self, blocks: Sequence[BlockData]) -> None:
         """Queue blocks for the writer (those already known are dropped here)."""
         with self._lock:
-            fresh = [b for b in blocks
-                     if b.block_hash not in self._index and b.block_hash not in self._pending]
+            fresh = [
+                b
+                for b in blocks
+                if b.block_hash not in self._index and b.block_hash not in self._pending
+            ]
             self._pending.update(b.block_hash for b in fresh)
         if fresh:
             self._queue.put(fresh)
@@ -270,8 +274,10 @@ class KVStore:
 
     def _write(self, block: BlockData) -> int:
         path = self._path(block.block_hash)
-        tensors = {"kv": block.kv.contiguous(),
-                   "tokens": torch.tensor(block.token_ids, dtype=torch.int64)}
+        tensors = {
+            "kv": block.kv.contiguous(),
+            "tokens": torch.tensor(block.token_ids, dtype=torch.int64),
+        }
         if block.scales is not None:
             tensors["scales"] = block.scales.contiguous()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

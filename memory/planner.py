@@ -97,8 +97,17 @@ class MemoryPlan:
 
 def parse_bytes(text: str) -> int:
     """'80GiB', '24 GB', '512MiB', '1e9' -> bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "b": 1,
+    }
     t = text.strip().lower().replace(" ", "")
     number, factor = t, 1
     for unit, unit_factor in units.items():

@@ -120,9 +120,7 @@ class SessionStore:
     @property
     def num_pinned_blocks(self) -> int:
         return sum(
-            len(s.kv.block_ids)
-            for s in self.sessions.values()
-            if s.state is SessionState.RESIDENT
+            len(s.kv.block_ids) for s in self.sessions.values() if s.state is SessionState.RESIDENT
         )
 
     def get(self, session_id: str) -> Session | None:
@@ -144,7 +142,11 @@ class SessionStore:
     # -- a turn begins ---------------------------------------------------------------------------
 
     def claim(
-        self, session_id: str, salt: str | None, request_id: str, token_ids: Sequence[int],
+        self,
+        session_id: str,
+        salt: str | None,
+        request_id: str,
+        token_ids: Sequence[int],
         kv: KVState,
     ) -> Reuse:
         """Hand the session's KV to a new turn's (empty) `kv`, as far as it matches `token_ids`.
@@ -168,11 +170,11 @@ class SessionStore:
             self.manager.hand_over(session.kv, kv)
             return Reuse(from_session=match)
         if state is SessionState.OFFLOADED:
-            restored = self.manager.restore(session.kv, session.token_ids, match, kv,
-                                            self.make_room)
+            restored = self.manager.restore(
+                session.kv, session.token_ids, match, kv, self.make_room
+            )
             self.stats.session_restores += 1
-            return Reuse(from_host=restored.from_host,
-                         from_prefix_cache=restored.from_prefix_cache)
+            return Reuse(from_host=restored.from_host, from_prefix_cache=restored.from_prefix_cache)
         return Reuse()
 
     # -- a turn ends -----------------------------------------------------------------------------

@@ -6,12 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvchat_testing.hf_models import build_hf_model
-
-
-
-
-
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 
-from kvchat.app.transports import chat_completions as completions
-from kvchat.app.schemas.chat import ChatCompletion, ChatCompletionRequest
 from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.schemas.chat import ChatCompletion, ChatCompletionRequest
 from kvchat.app.state import StateDep
+from kvchat.app.transports import chat_completions as completions
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 
@@ -17,9 +17,13 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 @router.post(
     "/chat/completions",
     response_model=ChatCompletion,
-    responses={200: {"content": {"text/event-stream": {}},
-                     "description": "A chat.completion, or with stream=true chat.completion.chunk "
-                     "events ending with `data: [DONE]`."}},
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "A chat.completion, or with stream=true chat.completion.chunk "
+            "events ending with `data: [DONE]`.",
+        }
+    },
 )
 async def create_chat_completion(
     body: ChatCompletionRequest,
@@ -28,8 +32,10 @@ async def create_chat_completion(
     state: StateDep,
     x_session_id: Annotated[
         str | None,
-        Header(alias="X-Session-Id", description="Pin this session's KV between calls "
-               "(scoped to the key's owner)."),
+        Header(
+            alias="X-Session-Id",
+            description="Pin this session's KV between calls (scoped to the key's owner).",
+        ),
     ] = None,
 ) -> Any:
     return await completions.create(state, key, body, request, x_session_id)

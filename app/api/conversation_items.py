@@ -21,8 +21,10 @@ from kvchat.app.transports import conversation_items
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 
-Order = Annotated[Literal["asc", "desc"], Query(description="By position in the conversation; "
-                                                "OpenAI's default is desc.")]
+Order = Annotated[
+    Literal["asc", "desc"],
+    Query(description="By position in the conversation; OpenAI's default is desc."),
+]
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
@@ -31,8 +33,9 @@ async def update_metadata(
     conversation_id: str, body: ConversationUpdate, key: CurrentKey, state: StateDep
 ) -> ConversationOut:
     """OpenAI's conversation update: its metadata (kvchat's PATCH changes the rest)."""
-    conv = await conversation_items.update_metadata(state, key.owner, conversation_id,
-                                                    body.metadata)
+    conv = await conversation_items.update_metadata(
+        state, key.owner, conversation_id, body.metadata
+    )
     return conversation_out(conv)
 
 
@@ -46,8 +49,9 @@ async def list_items(
     limit: Limit = 20,
 ) -> ItemList:
     """The conversation's current branch, root to leaf, as items."""
-    return await conversation_items.list_items(state, key.owner, conversation_id, order=order,
-                                               after=after, limit=limit)
+    return await conversation_items.list_items(
+        state, key.owner, conversation_id, order=order, after=after, limit=limit
+    )
 
 
 @router.post("/{conversation_id}/items", response_model=ItemList)

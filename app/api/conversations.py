@@ -8,15 +8,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 
-from kvchat.inference import ChatMessage
-
-from kvchat.app.store import MessageRecord
-from kvchat.app.transports import conversation_items, sse
-from kvchat.app.turns.events import TurnEvent
-from kvchat.app.turns.idempotency import Replayed, run_once
-from kvchat.app.turns.turn import Turn
 from kvchat.app.errors import invalid_request, not_found
-from kvchat.app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
+from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.conversations import (
     SETTINGS_FIELDS,
     ConversationCreate,
@@ -29,8 +22,14 @@ from kvchat.app.schemas.conversations import (
     Regenerate,
     check_session_settings,
 )
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
 from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.store import MessageRecord
+from kvchat.app.transports import conversation_items, sse
+from kvchat.app.turns.events import TurnEvent
+from kvchat.app.turns.idempotency import Replayed, run_once
+from kvchat.app.turns.turn import Turn
+from kvchat.inference import ChatMessage
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 
@@ -43,8 +42,7 @@ async def create_conversation(
 ) -> ConversationOut:
     """A new conversation; its settings are checked together, over the server defaults (400
     naming the field). OpenAI's Conversations API: `items` are its first items."""
-    fields = body.model_dump(exclude={"title", "system", "metadata", "items"},
-                             exclude_none=True)
+    fields = body.model_dump(exclude={"title", "system", "metadata", "items"}, exclude_none=True)
     check_session_settings({}, fields, asdict(state.defaults))
     conv = await conversation_items.create_conversation(state, key.owner, body, fields)
     return conversation_out(conv)
@@ -61,8 +59,9 @@ async def list_conversations(
         items, cursor = await state.store.list_conversations(key.owner, limit=limit, after=after)
     except ValueError as e:
         raise invalid_request(f"after is not a cursor this server gave: {e}", "after") from e
-    return ConversationList(data=[conversation_out(c) for c in items], has_more=cursor is not None,
-                            next_cursor=cursor)
+    return ConversationList(
+        data=[conversation_out(c) for c in items], has_more=cursor is not None, next_cursor=cursor
+    )
 
 
 @router.get("/{conversation_id}", response_model=ConversationOut)
@@ -115,8 +114,10 @@ async def list_messages(
     conversation_id: str,
     key: CurrentKey,
     state: StateDep,
-    leaf: Annotated[str | None, Query(description="Show the branch through this message "
-                                      "(down to its newest descendant).")] = None,
+    leaf: Annotated[
+        str | None,
+        Query(description="Show the branch through this message (down to its newest descendant)."),
+    ] = None,
     all: Annotated[bool, Query(description="The whole tree, with parent and child ids.")] = False,
 ) -> MessageList:
     conv = await state.store.get_conversation(key.owner, conversation_id)
@@ -126,8 +127,10 @@ async def list_messages(
     children = tree_children(messages)
     if all:
         return MessageList(
-            data=[message_out(m, children.get(m.parent_id, []), children.get(m.id, []))
-                  for m in messages],
+            data=[
+                message_out(m, children.get(m.parent_id, []), children.get(m.id, []))
+                for m in messages
+            ],
             leaf_id=conv.current_leaf_id,
         )
     by_id = {m.id: m for m in messages}
@@ -146,13 +149,15 @@ async def list_messages(
 
 
 TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {}}, "description": "The stored assistant message "
-          "(JSON), or with stream=true its events (SSE: start, delta, tool_call, done)."},
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "The stored assistant message "
+        "(JSON), or with stream=true its events (SSE: start, delta, tool_call, done).",
+    },
 }
 
 
-@router.post("/{conversation_id}/messages", response_model=MessageOut,
-             responses=TURN_RESPONSES)
+@router.post("/{conversation_id}/messages", response_model=MessageOut, responses=TURN_RESPONSES)
 async def post_message(
     conversation_id: str,
     body: PostMessage,
@@ -166,27 +171,48 @@ async def post_message(
     if text is not None:
         if body.role == "tool" and not body.tool_call_id:
             raise invalid_request("a tool message needs tool_call_id", "tool_call_id")
-        new_message = ChatMessage(body.role, text, name=body.name,
-                                  tool_call_id=body.tool_call_id if body.role == "tool" else None)
+        new_message = ChatMessage(
+            body.role,
+            text,
+            name=body.name,
+            tool_call_id=body.tool_call_id if body.role == "tool" else None,
+        )
     elif body.parent_id is None:
-        raise invalid_request("content is required (without it, parent_id must name the user "
-                              "or tool message whose reply to regenerate)", "content")
+        raise invalid_request(
+            "content is required (without it, parent_id must name the user "
+            "or tool message whose reply to regenerate)",
+            "content",
+        )
     service = state.turns
     result = await run_once(
-        state, key.owner, conversation_id, idempotency_key,
+        state,
+        key.owner,
+        conversation_id,
+        idempotency_key,
         body.model_dump(mode="json", exclude_unset=True),
-        start=lambda on_end: service.start(key, conversation_id, body, new_message=new_message,
-                                           parent_id=body.parent_id, on_end=on_end,
-                                           key_verified=True),
-        rerun=lambda user_id, on_end: service.start(key, conversation_id, body,
-                                                    new_message=None, parent_id=user_id,
-                                                    on_end=on_end, key_verified=True),
+        start=lambda on_end: service.start(
+            key,
+            conversation_id,
+            body,
+            new_message=new_message,
+            parent_id=body.parent_id,
+            on_end=on_end,
+            key_verified=True,
+        ),
+        rerun=lambda user_id, on_end: service.start(
+            key,
+            conversation_id,
+            body,
+            new_message=None,
+            parent_id=user_id,
+            on_end=on_end,
+            key_verified=True,
+        ),
     )
     return await _respond(state, request, result, body.stream)
 
 
-@router.post("/{conversation_id}/regenerate", response_model=MessageOut,
-             responses=TURN_RESPONSES)
+@router.post("/{conversation_id}/regenerate", response_model=MessageOut, responses=TURN_RESPONSES)
 async def regenerate(
     conversation_id: str,
     body: Regenerate,
@@ -199,15 +225,32 @@ async def regenerate(
     service = state.turns
     parent = await service.regenerate_parent(key.owner, conversation_id, body.message_id)
     result = await run_once(
-        state, key.owner, conversation_id, idempotency_key,
-        {"regenerate": body.message_id or parent,
-         **body.model_dump(mode="json", exclude_unset=True)},
-        start=lambda on_end: service.start(key, conversation_id, body, new_message=None,
-                                           parent_id=parent, on_end=on_end,
-                                           key_verified=True),
-        rerun=lambda _user, on_end: service.start(key, conversation_id, body, new_message=None,
-                                                  parent_id=parent, on_end=on_end,
-                                                  key_verified=True),
+        state,
+        key.owner,
+        conversation_id,
+        idempotency_key,
+        {
+            "regenerate": body.message_id or parent,
+            **body.model_dump(mode="json", exclude_unset=True),
+        },
+        start=lambda on_end: service.start(
+            key,
+            conversation_id,
+            body,
+            new_message=None,
+            parent_id=parent,
+            on_end=on_end,
+            key_verified=True,
+        ),
+        rerun=lambda _user, on_end: service.start(
+            key,
+            conversation_id,
+            body,
+            new_message=None,
+            parent_id=parent,
+            on_end=on_end,
+            key_verified=True,
+        ),
     )
     return await _respond(state, request, result, body.stream)
 
@@ -219,8 +262,7 @@ async def stop(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[s
     return {"id": conversation_id, "stopped": stopped}
 
 
-async def _respond(state: StateDep, request: Request, result: Turn | Replayed,
-                   stream: bool) -> Any:
+async def _respond(state: StateDep, request: Request, result: Turn | Replayed, stream: bool) -> Any:
     if isinstance(result, Replayed):
         message = result.message
         if stream:
@@ -237,8 +279,9 @@ async def _respond(state: StateDep, request: Request, result: Turn | Replayed,
 
 
 async def _message_out(state: StateDep, message: MessageRecord) -> MessageOut:
-    siblings = [m.id for m in await state.store.children(message.conversation_id,
-                                                         message.parent_id)]
+    siblings = [
+        m.id for m in await state.store.children(message.conversation_id, message.parent_id)
+    ]
     return message_out(message, siblings)
 
 

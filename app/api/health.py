@@ -22,8 +22,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(state: StateDep) -> JSONResponse:
     if state.drain.is_draining:
         state.drain.probed()
-        return JSONResponse({"status": "draining", "replica": state.replica_id},
-                            status_code=503)
+        return JSONResponse({"status": "draining", "replica": state.replica_id}, status_code=503)
     checks: dict[str, Any] = {}
     try:
         checks["database"] = await state.store.ping()
@@ -38,5 +37,7 @@ async def readyz(state: StateDep) -> JSONResponse:
     checks["coordination"] = {"backend": state.coord.name, "healthy": coordination}
     ready = bool(checks["database"] and checks["migrations"] and checks["engine"])
     status = "ready" if ready and coordination else ("degraded" if ready else "not_ready")
-    return JSONResponse({"status": status, "replica": state.replica_id, "checks": checks},
-                        status_code=200 if ready else 503)
+    return JSONResponse(
+        {"status": status, "replica": state.replica_id, "checks": checks},
+        status_code=200 if ready else 503,
+    )

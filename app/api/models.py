@@ -30,6 +30,7 @@ async def list_models(key: CurrentKey, state: StateDep) -> dict[str, Any]:
 @router.get("/models/{model_id}")
 async def get_model(model_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     if model_id != state.runtime.model_name:
-        raise APIError(404, f"The model '{model_id}' does not exist", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+        )
     return _model(state)

@@ -17,16 +17,18 @@ from starlette.types import Message, Receive, Scope, Send
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
-CSP = "; ".join((
-    "default-src 'none'",
-    "script-src 'self'",
-    "style-src 'self'",
-    "img-src 'self' data:",
-    "connect-src 'self'",
-    "base-uri 'none'",
-    "form-action 'none'",
-    "frame-ancestors 'none'",
-))
+CSP = "; ".join(
+    (
+        "default-src 'none'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "img-src 'self' data:",
+        "connect-src 'self'",
+        "base-uri 'none'",
+        "form-action 'none'",
+        "frame-ancestors 'none'",
+    )
+)
 PAGE_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
@@ -38,8 +40,9 @@ router = APIRouter(include_in_schema=False)
 
 
 def page(name: str) -> FileResponse:
-    return FileResponse(STATIC / name, media_type="text/html",
-                        headers={**PAGE_HEADERS, "Cache-Control": "no-cache"})
+    return FileResponse(
+        STATIC / name, media_type="text/html", headers={**PAGE_HEADERS, "Cache-Control": "no-cache"}
+    )
 
 
 @router.get("/")
@@ -58,10 +61,13 @@ class StaticFilesWithHeaders(StaticFiles):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [
-                    *message.get("headers", []),
-                    *((k.lower().encode(), v.encode()) for k, v in PAGE_HEADERS.items()),
-                ]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        *((k.lower().encode(), v.encode()) for k, v in PAGE_HEADERS.items()),
+                    ],
+                }
             await send(message)
 
         await super().__call__(scope, receive, send_with_headers)

@@ -73,8 +73,11 @@ class RequestChecks:
             await self._refuse(request_too_large(self.max_request_bytes), scope, receive, send)
             return
         if body and _is_json(headers):
-            error = (await run_in_threadpool(_json_error, body)
-                     if len(body) > THREAD_CHECK_BYTES else _json_error(body))
+            error = (
+                await run_in_threadpool(_json_error, body)
+                if len(body) > THREAD_CHECK_BYTES
+                else _json_error(body)
+            )
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
@@ -144,8 +147,12 @@ def _url_error(scope: Scope) -> APIError | None:
     for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
         if "\x00" in value or "\x00" in name:
             param = name.replace("\x00", "\\u0000")
-            return invalid_request(f"Invalid value for '{param}': the text holds U+0000 (NUL), "
-                                   "which is not accepted in text.", param, "invalid_unicode")
+            return invalid_request(
+                f"Invalid value for '{param}': the text holds U+0000 (NUL), "
+                "which is not accepted in text.",
+                param,
+                "invalid_unicode",
+            )
     return None
 
 

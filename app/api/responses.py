@@ -19,11 +19,16 @@ from kvchat.app.transports import responses
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
-STREAM = {200: {"content": {"text/event-stream": {}},
-                "description": "The response object, or with stream=true its events (SSE: "
-                "response.created ... response.completed)."}}
-Order = Annotated[Literal["asc", "desc"], Query(description="By creation; OpenAI's default "
-                                                "is desc.")]
+STREAM = {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "The response object, or with stream=true its events (SSE: "
+        "response.created ... response.completed).",
+    }
+}
+Order = Annotated[
+    Literal["asc", "desc"], Query(description="By creation; OpenAI's default is desc.")
+]
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
@@ -34,15 +39,16 @@ async def create_response(
     return await responses.create(state, key, body, request)
 
 
-@router.get("/{response_id}", response_model=ResponseObject,
-            responses=STREAM)  # type: ignore[arg-type]
+@router.get("/{response_id}", response_model=ResponseObject, responses=STREAM)  # type: ignore[arg-type]
 async def get_response(
     response_id: str,
     key: CurrentKey,
     state: StateDep,
     stream: bool = False,
-    starting_after: Annotated[int | None, Query(ge=0, description="With stream=true: the "
-                                                "sequence number of the last event seen.")] = None,
+    starting_after: Annotated[
+        int | None,
+        Query(ge=0, description="With stream=true: the sequence number of the last event seen."),
+    ] = None,
 ) -> Any:
     if stream:
         return await responses.resume(state, key.owner, response_id, starting_after)
@@ -70,5 +76,6 @@ async def list_input_items(
     after: str | None = None,
     limit: Limit = 20,
 ) -> ItemList:
-    return await responses.input_items(state, key.owner, response_id, order=order, after=after,
-                                       limit=limit)
+    return await responses.input_items(
+        state, key.owner, response_id, order=order, after=after, limit=limit
+    )

@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from kvchat.app.turns.prompting import chat_messages, offered_tools
 from kvchat.app.schemas.chat import Message, Tool
 from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.turns.prompting import chat_messages, offered_tools
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
@@ -38,8 +38,10 @@ async def tokenize(body: TokenizeRequest, key: CurrentKey, state: StateDep) -> A
     messages = chat_messages(body.messages, names)
     runtime = state.runtime
     segments = await runtime.run_cpu(
-        runtime.builder.renderer.render_segments, messages,
-        add_generation_prompt=body.add_generation_prompt, tools=tools,
+        runtime.builder.renderer.render_segments,
+        messages,
+        add_generation_prompt=body.add_generation_prompt,
+        tools=tools,
     )
     per_message = [0] * len(messages)
     for segment in segments:
@@ -47,6 +49,8 @@ async def tokenize(body: TokenizeRequest, key: CurrentKey, state: StateDep) -> A
             per_message[segment.message_index] += len(segment.token_ids)
     ids = [t for s in segments for t in s.token_ids]
     return TokenizeResponse(
-        count=len(ids), max_model_len=state.runtime.max_model_len, messages=per_message,
+        count=len(ids),
+        max_model_len=state.runtime.max_model_len,
+        messages=per_message,
         token_ids=ids if body.return_token_ids else None,
     )

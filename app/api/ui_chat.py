@@ -15,20 +15,22 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from kvchat.app.transports import ui_chat as ui_messages
-from kvchat.app.transports import ui_stream
 from kvchat.app.errors import not_found
 from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.ui_chat import UIChatRequest
-from kvchat.app.transports.sse import SSE_HEADERS
 from kvchat.app.state import AppState, CurrentKey, StateDep
+from kvchat.app.transports import ui_chat as ui_messages
+from kvchat.app.transports import ui_stream
+from kvchat.app.transports.sse import SSE_HEADERS
 from kvchat.app.turns.turn import Turn
 
 router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
 
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {}},
-          "description": "The reply as a UI message stream (SSE)."},
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "The reply as a UI message stream (SSE).",
+    },
 }
 
 
@@ -39,8 +41,10 @@ async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -
     return _stream(state, turn)
 
 
-@router.get("/{chat_id}/stream", responses={**STREAM_RESPONSE,
-                                            204: {"description": "Nothing is generating."}})
+@router.get(
+    "/{chat_id}/stream",
+    responses={**STREAM_RESPONSE, 204: {"description": "Nothing is generating."}},
+)
 async def resume_chat(chat_id: str, key: CurrentKey, state: StateDep) -> Response:
     """The reply being generated, from its start; 204 when nothing is generating."""
     conv = await ui_messages.find_chat(state, key.owner, chat_id)
@@ -62,7 +66,8 @@ async def stop_chat(chat_id: str, key: CurrentKey, state: StateDep) -> dict[str,
 
 def _stream(state: AppState, turn: Turn) -> StreamingResponse:
     return StreamingResponse(
-        _watch(state, turn), media_type="text/event-stream",
+        _watch(state, turn),
+        media_type="text/event-stream",
         headers={**SSE_HEADERS, ui_stream.HEADER: ui_stream.VERSION},
     )
 

@@ -8,8 +8,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-admin_app = typer.Typer(help="Operate a running server: memory, session budgets, evictions.",
-                        no_args_is_help=True)
+admin_app = typer.Typer(
+    help="Operate a running server: memory, session budgets, evictions.", no_args_is_help=True
+)
 
 UrlOption = Annotated[str, typer.Option(envvar="KVCHAT_URL", help="The server.")]
 KeyOption = Annotated[str | None, typer.Option(envvar="KVCHAT_API_KEY", help="An admin key.")]
@@ -27,8 +28,13 @@ def call(method: str, url: str, key: str | None, path: str, **kwargs: Any) -> An
     if not key:
         fail("an admin key is needed: --key or KVCHAT_API_KEY")
     try:
-        r = httpx.request(method, url.rstrip("/") + path,
-                          headers={"Authorization": f"Bearer {key}"}, timeout=30, **kwargs)
+        r = httpx.request(
+            method,
+            url.rstrip("/") + path,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+            **kwargs,
+        )
     except httpx.HTTPError as e:
         fail(f"cannot reach {url}: {e}")
     if r.status_code >= 400:
@@ -56,24 +62,42 @@ def memory(url: UrlOption = DEFAULT_URL, key: KeyOption = None) -> None:
     table = Table(title=f"KV memory ({m['kv_cache_dtype']}, {m['bytes_per_token']} B/token)")
     for column in ("pool", "blocks used / total", "bytes used / total", "usage"):
         table.add_column(column)
-    table.add_row("device", f"{pool['used_blocks']} / {pool['num_blocks']}",
-                  f"{_mib(pool['used_bytes'])} / {_mib(pool['bytes'])}", f"{pool['usage']:.1%}")
-    table.add_row("host", f"{host['used_blocks']} / {host['num_blocks']}",
-                  f"{_mib(host['used_bytes'])} / {_mib(host['bytes'])}",
-                  f"{host['used_blocks'] / max(1, host['num_blocks']):.1%}")
+    table.add_row(
+        "device",
+        f"{pool['used_blocks']} / {pool['num_blocks']}",
+        f"{_mib(pool['used_bytes'])} / {_mib(pool['bytes'])}",
+        f"{pool['usage']:.1%}",
+    )
+    table.add_row(
+        "host",
+        f"{host['used_blocks']} / {host['num_blocks']}",
+        f"{_mib(host['used_bytes'])} / {_mib(host['bytes'])}",
+        f"{host['used_blocks'] / max(1, host['num_blocks']):.1%}",
+    )
     console.print(table)
     sessions = Table(title=f"sessions ({len(m['sessions'])})")
-    for column in ("conversation", "state", "tokens", "idle s", "max_kv_tokens",
-                   "max_context_tokens"):
+    for column in (
+        "conversation",
+        "state",
+        "tokens",
+        "idle s",
+        "max_kv_tokens",
+        "max_context_tokens",
+    ):
         sessions.add_column(column)
     for s in m["sessions"]:
-        sessions.add_row(s["conversation_id"], s["state"], str(s["tokens"]),
-                         "" if s["idle_seconds"] is None else f"{s['idle_seconds']:.0f}",
-                         str(s["budget"]["max_kv_tokens"]),
-                         str(s["budget"]["max_context_tokens"]))
+        sessions.add_row(
+            s["conversation_id"],
+            s["state"],
+            str(s["tokens"]),
+            "" if s["idle_seconds"] is None else f"{s['idle_seconds']:.0f}",
+            str(s["budget"]["max_kv_tokens"]),
+            str(s["budget"]["max_context_tokens"]),
+        )
     console.print(sessions)
-    sources = Table(title=f"prefill tokens (prefix-cache hit rate "
-                          f"{m['prefix_cache']['hit_rate']:.1%})")
+    sources = Table(
+        title=f"prefill tokens (prefix-cache hit rate {m['prefix_cache']['hit_rate']:.1%})"
+    )
     for column in m["prefill_sources"]:
         sources.add_column(column)
     sources.add_row(*(f"{v:,}" for v in m["prefill_sources"].values()))
@@ -81,10 +105,14 @@ def memory(url: UrlOption = DEFAULT_URL, key: KeyOption = None) -> None:
     events = Table(title="events")
     for column in ("offloads", "restores", "drops", "preemptions", "trims", "summaries"):
         events.add_column(column)
-    events.add_row(str(m["evictions"]["offloads"]), str(m["evictions"]["restores"]),
-                   str(m["evictions"]["drops"]),
-                   str(m["preemptions"]["swap"] + m["preemptions"]["recompute"]),
-                   str(m["history"]["trims"]), str(m["history"]["summaries"]))
+    events.add_row(
+        str(m["evictions"]["offloads"]),
+        str(m["evictions"]["restores"]),
+        str(m["evictions"]["drops"]),
+        str(m["preemptions"]["swap"] + m["preemptions"]["recompute"]),
+        str(m["history"]["trims"]),
+        str(m["history"]["summaries"]),
+    )
     console.print(events)
 
 
@@ -93,8 +121,9 @@ def session(
     conversation_id: Annotated[str, typer.Argument(help="The conversation (session) id.")],
     max_kv_tokens: Annotated[int | None, typer.Option(help="Pinned-KV cap.")] = None,
     max_context_tokens: Annotated[int | None, typer.Option(help="Prompt budget.")] = None,
-    policy: Annotated[str | None, typer.Option(
-        help="History policy: summarize, drop, drop_oldest, none.")] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="History policy: summarize, drop, drop_oldest, none.")
+    ] = None,
     url: UrlOption = DEFAULT_URL,
     key: KeyOption = None,
 ) -> None:
@@ -102,9 +131,15 @@ def session(
     from rich.console import Console
     from rich.table import Table
 
-    changes = {k: v for k, v in dict(max_kv_tokens=max_kv_tokens,
-                                     max_context_tokens=max_context_tokens,
-                                     history_policy=policy).items() if v is not None}
+    changes = {
+        k: v
+        for k, v in dict(
+            max_kv_tokens=max_kv_tokens,
+            max_context_tokens=max_context_tokens,
+            history_policy=policy,
+        ).items()
+        if v is not None
+    }
     path = f"/v1/admin/sessions/{conversation_id}"
     s = call("PUT", url, key, path, json=changes) if changes else call("GET", url, key, path)
     table = Table(title=f"session {s['conversation_id']} (owner {s['owner']})")
@@ -127,6 +162,11 @@ def evict(
     key: KeyOption = None,
 ) -> None:
     """Move an idle session's KV to the host pool (or drop it)."""
-    r = call("POST", url, key, f"/v1/admin/sessions/{conversation_id}/evict",
-             params={"offload": str(not drop).lower()})
+    r = call(
+        "POST",
+        url,
+        key,
+        f"/v1/admin/sessions/{conversation_id}/evict",
+        params={"offload": str(not drop).lower()},
+    )
     typer.echo(f"{r['conversation_id']}: {r['before']} -> {r['state']}")

@@ -19,14 +19,17 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-db_app = typer.Typer(help="The service's database schema (Alembic migrations).",
-                     no_args_is_help=True)
+db_app = typer.Typer(
+    help="The service's database schema (Alembic migrations).", no_args_is_help=True
+)
 keys_app = typer.Typer(help="API keys: create (shown once), list, revoke.", no_args_is_help=True)
 
 DatabaseUrlOption = Annotated[
     str | None,
     typer.Option(
-        "--database-url", envvar="KVCHAT_DATABASE_URL", show_default=False,
+        "--database-url",
+        envvar="KVCHAT_DATABASE_URL",
+        show_default=False,
         help="SQLAlchemy URL, e.g. postgresql://user@host:5432/kvchat "
         "[default: sqlite+aiosqlite:///$KVCHAT_DATA_DIR/kvchat.db, KVCHAT_DATA_DIR=./data]",
     ),
@@ -109,8 +112,9 @@ def keys_create(
     name: Annotated[str, typer.Option(help="What the key is for, e.g. the agent's name.")],
     owner: Annotated[
         str | None,
-        typer.Option(help="Whose conversations the key sees [default: the name].",
-                     show_default=False),
+        typer.Option(
+            help="Whose conversations the key sees [default: the name].", show_default=False
+        ),
     ] = None,
     admin: Annotated[bool, typer.Option(help="Allow the admin routes.")] = False,
     database_url: DatabaseUrlOption = None,
@@ -126,8 +130,10 @@ def keys_create(
 
     record, key = run(work())
     role = "admin" if record.is_admin else "not admin"
-    typer.echo(f"created key {record.key_prefix} (name {record.name}, owner {record.owner}, "
-               f"{role})", err=True)
+    typer.echo(
+        f"created key {record.key_prefix} (name {record.name}, owner {record.owner}, {role})",
+        err=True,
+    )
     typer.echo(key)
     typer.echo("This key will not be shown again; store it now.", err=True)
 
@@ -150,13 +156,28 @@ def keys_list(database_url: DatabaseUrlOption = None) -> None:
     if not records:
         typer.echo("no keys; create one with `kvchat keys create --name NAME`")
         return
-    table = Table("prefix", "name", "owner", "admin", "created", "last used", "revoked",
-                  caption="times in UTC")
+    table = Table(
+        "prefix",
+        "name",
+        "owner",
+        "admin",
+        "created",
+        "last used",
+        "revoked",
+        caption="times in UTC",
+    )
     for column in table.columns:
         column.no_wrap = column.header not in ("name", "owner")
     for r in records:
-        table.add_row(r.key_prefix, r.name, r.owner, "yes" if r.is_admin else "",
-                      when(r.created_at), when(r.last_used_at, "never"), when(r.revoked_at))
+        table.add_row(
+            r.key_prefix,
+            r.name,
+            r.owner,
+            "yes" if r.is_admin else "",
+            when(r.created_at),
+            when(r.last_used_at, "never"),
+            when(r.revoked_at),
+        )
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped: not cut to 80 columns, one key per line
@@ -184,8 +205,10 @@ def keys_revoke(
         fail(f"no key has the id, name or prefix {key!r}; see `kvchat keys list`")
     assert record.revoked_at is not None
     if record.revoked_at < started:
-        typer.echo(f"key {record.key_prefix} ({record.name}) was already revoked on "
-                   f"{when(record.revoked_at)} UTC")
+        typer.echo(
+            f"key {record.key_prefix} ({record.name}) was already revoked on "
+            f"{when(record.revoked_at)} UTC"
+        )
     else:
         typer.echo(f"revoked key {record.key_prefix} ({record.name}, owner {record.owner})")
 

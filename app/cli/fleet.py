@@ -26,26 +26,43 @@ def _interrupt(sig: int, frame: FrameType | None) -> None:
 
 
 def fleet_cmd(
-    database_url: Annotated[str, typer.Option(
-        envvar="KVCHAT_DATABASE_URL", help="The Postgres database every replica shares.")],
-    redis_url: Annotated[str, typer.Option(
-        envvar="KVCHAT_REDIS_URL", help="The Redis every replica coordinates through.")],
+    database_url: Annotated[
+        str,
+        typer.Option(
+            envvar="KVCHAT_DATABASE_URL", help="The Postgres database every replica shares."
+        ),
+    ],
+    redis_url: Annotated[
+        str,
+        typer.Option(
+            envvar="KVCHAT_REDIS_URL", help="The Redis every replica coordinates through."
+        ),
+    ],
     replicas: Annotated[int, typer.Option(help="Replica processes to run.")] = 2,
     model: Annotated[Path, typer.Option(envvar="KVCHAT_MODEL", help="Model directory.")] = Path(
-        "models/dev"),
+        "models/dev"
+    ),
     host: Annotated[str, typer.Option(help="Address HAProxy and the replicas bind.")] = (
-        "127.0.0.1"),
+        "127.0.0.1"
+    ),
     port: Annotated[int, typer.Option(help="HAProxy's port (the fleet's URL).")] = 8080,
     stats_port: Annotated[int, typer.Option(help="HAProxy's stats page.")] = 8404,
-    redis_prefix: Annotated[str, typer.Option(
-        envvar="KVCHAT_REDIS_PREFIX", help="Prefix of this fleet's Redis keys.")] = "kvchat:",
-    run_dir: Annotated[Path, typer.Option(
-        help="HAProxy's configuration and every process's log.")] = Path("data/fleet"),
-    balance: Annotated[str, typer.Option(
-        help="affinity (consistent hash of the routing key), or roundrobin / leastconn to "
-        "compare.")] = "affinity",
-    create_database: Annotated[bool, typer.Option(
-        help="Create the Postgres database when it is missing.")] = False,
+    redis_prefix: Annotated[
+        str, typer.Option(envvar="KVCHAT_REDIS_PREFIX", help="Prefix of this fleet's Redis keys.")
+    ] = "kvchat:",
+    run_dir: Annotated[
+        Path, typer.Option(help="HAProxy's configuration and every process's log.")
+    ] = Path("data/fleet"),
+    balance: Annotated[
+        str,
+        typer.Option(
+            help="affinity (consistent hash of the routing key), or roundrobin / leastconn to "
+            "compare."
+        ),
+    ] = "affinity",
+    create_database: Annotated[
+        bool, typer.Option(help="Create the Postgres database when it is missing.")
+    ] = False,
 ) -> None:
     """Run a fleet: HAProxy (consistent hash of each conversation's routing key, health checks
     of /readyz, its stats page) in front of REPLICAS `kvchat serve` processes on free ports,
@@ -64,9 +81,15 @@ def fleet_cmd(
         check_model(model)
         haproxy_binary()
         config = FleetConfig(
-            model=model, database_url=database_url, redis_url=redis_url,
-            num_replicas=replicas, run_dir=run_dir, host=host, port=port,
-            stats_port=stats_port, redis_prefix=redis_prefix,
+            model=model,
+            database_url=database_url,
+            redis_url=redis_url,
+            num_replicas=replicas,
+            run_dir=run_dir,
+            host=host,
+            port=port,
+            stats_port=stats_port,
+            redis_prefix=redis_prefix,
             balance=balance,  # type: ignore[arg-type]
             create_database=create_database,
         )
@@ -74,24 +97,27 @@ def fleet_cmd(
         fail(str(e))
     fleet = Fleet(config)
     signal.signal(signal.SIGTERM, _interrupt)
-    typer.echo(f"kvchat fleet: starting {replicas} replicas of {model.name} (logs in "
-               f"{run_dir}/)")
+    typer.echo(f"kvchat fleet: starting {replicas} replicas of {model.name} (logs in {run_dir}/)")
     try:
         fleet.start()
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (StoreError, FleetError, OSError) as e:
         fail(str(e))
-    typer.echo(f"kvchat fleet: serving {model.name} on {fleet.url} through HAProxy "
-               f"(stats at {fleet.stats_url})")
+    typer.echo(
+        f"kvchat fleet: serving {model.name} on {fleet.url} through HAProxy "
+        f"(stats at {fleet.stats_url})"
+    )
     if fleet.admin_key is not None:
-        typer.echo(f"kvchat fleet: created an admin API key (shown once, keep it): "
-                   f"{fleet.admin_key}")
+        typer.echo(
+            f"kvchat fleet: created an admin API key (shown once, keep it): {fleet.admin_key}"
+        )
     else:
-        typer.echo("kvchat fleet: the database has keys already (`kvchat keys create "
-                   "--admin` makes another)")
-    typer.echo("kvchat fleet: replicas " + ", ".join(f"{r.name} {r.url}" for r in
-                                                     fleet.replicas))
+        typer.echo(
+            "kvchat fleet: the database has keys already (`kvchat keys create "
+            "--admin` makes another)"
+        )
+    typer.echo("kvchat fleet: replicas " + ", ".join(f"{r.name} {r.url}" for r in fleet.replicas))
     typer.echo("kvchat fleet: Ctrl-C stops them all", nl=True)
     reported: set[str] = set()
     try:
@@ -100,9 +126,12 @@ def fleet_cmd(
             for replica in fleet.exited():
                 if replica.name not in reported:
                     reported.add(replica.name)
-                    typer.echo(f"kvchat fleet: {replica.name} exited with code "
-                               f"{replica.returncode}; HAProxy routes around it (see "
-                               f"{replica.log_path})", err=True)
+                    typer.echo(
+                        f"kvchat fleet: {replica.name} exited with code "
+                        f"{replica.returncode}; HAProxy routes around it (see "
+                        f"{replica.log_path})",
+                        err=True,
+                    )
     except KeyboardInterrupt:
         typer.echo("kvchat fleet: stopping (each replica drains first)")
     finally:

@@ -31,11 +31,21 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from kvchat.inference import ChatTemplateError, InvalidRequestError, ModelLoadError, TokenizerError
+    from kvchat.inference import (
+        ChatTemplateError,
+        InvalidRequestError,
+        ModelLoadError,
+        TokenizerError,
+    )
     from kvchat.memory import MemoryConfigError
 
-    return (InvalidRequestError, ModelLoadError, TokenizerError, ChatTemplateError,
-            MemoryConfigError)
+    return (
+        InvalidRequestError,
+        ModelLoadError,
+        TokenizerError,
+        ChatTemplateError,
+        MemoryConfigError,
+    )
 
 
 @app.command("init-model")
@@ -114,10 +124,23 @@ def generate(
 
 
 def _generate(
-    model: Path, prompt: str | None, prompt_ids: str | None, chat: bool, max_tokens: int,
-    temperature: float, top_k: int, top_p: float, seed: int | None, stop: list[str] | None,
-    ignore_eos: bool, attention_backend: str, kv_cache_dtype: str, block_size: int, dtype: str,
-    device: str, as_json: bool,
+    model: Path,
+    prompt: str | None,
+    prompt_ids: str | None,
+    chat: bool,
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    stop: list[str] | None,
+    ignore_eos: bool,
+    attention_backend: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    dtype: str,
+    device: str,
+    as_json: bool,
 ) -> None:
     from kvchat.inference import (
         ChatMessage,
@@ -130,11 +153,19 @@ def _generate(
     from kvchat.memory import CacheConfig
 
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
-        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k or None,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
     )
     config = EngineConfig(
-        model=str(model), dtype=dtype, device=device, attention_backend=attention_backend,
+        model=str(model),
+        dtype=dtype,
+        device=device,
+        attention_backend=attention_backend,
         cache=CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype),
     )
     engine = Engine(config)
@@ -166,19 +197,21 @@ def _generate(
     elapsed = time.perf_counter() - start
     assert final is not None and final.output_token_ids is not None
     if as_json:
-        typer.echo(json.dumps({
-            "token_ids": final.output_token_ids,
-            "text": final.text,
-            "prompt_tokens": final.num_prompt_tokens,
-            "completion_tokens": final.num_output_tokens,
-            "finish_reason": final.finish_reason,
-            "elapsed_s": round(elapsed, 4),
-        }))
+        typer.echo(
+            json.dumps(
+                {
+                    "token_ids": final.output_token_ids,
+                    "text": final.text,
+                    "prompt_tokens": final.num_prompt_tokens,
+                    "completion_tokens": final.num_output_tokens,
+                    "finish_reason": final.finish_reason,
+                    "elapsed_s": round(elapsed, 4),
+                }
+            )
+        )
     else:
         n = final.num_output_tokens
-        typer.echo(
-            f"\n[{n} tokens, {final.finish_reason}, {n / elapsed:.1f} tok/s]", err=True
-        )
+        typer.echo(f"\n[{n} tokens, {final.finish_reason}, {n / elapsed:.1f} tok/s]", err=True)
 
 
 @app.command()
@@ -204,8 +237,8 @@ def serve(
     from kvchat.app.store import Store, StoreError
 
     overrides: dict[str, Any] = {
-        k: v for k, v in
-        dict(model=model, host=host, port=port, database_url=database_url).items()
+        k: v
+        for k, v in dict(model=model, host=host, port=port, database_url=database_url).items()
         if v is not None
     }
     try:
@@ -214,8 +247,10 @@ def serve(
         first = e.errors()[0]
         fail(f"setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
     if not (settings.model / "config.json").is_file():
-        fail(f"no model at {settings.model}; create the dev model with "
-             f"`kvchat init-model {settings.model}` or pass --model")
+        fail(
+            f"no model at {settings.model}; create the dev model with "
+            f"`kvchat init-model {settings.model}` or pass --model"
+        )
 
     async def check_database() -> None:
         store = await Store.open(settings.database)
@@ -230,10 +265,14 @@ def serve(
         fail(str(e))
     configure_logging(settings.log_level)
     url = f"http://{settings.host}:{settings.port}"
-    typer.echo(f"kvchat: serving {settings.model_name} on {url} "
-               f"(API docs at /docs; database {settings.database.split('://')[0]})")
-    typer.echo(f"kvchat: chat page at {url}/ and operator view at {url}/admin "
-               "(enter an API key there; an admin key for /admin)")
+    typer.echo(
+        f"kvchat: serving {settings.model_name} on {url} "
+        f"(API docs at /docs; database {settings.database.split('://')[0]})"
+    )
+    typer.echo(
+        f"kvchat: chat page at {url}/ and operator view at {url}/admin "
+        "(enter an API key there; an admin key for /admin)"
+    )
     try:
         serve_app(settings)
     except _user_errors() as e:
@@ -254,9 +293,7 @@ def memory_plan(
     model: Annotated[Path | None, typer.Option(help="Model directory (reads config.json).")] = None,
     config: Annotated[Path | None, typer.Option(help="A config.json file.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8.")] = "auto",
-    dtype: Annotated[
-        str | None, typer.Option(help="Model dtype (default: the config's).")
-    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="Model dtype (default: the config's).")] = None,
     context_tokens: Annotated[
         int | None, typer.Option(help="Context length of one session.")
     ] = None,
@@ -297,8 +334,12 @@ def memory_plan(
         fail(str(e))
     model_dtype = DTYPES[dtype] if dtype else mc.torch_dtype
     spec = KVCacheSpec(
-        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        block_size=block_size, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=block_size,
+        model_dtype=model_dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
     weight_bytes = mc.num_parameters * model_dtype.itemsize
     plan = MemoryPlan(spec, weight_bytes, memory_bytes, utilization, context_tokens)

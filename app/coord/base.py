@@ -33,8 +33,11 @@ class IdempotencyRecord:
     @classmethod
     def of(cls, record: dict[str, Any]) -> IdempotencyRecord:
         attempt = record.get("attempt")
-        return cls(str(record.get("fingerprint", "")), record.get("result"),
-                   attempt if isinstance(attempt, dict) else {})
+        return cls(
+            str(record.get("fingerprint", "")),
+            record.get("result"),
+            attempt if isinstance(attempt, dict) else {},
+        )
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,12 @@ class ProcessIdentity:
 
     def process(self) -> dict[str, Any]:
         """This process as records name it (a lock's holder, an idempotent attempt)."""
-        return {"owner": self.replica_id, "host": self.host, "pid": self.pid,
-                "instance": self.instance}
+        return {
+            "owner": self.replica_id,
+            "host": self.host,
+            "pid": self.pid,
+            "instance": self.instance,
+        }
 
     def is_dead(self, holder: LockHolder | dict[str, Any]) -> bool:
         """Whether the process that holds a lock (or a record naming a process as
@@ -132,17 +139,32 @@ class LockHolder:
     data: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        return {"token": self.token, "owner": self.owner, "host": self.host, "pid": self.pid,
-                "instance": self.instance, "fence": self.fence, "purpose": self.purpose,
-                "data": self.data}
+        return {
+            "token": self.token,
+            "owner": self.owner,
+            "host": self.host,
+            "pid": self.pid,
+            "instance": self.instance,
+            "fence": self.fence,
+            "purpose": self.purpose,
+            "data": self.data,
+        }
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> LockHolder:
         data = record.get("data")
-        return cls(token=str(record["token"]), owner=str(record["owner"]),
-                   host=str(record["host"]), pid=int(record["pid"]),
-                   instance=str(record["instance"]), fence=int(record["fence"]),
-                   purpose=str(record["purpose"]), data=data if isinstance(data, dict) else {})
+        return cls(
+            token=str(record["token"]),
+            owner=str(record["owner"]),
+            host=str(record["host"]),
+            pid=int(record["pid"]),
+            instance=str(record["instance"]),
+            fence=int(record["fence"]),
+            purpose=str(record["purpose"]),
+            data=data if isinstance(data, dict) else {},
+        )
+
+
 def window_ms(window_s: float) -> int:
     """A rate-limit window's length in whole milliseconds, the unit windows are counted in."""
     assert window_s >= 0.001, window_s
@@ -156,7 +178,11 @@ def sliding_window_count(previous: float, current: float, elapsed_fraction: floa
 
 
 def sliding_window_wait(
-    previous: float, current: float, elapsed_fraction: float, window_s: float, limit: int,
+    previous: float,
+    current: float,
+    elapsed_fraction: float,
+    window_s: float,
+    limit: int,
     need: float,
 ) -> float:
     """Seconds until `need` more units fit under `limit` if nothing else is counted: the
@@ -175,7 +201,11 @@ def sliding_window_wait(
 
 
 def sliding_window_decision(
-    previous: float, current: float, elapsed_fraction: float, window_s: float, limit: int,
+    previous: float,
+    current: float,
+    elapsed_fraction: float,
+    window_s: float,
+    limit: int,
     cost: int,
 ) -> RateDecision:
     """Whether `cost` more fits on top of the counts of the previous and the current fixed
@@ -190,8 +220,9 @@ def sliding_window_decision(
         limit=limit,
         remaining=max(0, math.floor(limit - used_after)),
         reset_s=sliding_window_wait(previous, after, elapsed_fraction, window_s, limit, 1),
-        retry_after=0.0 if allowed else sliding_window_wait(
-            previous, current, elapsed_fraction, window_s, limit, cost),
+        retry_after=0.0
+        if allowed
+        else sliding_window_wait(previous, current, elapsed_fraction, window_s, limit, cost),
     )
 
 
@@ -258,9 +289,7 @@ class Coordinator(abc.ABC):
         record of the request that claimed it first."""
 
     @abc.abstractmethod
-    async def idempotency_progress(
-        self, key: str, attempt_id: str, fields: dict[str, Any]
-    ) -> bool:
+    async def idempotency_progress(self, key: str, attempt_id: str, fields: dict[str, Any]) -> bool:
         """Merge `fields` into the running attempt's entry if `attempt_id` still runs it."""
 
     @abc.abstractmethod

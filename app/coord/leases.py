@@ -26,10 +26,9 @@ import logging
 import os
 import socket
 
-from kvchat.inference import EngineDeadError
-
 from kvchat.app.coord import Coordinator
 from kvchat.app.runtime import Runtime
+from kvchat.inference import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +74,9 @@ class LeaseKeeper:
         """After a turn (which held the conversation's turn lock): lease the session if it
         pinned KV, from whichever replica held it before."""
         if await self._holds_kv(conversation_id):
-            previous = await self.coord.take_lease(lease_name(conversation_id), self.holder,
-                                                   self.ttl)
+            previous = await self.coord.take_lease(
+                lease_name(conversation_id), self.holder, self.ttl
+            )
             self.held.add(conversation_id)
             if previous is not None and previous != self.holder:
                 self.runtime.metrics.session_moves.inc()
@@ -94,8 +94,9 @@ class LeaseKeeper:
         for conversation_id in list(self.held):
             if not await self._holds_kv(conversation_id):
                 await self.release(conversation_id)
-            elif not await self.coord.acquire_lease(lease_name(conversation_id), self.holder,
-                                                    self.ttl):
+            elif not await self.coord.acquire_lease(
+                lease_name(conversation_id), self.holder, self.ttl
+            ):
                 self.held.discard(conversation_id)
 
     async def _renew_forever(self) -> None:

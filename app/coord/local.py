@@ -106,9 +106,16 @@ class LocalCoordinator(Coordinator):
             self._locks[key] = (held, self.clock() + ttl)
             return True, held
         self._fence = max(self._fence, fence_floor) + 1
-        holder = LockHolder(token=token, owner=identity.replica_id, host=identity.host,
-                            pid=identity.pid, instance=identity.instance, fence=self._fence,
-                            purpose=purpose, data=dict(data or {}))
+        holder = LockHolder(
+            token=token,
+            owner=identity.replica_id,
+            host=identity.host,
+            pid=identity.pid,
+            instance=identity.instance,
+            fence=self._fence,
+            purpose=purpose,
+            data=dict(data or {}),
+        )
         self._locks[key] = (holder, self.clock() + ttl)
         return True, holder
 
@@ -130,11 +137,13 @@ class LocalCoordinator(Coordinator):
         return self._live_lock(key)
 
     async def lock_scan(self, prefix: str) -> list[tuple[str, LockHolder]]:
-        return [(k, h) for k in list(self._locks) if k.startswith(prefix)
-                and (h := self._live_lock(k)) is not None]
+        return [
+            (k, h)
+            for k in list(self._locks)
+            if k.startswith(prefix) and (h := self._live_lock(k)) is not None
+        ]
 
-    def _hold(self, table: dict[str, tuple[str, float]], key: str, token: str,
-              ttl: float) -> bool:
+    def _hold(self, table: dict[str, tuple[str, float]], key: str, token: str, ttl: float) -> bool:
         now = self.clock()
         held = table.get(key)
         if held is not None and held[1] > now and held[0] != token:
@@ -173,9 +182,7 @@ class LocalCoordinator(Coordinator):
             return None
         return record, self._idempotency[key][1]
 
-    async def idempotency_progress(
-        self, key: str, attempt_id: str, fields: dict[str, Any]
-    ) -> bool:
+    async def idempotency_progress(self, key: str, attempt_id: str, fields: dict[str, Any]) -> bool:
         running = self._running(key, attempt_id)
         if running is None:
             return False
@@ -198,8 +205,10 @@ class LocalCoordinator(Coordinator):
         record = self._live(key)
         fingerprint = record.fingerprint if record is not None else ""
         attempt = record.attempt if record is not None else {}
-        self._idempotency[key] = (IdempotencyRecord(fingerprint, result, attempt),
-                                  self.clock() + ttl)
+        self._idempotency[key] = (
+            IdempotencyRecord(fingerprint, result, attempt),
+            self.clock() + ttl,
+        )
 
     async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:
         if attempt_id is None or self._running(key, attempt_id) is not None:

@@ -69,8 +69,9 @@ class HeldLock:
         try:
             await self.locks.coord.lock_release(self.key, self.token)
         except Exception:
-            log.exception("releasing lock %s failed; it expires in %.0f s", self.key,
-                          self.locks.ttl)
+            log.exception(
+                "releasing lock %s failed; it expires in %.0f s", self.key, self.locks.ttl
+            )
 
 
 class Locks:
@@ -97,15 +98,21 @@ class Locks:
         token = uuid.uuid4().hex
         for _ in range(2):
             taken, holder = await self.coord.lock_acquire(
-                key, self.identity, token, self.ttl, purpose=purpose, fence_floor=fence_floor,
+                key,
+                self.identity,
+                token,
+                self.ttl,
+                purpose=purpose,
+                fence_floor=fence_floor,
                 data=data,
             )
             if taken:
                 return HeldLock(self, key, holder)
             if not self.identity.is_dead(holder):
                 return holder
-            log.warning("taking over lock %s from %s (pid %d), which is gone", key,
-                        holder.owner, holder.pid)
+            log.warning(
+                "taking over lock %s from %s (pid %d), which is gone", key, holder.owner, holder.pid
+            )
             await self.coord.lock_release(key, holder.token)
         return holder
 
@@ -113,7 +120,6 @@ class Locks:
         """Break every lock (under `prefix`) whose holder is known dead; returns them."""
         broken = []
         for key, holder in await self.coord.lock_scan(prefix):
-            if self.identity.is_dead(holder) and await self.coord.lock_release(key,
-                                                                                holder.token):
+            if self.identity.is_dead(holder) and await self.coord.lock_release(key, holder.token):
                 broken.append((key, holder))
         return broken

@@ -251,22 +251,40 @@ class RedisCoordinator(Coordinator):
         data: dict[str, Any] | None = None,
     ) -> tuple[bool, LockHolder]:
         async def work() -> tuple[bool, LockHolder]:
-            partial = {"owner": identity.replica_id, "host": identity.host,
-                       "pid": identity.pid, "instance": identity.instance,
-                       "purpose": purpose, "data": data or {}}
+            partial = {
+                "owner": identity.replica_id,
+                "host": identity.host,
+                "pid": identity.pid,
+                "instance": identity.instance,
+                "purpose": purpose,
+                "data": data or {},
+            }
             taken, raw = await self.redis.eval(
-                LOCK_ACQUIRE, 2, f"{self.prefix}lock:{key}", f"{self.prefix}fence",
-                token, max(1, int(ttl * 1000)), int(fence_floor), json.dumps(partial),
+                LOCK_ACQUIRE,
+                2,
+                f"{self.prefix}lock:{key}",
+                f"{self.prefix}fence",
+                token,
+                max(1, int(ttl * 1000)),
+                int(fence_floor),
+                json.dumps(partial),
             )
             return bool(taken), LockHolder.of(json.loads(raw))
 
-        return await self._call(work, lambda: self.local.lock_acquire(
-            key, identity, token, ttl, purpose=purpose, fence_floor=fence_floor, data=data))
+        return await self._call(
+            work,
+            lambda: self.local.lock_acquire(
+                key, identity, token, ttl, purpose=purpose, fence_floor=fence_floor, data=data
+            ),
+        )
 
     async def lock_renew(self, key: str, token: str, ttl: float) -> bool:
         async def work() -> bool:
-            return bool(await self.redis.eval(LOCK_TOUCH, 1, f"{self.prefix}lock:{key}", token,
-                                              max(1, int(ttl * 1000))))
+            return bool(
+                await self.redis.eval(
+                    LOCK_TOUCH, 1, f"{self.prefix}lock:{key}", token, max(1, int(ttl * 1000))
+                )
+            )
 
         return await self._call(work, lambda: self.local.lock_renew(key, token, ttl))
 
@@ -287,14 +305,18 @@ class RedisCoordinator(Coordinator):
     async def lock_scan(self, prefix: str) -> list[tuple[str, LockHolder]]:
         async def work() -> list[tuple[str, LockHolder]]:
             head = f"{self.prefix}lock:"
-            names = [name async for name in self.redis.scan_iter(
-                match=f"{head}{_glob_escape(prefix)}*", count=500)]
+            names = [
+                name
+                async for name in self.redis.scan_iter(
+                    match=f"{head}{_glob_escape(prefix)}*", count=500
+                )
+            ]
             found: list[tuple[str, LockHolder]] = []
             for start in range(0, len(names), 500):
-                chunk = names[start:start + 500]
+                chunk = names[start : start + 500]
                 for name, raw in zip(chunk, await self.redis.mget(chunk)):
                     if raw is not None:
-                        found.append((name[len(head):], LockHolder.of(json.loads(raw))))
+                        found.append((name[len(head) :], LockHolder.of(json.loads(raw))))
             return found
 
         return await self._call(work, lambda: self.local.lock_scan(prefix))
@@ -306,42 +328,48 @@ class RedisCoordinator(Coordinator):
     ) -> IdempotencyRecord | None:
         async def work() -> IdempotencyRecord | None:
             record = IdempotencyRecord(fingerprint, attempt=dict(attempt or {}))
-            if await self.redis.set(self.prefix + key, json.dumps(record.record()), nx=True,
-                                    px=int(ttl * 1000)):
+            if await self.redis.set(
+                self.prefix + key, json.dumps(record.record()), nx=True, px=int(ttl * 1000)
+            ):
                 return None
             return await self._idempotency_get(key)
 
         return await self._call(
-            work, lambda: self.local.idempotency_begin(key, fingerprint, ttl, attempt))
+            work, lambda: self.local.idempotency_begin(key, fingerprint, ttl, attempt)
+        )
 
-    async def idempotency_progress(
-        self, key: str, attempt_id: str, fields: dict[str, Any]
-    ) -> bool:
+    async def idempotency_progress(self, key: str, attempt_id: str, fields: dict[str, Any]) -> bool:
         async def work() -> bool:
-            return bool(await self.redis.eval(IDEMPOTENCY_UPDATE, 1, self.prefix + key,
-                                              attempt_id, json.dumps(fields), "0"))
+            return bool(
+                await self.redis.eval(
+                    IDEMPOTENCY_UPDATE, 1, self.prefix + key, attempt_id, json.dumps(fields), "0"
+                )
+            )
 
         return await self._call(
-            work, lambda: self.local.idempotency_progress(key, attempt_id, fields))
+            work, lambda: self.local.idempotency_progress(key, attempt_id, fields)
+        )
 
     async def idempotency_takeover(
         self, key: str, dead_attempt_id: str, attempt: dict[str, Any]
     ) -> IdempotencyRecord | None:
         async def work() -> IdempotencyRecord | None:
-            raw = await self.redis.eval(IDEMPOTENCY_UPDATE, 1, self.prefix + key,
-                                        dead_attempt_id, json.dumps(attempt), "1")
+            raw = await self.redis.eval(
+                IDEMPOTENCY_UPDATE, 1, self.prefix + key, dead_attempt_id, json.dumps(attempt), "1"
+            )
             return IdempotencyRecord.of(json.loads(raw)) if raw else None
 
         return await self._call(
-            work, lambda: self.local.idempotency_takeover(key, dead_attempt_id, attempt))
+            work, lambda: self.local.idempotency_takeover(key, dead_attempt_id, attempt)
+        )
 
     async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
         async def work() -> None:
             current = await self._idempotency_get(key)
-            record = IdempotencyRecord(current.fingerprint if current else "", result,
-                                       current.attempt if current else {})
-            await self.redis.set(self.prefix + key, json.dumps(record.record()),
-                                 px=int(ttl * 1000))
+            record = IdempotencyRecord(
+                current.fingerprint if current else "", result, current.attempt if current else {}
+            )
+            await self.redis.set(self.prefix + key, json.dumps(record.record()), px=int(ttl * 1000))
 
         await self._call(work, lambda: self.local.idempotency_finish(key, result, ttl))
 
@@ -441,8 +469,9 @@ class RedisCoordinator(Coordinator):
 
     async def take_lease(self, name: str, holder: str, ttl: float) -> str | None:
         async def work() -> str | None:
-            previous = await self.redis.set(f"{self.prefix}lease:{name}", holder,
-                                            px=int(ttl * 1000), get=True)
+            previous = await self.redis.set(
+                f"{self.prefix}lease:{name}", holder, px=int(ttl * 1000), get=True
+            )
             return None if previous is None else str(previous)
 
         return await self._call(work, lambda: self.local.take_lease(name, holder, ttl))
@@ -482,8 +511,10 @@ class RedisCoordinator(Coordinator):
 
     async def buffered_events(self, stream: str) -> list[dict[str, Any]]:
         async def work() -> list[dict[str, Any]]:
-            entries = cast(list[tuple[str, dict[str, str]]],
-                           await self.redis.xrange(f"{self.prefix}events:{stream}") or [])
+            entries = cast(
+                list[tuple[str, dict[str, str]]],
+                await self.redis.xrange(f"{self.prefix}events:{stream}") or [],
+            )
             return [json.loads(fields["event"]) for _, fields in entries]
 
         return await self._call(work, lambda: self.local.buffered_events(stream))
@@ -502,8 +533,9 @@ class RedisCoordinator(Coordinator):
             except UNAVAILABLE as e:
                 self._went_down(e)
                 return
-            for _, entries in cast(list[tuple[str, list[tuple[str, dict[str, str]]]]],
-                                   batches or []):
+            for _, entries in cast(
+                list[tuple[str, list[tuple[str, dict[str, str]]]]], batches or []
+            ):
                 for entry_id, fields in entries:
                     last = entry_id
                     event = json.loads(fields["event"])

@@ -54,8 +54,10 @@ class FleetConfig:
         if self.num_replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, got {self.num_replicas}")
         if self.database_url.startswith("sqlite"):
-            raise ValueError("a fleet's replicas share one database: give a Postgres URL "
-                             "(postgresql://user@host:5432/name)")
+            raise ValueError(
+                "a fleet's replicas share one database: give a Postgres URL "
+                "(postgresql://user@host:5432/name)"
+            )
 
 
 class Fleet:
@@ -63,22 +65,32 @@ class Fleet:
         self.config = config
         run_dir = config.run_dir
         self.replicas = [
-            Replica(name=f"app{i + 1}", log_path=run_dir / f"app{i + 1}.log", host=config.host,
-                    model=config.model)
+            Replica(
+                name=f"app{i + 1}",
+                log_path=run_dir / f"app{i + 1}.log",
+                host=config.host,
+                model=config.model,
+            )
             for i in range(config.num_replicas)
         ]
         self.port = config.port or free_port(config.host)
         self.stats_port = config.stats_port or free_port(config.host)
         self.haproxy_config = HAProxyConfig(
             servers=tuple(ReplicaAddress(r.name, r.address) for r in self.replicas),
-            bind=f"{config.host}:{self.port}", stats_bind=f"{config.host}:{self.stats_port}",
-            balance=config.balance, check_interval_ms=config.check_interval_ms,
-            fall=config.fall, rise=config.rise,
+            bind=f"{config.host}:{self.port}",
+            stats_bind=f"{config.host}:{self.stats_port}",
+            balance=config.balance,
+            check_interval_ms=config.check_interval_ms,
+            fall=config.fall,
+            rise=config.rise,
         )
-        self.haproxy = HAProxy(name="haproxy", log_path=run_dir / "haproxy.log",
-                               config_path=run_dir / "haproxy.cfg",
-                               bind=self.haproxy_config.bind,
-                               stats_bind=self.haproxy_config.stats_bind)
+        self.haproxy = HAProxy(
+            name="haproxy",
+            log_path=run_dir / "haproxy.log",
+            config_path=run_dir / "haproxy.cfg",
+            bind=self.haproxy_config.bind,
+            stats_bind=self.haproxy_config.stats_bind,
+        )
         self.admin_key: str | None = None
         for replica in self.replicas:
             replica.env = self._replica_env(replica)
@@ -125,8 +137,9 @@ class Fleet:
         none), start the replicas (loading their models side by side), then HAProxy, and wait
         until HAProxy routes to every replica."""
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        self.admin_key = asyncio.run(prepare_database(self.config.database_url,
-                                                      create=self.config.create_database))
+        self.admin_key = asyncio.run(
+            prepare_database(self.config.database_url, create=self.config.create_database)
+        )
         try:
             for replica in self.replicas:
                 replica.start()
@@ -155,8 +168,12 @@ class Fleet:
     def __enter__(self) -> Fleet:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.stop()
 
     def kill(self, name: str) -> None:
@@ -255,6 +272,9 @@ async def drop_postgres_database(url: str) -> None:
     """Drop the database `url` names (its other connections are ended first), if it exists:
     what a benchmark's fleet of its own leaves behind."""
     async with _server_connection(url) as (connection, name):
-        await connection.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                 "WHERE datname = $1 AND pid <> pg_backend_pid()", name)
+        await connection.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            name,
+        )
         await connection.execute(f"DROP DATABASE IF EXISTS {_quoted(name)}")

@@ -28,8 +28,9 @@ class ReplicaAddress:
 
     def __post_init__(self) -> None:
         if not NAME.match(self.name):
-            raise ValueError(f"a replica name is 1-64 letters, digits, '.', '_' or '-', "
-                             f"got {self.name!r}")
+            raise ValueError(
+                f"a replica name is 1-64 letters, digits, '.', '_' or '-', got {self.name!r}"
+            )
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"a replica address is host:port, got {self.address!r}")
@@ -63,8 +64,7 @@ class HAProxyConfig:
             raise ValueError(f"replica names must be unique, got {', '.join(names)}")
         object.__setattr__(self, "names", names)
         if self.balance not in BALANCES:
-            raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got "
-                             f"{self.balance!r}")
+            raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
         if self.check_interval_ms < 10:
             raise ValueError(f"check_interval_ms must be >= 10, got {self.check_interval_ms}")
         if self.fall < 1 or self.rise < 1:
@@ -84,14 +84,22 @@ class HAProxyConfig:
         return max(1.0, (self.fall + 3) * self.check_interval_ms / 1000)
 
     def render(self) -> str:
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                 autoescape=False)
+        env = jinja2.Environment(
+            undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+        )
         template = env.from_string(TEMPLATE.read_text())
         return template.render(
-            servers=self.servers, bind=self.bind, stats_bind=self.stats_bind,
-            balance=self.balance, check_interval_ms=self.check_interval_ms, fall=self.fall,
-            rise=self.rise, bufsize=self.bufsize, maxconn=self.maxconn,
-            log_level=self.log_level, resolver=self.resolver,
+            servers=self.servers,
+            bind=self.bind,
+            stats_bind=self.stats_bind,
+            balance=self.balance,
+            check_interval_ms=self.check_interval_ms,
+            fall=self.fall,
+            rise=self.rise,
+            bufsize=self.bufsize,
+            maxconn=self.maxconn,
+            log_level=self.log_level,
+            resolver=self.resolver,
         )
 
     @classmethod
@@ -99,8 +107,10 @@ class HAProxyConfig:
         """docker-compose.yml's: replicas `app1`.. on port 8000 found through Docker's DNS,
         HAProxy on 8080 and its stats on 8404 (deploy/haproxy.cfg is this, rendered)."""
         return cls(
-            servers=tuple(ReplicaAddress(f"app{i + 1}", f"app{i + 1}:8000")
-                          for i in range(num_replicas)),
-            bind="*:8080", stats_bind="*:8404", resolver="127.0.0.11:53",
+            servers=tuple(
+                ReplicaAddress(f"app{i + 1}", f"app{i + 1}:8000") for i in range(num_replicas)
+            ),
+            bind="*:8080",
+            stats_bind="*:8404",
+            resolver="127.0.0.11:53",
         )
-

@@ -74,8 +74,14 @@ class Process:
         setpriv = shutil.which("setpriv")
         if setpriv is not None and sys.platform.startswith("linux"):
             command = [setpriv, "--pdeathsig", "TERM", *command]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, process_group=0)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,
+        )
 
     @property
     def pid(self) -> int | None:
@@ -91,8 +97,10 @@ class Process:
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
-            raise FleetError(f"{self.name} exited with code {self.process.returncode}:\n"
-                             f"{log_tail(self.log_path)}")
+            raise FleetError(
+                f"{self.name} exited with code {self.process.returncode}:\n"
+                f"{log_tail(self.log_path)}"
+            )
 
     def send_signal(self, sig: int) -> None:
         if self.is_running:
@@ -107,8 +115,12 @@ class Process:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.dump_stacks()
-            log.warning("%s did not exit within %.0f s: SIGKILL. Its log ends:\n%s",
-                        self.name, timeout, log_tail(self.log_path, 250))
+            log.warning(
+                "%s did not exit within %.0f s: SIGKILL. Its log ends:\n%s",
+                self.name,
+                timeout,
+                log_tail(self.log_path, 250),
+            )
             self.process.kill()
             self.process.wait()
         if self._log is not None:
@@ -143,10 +155,17 @@ class Replica(Process):
 
     def start(self) -> None:
         """Spawn the process (same port each time); `wait_ready` waits for it."""
-        env = {**os.environ, **self.env, "KVCHAT_REPLICA_ID": self.name,
-               "KVCHAT_HOST": self.host, "KVCHAT_PORT": str(self.port),
-               "PYTHONUNBUFFERED": "1"}
-        self.spawn([sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(self.model)], env)
+        env = {
+            **os.environ,
+            **self.env,
+            "KVCHAT_REPLICA_ID": self.name,
+            "KVCHAT_HOST": self.host,
+            "KVCHAT_PORT": str(self.port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.spawn(
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(self.model)], env
+        )
 
     @property
     def shutdown_bound(self) -> float:
@@ -159,8 +178,7 @@ class Replica(Process):
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int | None:
         self.send_signal(sig)
-        return self.wait(max(STOP_TIMEOUT_S, self.shutdown_bound) if timeout is None
-                         else timeout)
+        return self.wait(max(STOP_TIMEOUT_S, self.shutdown_bound) if timeout is None else timeout)
 
     def dump_stacks(self) -> None:
         """`kvchat serve` writes every thread's stack and its asyncio tasks' await chains to
@@ -182,8 +200,10 @@ class Replica(Process):
             self.check_alive()
             if time.monotonic() > deadline:
                 self.stop(signal.SIGKILL)
-                raise FleetError(f"{self.name} did not become ready in {timeout:.0f} s:\n"
-                                 f"{log_tail(self.log_path)}")
+                raise FleetError(
+                    f"{self.name} did not become ready in {timeout:.0f} s:\n"
+                    f"{log_tail(self.log_path)}"
+                )
             time.sleep(0.2)
 
 
@@ -197,8 +217,12 @@ class HAProxy(Process):
     binary: str = field(default_factory=haproxy_binary)
 
     def check_config(self) -> None:
-        result = subprocess.run([self.binary, "-c", "-q", "-f", str(self.config_path)],
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [self.binary, "-c", "-q", "-f", str(self.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if result.returncode != 0:
             raise FleetError(f"haproxy refused {self.config_path}:\n{result.stderr}")
 
@@ -215,8 +239,9 @@ class HAProxy(Process):
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop(signal.SIGKILL)
-                    raise FleetError(f"haproxy did not listen on {self.bind}:\n"
-                                     f"{log_tail(self.log_path)}") from None
+                    raise FleetError(
+                        f"haproxy did not listen on {self.bind}:\n{log_tail(self.log_path)}"
+                    ) from None
                 time.sleep(0.05)
 
     @property
@@ -228,5 +253,8 @@ class HAProxy(Process):
         transition ("UP 1/2", "DOWN 1/2")."""
         assert self.stats_url is not None, "the stats page is off"
         text = httpx.get(f"{self.stats_url};csv", timeout=5).text.lstrip("# ")
-        return {row["svname"]: row["status"] for row in csv.DictReader(io.StringIO(text))
-                if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")}
+        return {
+            row["svname"]: row["status"]
+            for row in csv.DictReader(io.StringIO(text))
+            if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")
+        }

@@ -49,8 +49,9 @@ ExitHook = Callable[["AppState"], Awaitable[None]]
 CLOSE_TIMEOUT_S = 5.0
 
 
-async def bounded_close(what: str, close: Awaitable[None],
-                        timeout: float = CLOSE_TIMEOUT_S) -> bool:
+async def bounded_close(
+    what: str, close: Awaitable[None], timeout: float = CLOSE_TIMEOUT_S
+) -> bool:
     """Await `close` for at most `timeout` seconds. Past it the close is cancelled and logged
     with what every task was awaiting at that moment, and the exit goes on. Returns whether
     it finished."""
@@ -62,8 +63,13 @@ async def bounded_close(what: str, close: Awaitable[None],
         return True
     chains = io.StringIO()
     stacks.dump_tasks(chains)
-    log.error("exit: %s did not finish within %.0f s: cancelled, the exit goes on. What the "
-              "tasks awaited:\n%s", what, timeout, chains.getvalue())
+    log.error(
+        "exit: %s did not finish within %.0f s: cancelled, the exit goes on. What the "
+        "tasks awaited:\n%s",
+        what,
+        timeout,
+        chains.getvalue(),
+    )
     task.cancel()
     await asyncio.wait({task}, timeout=1.0)
     return False
@@ -138,8 +144,9 @@ class PinnedSessions:
 def pinned_sessions(state: AppState) -> PinnedSessions:
     """Read from the engine directly: the drain calls it once the engine thread has stopped."""
     report = state.runtime.engine.memory_report()
-    pinned = [s for s in report.sessions
-              if s.state in (SessionState.RESIDENT, SessionState.OFFLOADED)]
+    pinned = [
+        s for s in report.sessions if s.state in (SessionState.RESIDENT, SessionState.OFFLOADED)
+    ]
     return PinnedSessions(len(pinned), sum(s.num_tokens for s in pinned))
 
 
@@ -152,12 +159,20 @@ async def persist_pinned_sessions(state: AppState) -> None:
     engine = state.runtime.engine
     if engine.kv_store is None:
         if pinned.num_sessions:
-            log.warning("exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
-                        "their conversations recompute on their next turn",
-                        pinned.num_sessions, pinned.num_tokens)
+            log.warning(
+                "exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
+                "their conversations recompute on their next turn",
+                pinned.num_sessions,
+                pinned.num_tokens,
+            )
         return
     began = time.monotonic()
     queued = await asyncio.to_thread(engine.persist_sessions, state.settings.drain_timeout)
-    log.info("KV store: %d pinned sessions (%d tokens) kept on disk (%d blocks written at "
-             "exit) in %.2f s", pinned.num_sessions, pinned.num_tokens, queued,
-             time.monotonic() - began)
+    log.info(
+        "KV store: %d pinned sessions (%d tokens) kept on disk (%d blocks written at "
+        "exit) in %.2f s",
+        pinned.num_sessions,
+        pinned.num_tokens,
+        queued,
+        time.monotonic() - began,
+    )

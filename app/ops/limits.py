@@ -41,11 +41,11 @@ async def admit(state: AppState, key: KeyRecord) -> dict[str, str]:
         # Tokens are counted after the fact; a request is refused once the window is spent.
         checks.append(("tokens", f"tokens:{key.id}", settings.rate_limit_tokens, 1))
     for kind, bucket, limit, cost in checks:
-        decision = await state.coord.rate_check(bucket, limit, WINDOW_S,
-                                                cost if kind == "requests" else 0)
+        decision = await state.coord.rate_check(
+            bucket, limit, WINDOW_S, cost if kind == "requests" else 0
+        )
         if kind == "tokens" and decision.remaining <= 0:
-            decision = RateDecision(False, limit, 0, decision.reset_s,
-                                    max(decision.reset_s, 1.0))
+            decision = RateDecision(False, limit, 0, decision.reset_s, max(decision.reset_s, 1.0))
         headers.update(_headers(kind, decision))
         if not decision.allowed:
             state.runtime.metrics.rate_limited.inc()
@@ -81,8 +81,12 @@ def check_capacity(state: AppState) -> None:
 
 
 def rate_limit_frame(error: APIError) -> dict[str, Any]:
-    return {"type": "error", "code": "rate_limited", "message": error.message,
-            "retry_after": int(error.headers.get("Retry-After", "1"))}
+    return {
+        "type": "error",
+        "code": "rate_limited",
+        "message": error.message,
+        "retry_after": int(error.headers.get("Retry-After", "1")),
+    }
 
 
 async def rate_limited_key(request: Request, key: CurrentKey, state: StateDep) -> KeyRecord:

@@ -33,9 +33,7 @@ _CLOSING = re.compile(r"[\"'),;.>}]+$")
 # The decoded name, case-insensitively, with surrounding whitespace, and after anything but a
 # word character or `-` (as `?`, `&`, `"` decoded from `%3F`, `%26`, `%22`): `x-access_token`
 # and `monkey_access_token` are other parameters.
-_SECRET_NAME = re.compile(
-    r"(?:^|[^\w-])(?:" + "|".join(SECRET_NAMES) + r")\s*$", re.IGNORECASE
-)
+_SECRET_NAME = re.compile(r"(?:^|[^\w-])(?:" + "|".join(SECRET_NAMES) + r")\s*$", re.IGNORECASE)
 # Starlette decodes once; a proxy in front may decode once more. Four rounds bound the work a
 # crafted `%252525...` name can cost.
 _MAX_DECODES = 4

@@ -25,19 +25,80 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvchat.inference import EngineStats
-
 from kvchat.app.ops.history_counters import HistoryCounters
+from kvchat.inference import EngineStats
 
 PREFIX = "kvchat:"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 # memory.KVStoreStats' counters, as kvchat:kv_store_<name>_total.
@@ -49,7 +110,7 @@ KV_STORE_COUNTERS = {
     "evictions": "KV store files evicted by its byte cap.",
     "write_seconds": "The KV store writer thread's time.",
     "copy_seconds": "The engine thread's time copying blocks out for the KV store's writer "
-                    "(the write-behind's share of the turn's path).",
+    "(the write-behind's share of the turn's path).",
 }
 
 
@@ -75,29 +136,43 @@ class EngineCollector(Collector):
             return CounterMetricFamily(PREFIX + name, doc, value=value)
 
         yield gauge("num_requests_running", "Requests in the running batch.", report.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    report.num_waiting)
-        yield gauge("num_requests_swapped", "Requests preempted to host memory.",
-                    report.num_swapped)
-        yield gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (0-1).",
-                    report.kv_cache_usage)
-        pinned = GaugeMetricFamily(PREFIX + "pinned_sessions",
-                                   "Idle sessions holding KV, by tier.", labels=["tier"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", report.num_waiting)
+        yield gauge(
+            "num_requests_swapped", "Requests preempted to host memory.", report.num_swapped
+        )
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of the KV pool's blocks in use (0-1).",
+            report.kv_cache_usage,
+        )
+        pinned = GaugeMetricFamily(
+            PREFIX + "pinned_sessions", "Idle sessions holding KV, by tier.", labels=["tier"]
+        )
         pinned.add_metric(["gpu"], report.num_resident_sessions)
         pinned.add_metric(["host"], report.num_offloaded_sessions)
         yield pinned
-        yield counter("prefix_cache_queries", "Prompt tokens looked up for reuse.",
-                      stats.prompt_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens served by the global prefix cache.",
-                      stats.from_prefix_cache)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up for reuse.", stats.prompt_tokens
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens served by the global prefix cache.",
+            stats.from_prefix_cache,
+        )
         yield counter("prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens)
-        yield counter("num_preemptions", "Running requests preempted (swap or recompute).",
-                      stats.preemptions_swap + stats.preemptions_recompute)
-        yield counter("session_reuse_tokens", "Prompt tokens served by a pinned session.",
-                      stats.from_session)
-        cached = CounterMetricFamily(PREFIX + "cached_tokens",
-                                     "Prompt tokens whose KV was reused, by source.",
-                                     labels=["source"])
+        yield counter(
+            "num_preemptions",
+            "Running requests preempted (swap or recompute).",
+            stats.preemptions_swap + stats.preemptions_recompute,
+        )
+        yield counter(
+            "session_reuse_tokens", "Prompt tokens served by a pinned session.", stats.from_session
+        )
+        cached = CounterMetricFamily(
+            PREFIX + "cached_tokens",
+            "Prompt tokens whose KV was reused, by source.",
+            labels=["source"],
+        )
         cached.add_metric(["session"], stats.from_session)
         cached.add_metric(["prefix_cache"], stats.from_prefix_cache)
         cached.add_metric(["host"], stats.from_host)
@@ -105,62 +180,103 @@ class EngineCollector(Collector):
         yield cached
         store = report.kv_store
         if store is not None:
-            yield gauge("kv_store_bytes", "Bytes in the KV store (as this replica last saw it).",
-                        store.num_bytes)
+            yield gauge(
+                "kv_store_bytes",
+                "Bytes in the KV store (as this replica last saw it).",
+                store.num_bytes,
+            )
             yield gauge("kv_store_blocks", "Blocks in the KV store.", store.num_blocks)
             for name, doc in KV_STORE_COUNTERS.items():
                 yield counter("kv_store_" + name, doc, getattr(store, name))
-        yield counter("computed_prompt_tokens", "Prompt tokens computed (prefilled).",
-                      stats.computed + stats.recomputed)
-        yield counter("session_offloads", "Idle sessions moved to the host pool.",
-                      stats.session_offloads)
-        yield counter("session_restores", "Offloaded sessions brought back.",
-                      stats.session_restores)
-        yield counter("session_drops", "Sessions whose KV was dropped (recomputed later).",
-                      stats.session_drops)
+        yield counter(
+            "computed_prompt_tokens",
+            "Prompt tokens computed (prefilled).",
+            stats.computed + stats.recomputed,
+        )
+        yield counter(
+            "session_offloads", "Idle sessions moved to the host pool.", stats.session_offloads
+        )
+        yield counter(
+            "session_restores", "Offloaded sessions brought back.", stats.session_restores
+        )
+        yield counter(
+            "session_drops",
+            "Sessions whose KV was dropped (recomputed later).",
+            stats.session_drops,
+        )
         yield counter("history_trims", "History trim events.", history.trims)
-        yield counter("history_dropped_tokens", "Prompt tokens dropped by trims.",
-                      history.dropped_tokens)
+        yield counter(
+            "history_dropped_tokens", "Prompt tokens dropped by trims.", history.dropped_tokens
+        )
         yield counter("history_summaries", "Running summaries generated.", history.summaries)
-        yield counter("history_window_turns", "Turns run in sink + window mode.",
-                      history.window_turns)
+        yield counter(
+            "history_window_turns", "Turns run in sink + window mode.", history.window_turns
+        )
 
 
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats], history: HistoryCounters) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time to the first generated token.", buckets=TTFT_BUCKETS,
-                              registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between consecutive generated tokens.", buckets=ITL_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Request latency, arrival to last token.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
-                               "Time a request waited before it was first scheduled.",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
-                                         registry=r)
-        self.request_success = Counter(PREFIX + "request_success",
-                                       "Requests finished, by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.rate_limited = Counter(PREFIX + "rate_limited_requests",
-                                    "Requests refused by a rate limit.", registry=r)
-        self.websocket_connections = Gauge(PREFIX + "websocket_connections",
-                                           "Open WebSocket connections.", registry=r)
-        self.replica = Info(PREFIX + "replica", "The replica this process is (its replica id).",
-                            registry=r)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            PREFIX + "rate_limited_requests", "Requests refused by a rate limit.", registry=r
+        )
+        self.websocket_connections = Gauge(
+            PREFIX + "websocket_connections", "Open WebSocket connections.", registry=r
+        )
+        self.replica = Info(
+            PREFIX + "replica", "The replica this process is (its replica id).", registry=r
+        )
         self.session_moves = Counter(
-            PREFIX + "session_moves", "Turns of a conversation whose session lease another "
+            PREFIX + "session_moves",
+            "Turns of a conversation whose session lease another "
             "replica held: its KV here, if any, was reused only as far as its token ids match.",
-            registry=r)
+            registry=r,
+        )
         r.register(EngineCollector(stats, history))
 
-    def finished(self, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
-                 completion_tokens: int, finish_reason: str) -> None:
+    def finished(
+        self,
+        *,
+        ttft_s: float | None,
+        e2e_s: float,
+        queue_s: float | None,
+        completion_tokens: int,
+        finish_reason: str,
+    ) -> None:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)

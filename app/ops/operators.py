@@ -13,12 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kvchat.history import HistoryPolicy
-from kvchat.inference import SessionInfo, cpu_description
-from kvchat.memory import CacheStats, HistoryStats, KVStoreStats, SessionState
-
-from kvchat.app.errors import invalid_request, not_found
 from kvchat.app.coord.leases import lease_name
+from kvchat.app.errors import invalid_request, not_found
 from kvchat.app.schemas.conversations import (
     InvalidSessionSettings,
     SessionSettings,
@@ -28,9 +24,16 @@ from kvchat.app.state import AppState
 from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord
 from kvchat.app.turns.pipeline import context_budget, history_policy, session_budget
 from kvchat.app.turns.prompting import STATELESS_SESSION_PREFIX
+from kvchat.history import HistoryPolicy
+from kvchat.inference import SessionInfo, cpu_description
+from kvchat.memory import CacheStats, HistoryStats, KVStoreStats, SessionState
 
-TIERS = {SessionState.RESIDENT: "gpu", SessionState.OFFLOADED: "host",
-         SessionState.ACTIVE: "gpu", SessionState.EMPTY: None}
+TIERS = {
+    SessionState.RESIDENT: "gpu",
+    SessionState.OFFLOADED: "host",
+    SessionState.ACTIVE: "gpu",
+    SessionState.EMPTY: None,
+}
 
 
 def engine_report(state: AppState) -> dict[str, Any]:
@@ -57,21 +60,25 @@ async def memory(state: AppState) -> dict[str, Any]:
     sessions = []
     for info in report.sessions:
         stateless = is_stateless(info.session_id)
-        sessions.append({
-            "session_id": info.session_id,
-            "kind": "stateless" if stateless else "conversation",
-            "conversation_id": None if stateless else info.session_id,
-            "state": info.state.value,
-            "tier": TIERS[info.state],
-            "tokens": info.num_tokens,
-            "device_blocks": info.num_device_blocks,
-            "host_blocks": info.num_host_blocks,
-            "turns": info.num_turns,
-            "idle_seconds": info.idle_seconds,
-            "budget": {"max_kv_tokens": info.budget.max_kv_tokens,
-                       "max_context_tokens": info.budget.max_context_tokens},
-            "history": dataclasses.asdict(history.session(info.session_id)),
-        })
+        sessions.append(
+            {
+                "session_id": info.session_id,
+                "kind": "stateless" if stateless else "conversation",
+                "conversation_id": None if stateless else info.session_id,
+                "state": info.state.value,
+                "tier": TIERS[info.state],
+                "tokens": info.num_tokens,
+                "device_blocks": info.num_device_blocks,
+                "host_blocks": info.num_host_blocks,
+                "turns": info.num_turns,
+                "idle_seconds": info.idle_seconds,
+                "budget": {
+                    "max_kv_tokens": info.budget.max_kv_tokens,
+                    "max_context_tokens": info.budget.max_context_tokens,
+                },
+                "history": dataclasses.asdict(history.session(info.session_id)),
+            }
+        )
     return {
         "object": "memory",
         "kv_cache_dtype": report.kv_cache_dtype,
@@ -96,14 +103,18 @@ async def memory(state: AppState) -> dict[str, Any]:
             "bytes": stats.num_host_blocks * per_block,
             "used_bytes": stats.num_used_host_blocks * per_block,
         },
-        "requests": {"running": stats.num_running, "waiting": stats.num_waiting,
-                     "swapped": stats.num_swapped},
+        "requests": {
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "swapped": stats.num_swapped,
+        },
         "sessions": sessions,
         "prefix_cache": {
             "queries": cache.prompt_tokens,
             "hits": cache.from_prefix_cache,
-            "hit_rate": (cache.from_prefix_cache / cache.prompt_tokens
-                         if cache.prompt_tokens else 0.0),
+            "hit_rate": (
+                cache.from_prefix_cache / cache.prompt_tokens if cache.prompt_tokens else 0.0
+            ),
             "reuse_rate": cache.hit_rate,
         },
         "prefill_sources": {
@@ -114,12 +125,15 @@ async def memory(state: AppState) -> dict[str, Any]:
             "store": cache.from_store,
             "recomputed": cache.recomputed,
         },
-        "kv_store": kv_store_view(stats.kv_store, cache, state.settings.kv_store_path,
-                                  state.settings.kv_store_bytes),
-        "evictions": {"offloads": cache.session_offloads, "drops": cache.session_drops,
-                      "restores": cache.session_restores},
-        "preemptions": {"swap": cache.preemptions_swap,
-                        "recompute": cache.preemptions_recompute},
+        "kv_store": kv_store_view(
+            stats.kv_store, cache, state.settings.kv_store_path, state.settings.kv_store_bytes
+        ),
+        "evictions": {
+            "offloads": cache.session_offloads,
+            "drops": cache.session_drops,
+            "restores": cache.session_restores,
+        },
+        "preemptions": {"swap": cache.preemptions_swap, "recompute": cache.preemptions_recompute},
         "kv_bytes_moved": (cache.blocks_to_host + cache.blocks_from_host) * per_block,
         "history": dataclasses.asdict(history.total()),
         "defaults": dataclasses.asdict(state.defaults),
@@ -127,18 +141,27 @@ async def memory(state: AppState) -> dict[str, Any]:
     }
 
 
-def kv_store_view(store: KVStoreStats | None, cache: CacheStats, path: Path,
-                  max_bytes: int) -> dict[str, Any]:
+def kv_store_view(
+    store: KVStoreStats | None, cache: CacheStats, path: Path, max_bytes: int
+) -> dict[str, Any]:
     """The KV store as operators see it (`enabled` false: no store; counters are blocks)."""
     if store is None:
         return {"enabled": False}
     return {
-        "enabled": True, "path": str(path), "max_bytes": max_bytes,
-        "blocks": store.num_blocks, "bytes": store.num_bytes,
-        "hits": store.hits, "misses": store.misses, "skipped": store.skipped,
-        "writes": store.writes, "evictions": store.evictions,
-        "write_seconds": store.write_seconds, "copy_seconds": store.copy_seconds,
-        "blocks_queued": cache.blocks_to_store, "blocks_loaded": cache.blocks_from_store,
+        "enabled": True,
+        "path": str(path),
+        "max_bytes": max_bytes,
+        "blocks": store.num_blocks,
+        "bytes": store.num_bytes,
+        "hits": store.hits,
+        "misses": store.misses,
+        "skipped": store.skipped,
+        "writes": store.writes,
+        "evictions": store.evictions,
+        "write_seconds": store.write_seconds,
+        "copy_seconds": store.copy_seconds,
+        "blocks_queued": cache.blocks_to_store,
+        "blocks_loaded": cache.blocks_from_store,
         "tokens_loaded": cache.from_store,
     }
 
@@ -249,9 +272,7 @@ def stateless_session(state: AppState, info: SessionInfo) -> dict[str, Any]:
     }
 
 
-async def update_session(
-    state: AppState, session_id: str, body: SessionSettings
-) -> dict[str, Any]:
+async def update_session(state: AppState, session_id: str, body: SessionSettings) -> dict[str, Any]:
     """Store the settings on the conversation (they survive restarts) and give the engine
     the new budget: it applies at the session's next turn. The settings are checked as they
     will be, stored and new together over the defaults (400 naming the field, nothing
@@ -267,7 +288,8 @@ async def update_session(
     if updated is None:  # deleted meanwhile
         raise not_found(f"conversation {session_id!r}")
     info = await state.runtime.async_engine.set_session_budget(
-        conv.id, session_budget(state, updated))
+        conv.id, session_budget(state, updated)
+    )
     return await session(state, session_id, info)
 
 
@@ -288,11 +310,13 @@ async def update_stateless(
         if name not in STATELESS_SETTINGS and value is not None:
             raise invalid_request(
                 f"{name} does not apply to a stateless session (its client sends the whole "
-                f"history each call); it takes {' and '.join(STATELESS_SETTINGS)}", name,
+                f"history each call); it takes {' and '.join(STATELESS_SETTINGS)}",
+                name,
             )
     changes = {
         name: getattr(state.defaults, name) if fields[name] is None else fields[name]
-        for name in STATELESS_SETTINGS if name in fields
+        for name in STATELESS_SETTINGS
+        if name in fields
     }
     budget = dataclasses.replace(info.budget, **changes)
     updated = await state.runtime.async_engine.set_session_budget(session_id, budget)
@@ -337,7 +361,8 @@ def update_defaults(state: AppState, body: SessionSettings) -> dict[str, Any]:
             raise invalid_request(f"{name} cannot be unset: give a value", name)
     defaults = dataclasses.replace(state.defaults, **fields)
     HistoryPolicy(  # raises, naming the field, on a bad combination
-        policy=defaults.history_policy, high_watermark=defaults.high_watermark,
+        policy=defaults.history_policy,
+        high_watermark=defaults.high_watermark,
         low_watermark=defaults.low_watermark,
         max_tool_result_tokens=defaults.max_tool_result_tokens,
         max_summary_tokens=defaults.max_summary_tokens,

@@ -15,8 +15,8 @@ import faulthandler
 import gc
 import signal
 import sys
-from collections.abc import Iterator
 import types
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any, TextIO
 
@@ -32,9 +32,14 @@ def await_chain(awaitable: Any) -> Iterator[str]:
             frame = getattr(awaitable, name, None) or frame
         if frame is not None:
             yield f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        awaitable = next((getattr(awaitable, name) for name in ("cr_await", "ag_await",
-                                                                 "gi_yieldfrom")
-                          if getattr(awaitable, name, None) is not None), None)
+        awaitable = next(
+            (
+                getattr(awaitable, name)
+                for name in ("cr_await", "ag_await", "gi_yieldfrom")
+                if getattr(awaitable, name, None) is not None
+            ),
+            None,
+        )
 
 
 def dump_tasks(out: TextIO = sys.stderr) -> None:

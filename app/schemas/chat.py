@@ -112,7 +112,9 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's extension; 0 is off.")
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past end-of-sequence.")
     seed: int | None = Field(
-        None, ge=INT64_MIN, le=INT64_MAX,
+        None,
+        ge=INT64_MIN,
+        le=INT64_MAX,
         description="int64. With n > 1, choice i is sampled with seed + i (wrapping within int64).",
     )
     stop: str | list[str] | None = None

@@ -8,10 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvchat.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
-
 from kvchat.app.schemas.chat import SamplingFields, TextPart, ToolCall
 from kvchat.app.schemas.ranges import INT32_MAX
+from kvchat.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 
@@ -68,26 +67,34 @@ def check_session_settings(
         return "this request" if name in changes else "stored on the conversation"
 
     def blamed(involved: tuple[str, ...], named: str) -> str:
-        candidates = ([n for n in involved if n in changes]
-                      or [n for n in involved if merged[n] is not None] or list(involved))
+        candidates = (
+            [n for n in involved if n in changes]
+            or [n for n in involved if merged[n] is not None]
+            or list(involved)
+        )
         return named if named in candidates else candidates[0]
 
     try:
         SessionSettings.model_validate({n: v for n, v in merged.items() if v is not None})
     except ValidationError as e:
-        errors = [(str(err["loc"][0]), str(err["msg"]).removeprefix("Value error, "))
-                  for err in e.errors() if err["loc"] and err["loc"][0] in merged]
+        errors = [
+            (str(err["loc"][0]), str(err["msg"]).removeprefix("Value error, "))
+            for err in e.errors()
+            if err["loc"] and err["loc"][0] in merged
+        ]
         if not errors:  # no field named: say what pydantic says
             raise InvalidSessionSettings(str(e), next(iter(changes), "settings")) from None
         name, message = next(((n, m) for n, m in errors if n in changes), errors[0])
         raise InvalidSessionSettings(
             f"{name} {merged[name]!r} ({source(name)}): {message}", name
         ) from None
-    effective: dict[str, Any] = {n: defaults[n] if merged[n] is None else merged[n]
-                                 for n in SETTINGS_FIELDS}
+    effective: dict[str, Any] = {
+        n: defaults[n] if merged[n] is None else merged[n] for n in SETTINGS_FIELDS
+    }
     try:
         HistoryPolicy(
-            policy=effective["history_policy"], high_watermark=effective["high_watermark"],
+            policy=effective["history_policy"],
+            high_watermark=effective["high_watermark"],
             low_watermark=effective["low_watermark"],
             max_tool_result_tokens=effective["max_tool_result_tokens"],
             max_summary_tokens=effective["max_summary_tokens"],
@@ -130,8 +137,11 @@ class ConversationCreate(SessionSettings):
     system: str | None = None
     metadata: dict[str, Any] | None = None
     items: list[Any] | None = Field(
-        None, max_length=20, description="OpenAI's Conversations API: the first items "
-        "(messages, function calls and their outputs), stored in order.")
+        None,
+        max_length=20,
+        description="OpenAI's Conversations API: the first items "
+        "(messages, function calls and their outputs), stored in order.",
+    )
 
 
 class ConversationPatch(SessionSettings):
@@ -214,7 +224,8 @@ class PostMessage(SamplingFields):
     name: str | None = None
     tool_call_id: str | None = None
     parent_id: str | None = Field(
-        None, description=f"Branch from this message instead of the current leaf; '{ROOT}' "
+        None,
+        description=f"Branch from this message instead of the current leaf; '{ROOT}' "
         "starts a new root (editing the first message).",
     )
 

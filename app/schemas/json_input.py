@@ -51,8 +51,9 @@ def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         value = json.loads(text)
     except RecursionError:
-        raise JSONInputError(f"The JSON is nested more than {max_depth} levels deep.", None,
-                             "json_too_deep") from None
+        raise JSONInputError(
+            f"The JSON is nested more than {max_depth} levels deep.", None, "json_too_deep"
+        ) from None
     except json.JSONDecodeError:
         raise
     except ValueError as e:
@@ -89,8 +90,11 @@ def _check_depth(value: Any, max_depth: int) -> None:
     while stack:
         node, depth, field = stack.pop()
         if depth > max_depth:
-            raise _error((field,) if field else (), f"nested more than {max_depth} levels deep",
-                         "json_too_deep")
+            raise _error(
+                (field,) if field else (),
+                f"nested more than {max_depth} levels deep",
+                "json_too_deep",
+            )
         values = node.values() if type(node) is dict else node
         if _CONTAINERS.isdisjoint(set(map(type, values))):
             continue
@@ -124,25 +128,36 @@ def _check_text(text: str, path: tuple[str | int, ...], *, key: bool) -> None:
     if bad is None:
         return
     char = bad.group()
-    what = "U+0000 (NUL), which is not accepted in text" if char == "\x00" else (
-        f"a lone surrogate (U+{ord(char):04X}), which is not valid Unicode")
+    what = (
+        "U+0000 (NUL), which is not accepted in text"
+        if char == "\x00"
+        else (f"a lone surrogate (U+{ord(char):04X}), which is not valid Unicode")
+    )
     if key:
-        raise JSONInputError(f"Invalid key '{_param(path)}': it holds {what}.", _param(path),
-                             "invalid_unicode")
+        raise JSONInputError(
+            f"Invalid key '{_param(path)}': it holds {what}.", _param(path), "invalid_unicode"
+        )
     raise _error(path, f"the text holds {what}", "invalid_unicode")
 
 
 def _param(path: tuple[str | int, ...]) -> str | None:
     """A path as OpenAI names params (`messages.0.content`); text that could not be sent back
     as UTF-8 (the offending key itself) is shown escaped."""
-    parts = [json.dumps(p)[1:-1] if isinstance(p, str) and _BAD_TEXT.search(p) else str(p)
-             for p in path]
+    parts = [
+        json.dumps(p)[1:-1] if isinstance(p, str) and _BAD_TEXT.search(p) else str(p) for p in path
+    ]
     return ".".join(parts) or None
 
 
 def _error(path: tuple[str | int, ...], problem: str, code: str) -> JSONInputError:
     param = _param(path)
-    message = f"Invalid value for '{param}': {problem}." if param else (
-        f"The JSON is {problem}." if code == "json_too_deep" else f"{problem[0].upper()}"
-        f"{problem[1:]}.")
+    message = (
+        f"Invalid value for '{param}': {problem}."
+        if param
+        else (
+            f"The JSON is {problem}."
+            if code == "json_too_deep"
+            else f"{problem[0].upper()}{problem[1:]}."
+        )
+    )
     return JSONInputError(message, param, code)

@@ -34,16 +34,24 @@ def message_out(
     usage = None
     if m.role == "assistant" and m.prompt_tokens is not None:
         prompt, completion = m.prompt_tokens or 0, m.completion_tokens or 0
-        usage = MessageUsage(prompt_tokens=prompt, completion_tokens=completion,
-                             total_tokens=prompt + completion, cached_tokens=m.cached_tokens or 0)
+        usage = MessageUsage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            cached_tokens=m.cached_tokens or 0,
+        )
     timings = None
     if m.role == "assistant" and (m.ttft_ms is not None or m.total_ms is not None):
         timings = Timings(ttft_ms=m.ttft_ms, total_ms=m.total_ms)
     calls = None
     if m.tool_calls:
         calls = [
-            ToolCall(id=c["id"], function=FunctionCall(name=c["function"]["name"],
-                                                       arguments=c["function"]["arguments"]))
+            ToolCall(
+                id=c["id"],
+                function=FunctionCall(
+                    name=c["function"]["name"], arguments=c["function"]["arguments"]
+                ),
+            )
             for c in m.tool_calls
         ]
     return MessageOut(

@@ -118,17 +118,24 @@ def parse_items(raw: list[Any], param: str) -> list[InputItem]:
         kind = value.get("type", "message")
         model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if model is None:
-            raise APIError(400, f"input items of type {kind!r} are not supported by this "
-                           f"server (it takes {', '.join(ITEM_TYPES)})", param=f"{where}.type",
-                           code="unsupported")
+            raise APIError(
+                400,
+                f"input items of type {kind!r} are not supported by this "
+                f"server (it takes {', '.join(ITEM_TYPES)})",
+                param=f"{where}.type",
+                code="unsupported",
+            )
         try:
             items.append(model.model_validate(value))  # type: ignore[arg-type]
         except ValidationError as e:
             # The deepest error says most (`content.0.type`, not the union's `content.str`);
             # a union's member names are not part of the path.
             error = max(e.errors(), key=lambda err: len(err.get("loc", ())))
-            loc = ".".join(str(p) for p in error.get("loc", ())
-                           if not (isinstance(p, str) and (p == "str" or "[" in p)))
+            loc = ".".join(
+                str(p)
+                for p in error.get("loc", ())
+                if not (isinstance(p, str) and (p == "str" or "[" in p))
+            )
             field = f"{where}.{loc}" if loc else where
             message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
             raise invalid_request(f"Invalid value for '{field}': {message}", field) from None

@@ -125,7 +125,7 @@ class ResponseCreate(BaseModel):
                 return ConversationRef.model_validate(value)
             except ValidationError:
                 pass
-        raise ValueError("conversation must be a conversation id or {\"id\": ...}")
+        raise ValueError('conversation must be a conversation id or {"id": ...}')
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -137,8 +137,10 @@ class ResponseCreate(BaseModel):
                 return ToolChoiceFunction.model_validate(value)
             except ValidationError:
                 pass
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
-                         "{\"type\": \"function\", \"name\": ...}")
+        raise ValueError(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}'
+        )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -213,8 +215,7 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None = None
     model: str
     output: list[OutputMessage | FunctionCall]
-    output_text: str = Field(description="The output's text parts joined (as the SDKs "
-                             "compute it).")
+    output_text: str = Field(description="The output's text parts joined (as the SDKs compute it).")
     parallel_tool_calls: bool
     previous_response_id: str | None = None
     conversation: ConversationRef | None = None
@@ -235,5 +236,3 @@ class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: bool = True
-
-

@@ -28,12 +28,19 @@ class UIChatRequest(SamplingFields):
     """`POST /v1/ui/chat`: useChat's body. Extra fields given with useChat's `body` option are
     read as sampling fields (`max_tokens`, `temperature`, ...)."""
 
-    id: str = Field(min_length=1, max_length=MAX_CHAT_ID, description="The chat's id: a "
-                    "conversation id of this key's owner, or any id useChat made (a "
-                    "conversation is created for it on first use).")
+    id: str = Field(
+        min_length=1,
+        max_length=MAX_CHAT_ID,
+        description="The chat's id: a "
+        "conversation id of this key's owner, or any id useChat made (a "
+        "conversation is created for it on first use).",
+    )
     messages: list[UIMessage] = Field(min_length=1)
     trigger: Literal["submit-message", "regenerate-message"] = "submit-message"
-    message_id: str | None = Field(None, alias="messageId", description="With "
-                                   "regenerate-message: the assistant message to regenerate.")
+    message_id: str | None = Field(
+        None,
+        alias="messageId",
+        description="With regenerate-message: the assistant message to regenerate.",
+    )
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)

@@ -5,7 +5,6 @@ Alembic (`migrations/`). Never imports torch or the engine.
 """
 
 from kvchat.app.store.database import default_database_url, display_url
-from kvchat.app.store.message_store import NEW_USER
 from kvchat.app.store.errors import (
     DatabaseUnreachable,
     InvalidDatabaseUrl,
@@ -13,6 +12,7 @@ from kvchat.app.store.errors import (
     StaleFence,
     StoreError,
 )
+from kvchat.app.store.message_store import NEW_USER
 from kvchat.app.store.records import (
     OVERRIDE_FIELDS,
     ROLES,

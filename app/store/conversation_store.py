@@ -17,7 +17,12 @@ from kvchat.app.store.tables import Conversation, new_id
 
 # What update_conversation() may set (None clears a field).
 UPDATABLE_FIELDS = (
-    "title", "system_prompt", "metadata", *OVERRIDE_FIELDS, "current_leaf_id", "trim_start_id"
+    "title",
+    "system_prompt",
+    "metadata",
+    *OVERRIDE_FIELDS,
+    "current_leaf_id",
+    "trim_start_id",
 )
 MAX_PAGE_SIZE = 1000
 
@@ -38,9 +43,14 @@ class ConversationStore(StoreBase):
         check_fields(overrides, OVERRIDE_FIELDS)
         now = utcnow()
         row = Conversation(
-            id=conversation_id or new_id("conv_"), owner=owner, title=title,
-            system_prompt=system_prompt, meta=_metadata(metadata), created_at=now,
-            updated_at=now, **overrides,
+            id=conversation_id or new_id("conv_"),
+            owner=owner,
+            title=title,
+            system_prompt=system_prompt,
+            meta=_metadata(metadata),
+            created_at=now,
+            updated_at=now,
+            **overrides,
         )
         async with self._write() as session:
             session.add(row)
@@ -68,10 +78,12 @@ class ConversationStore(StoreBase):
         query = select(Conversation).where(Conversation.owner == owner)
         if after is not None:
             created_at, last_id = _decode_cursor(after)
-            query = query.where(or_(
-                Conversation.created_at < created_at,
-                and_(Conversation.created_at == created_at, Conversation.id < last_id),
-            ))
+            query = query.where(
+                or_(
+                    Conversation.created_at < created_at,
+                    and_(Conversation.created_at == created_at, Conversation.id < last_id),
+                )
+            )
         query = query.order_by(Conversation.created_at.desc(), Conversation.id.desc())
         async with self._read() as session:
             rows = list(await session.scalars(query.limit(limit + 1)))
@@ -110,11 +122,14 @@ class ConversationStore(StoreBase):
     async def delete_conversation(self, owner: str, conversation_id: str) -> bool:
         """Delete it with its messages and summaries; False if there is no such conversation."""
         async with self._write() as session:
-            result = cast(CursorResult[Any], await session.execute(
-                delete(Conversation).where(
-                    Conversation.id == conversation_id, Conversation.owner == owner
-                )
-            ))
+            result = cast(
+                CursorResult[Any],
+                await session.execute(
+                    delete(Conversation).where(
+                        Conversation.id == conversation_id, Conversation.owner == owner
+                    )
+                ),
+            )
             return result.rowcount == 1
 
 

@@ -40,7 +40,10 @@ class KeyStore(StoreBase):
             raise ValueError("a key needs a non-empty name and owner")
         key = new_key()
         row = ApiKey(
-            name=name, owner=owner, key_hash=hash_key(key), key_prefix=key[:KEY_PREFIX_CHARS],
+            name=name,
+            owner=owner,
+            key_hash=hash_key(key),
+            key_prefix=key[:KEY_PREFIX_CHARS],
             is_admin=admin,
         )
         async with self._write() as session:
@@ -71,9 +74,9 @@ class KeyStore(StoreBase):
         """Whether the key exists and is not revoked (a cheap check by id, for connections
         that outlive one request)."""
         async with self._read() as session:
-            row = (await session.execute(
-                select(ApiKey.revoked_at).where(ApiKey.id == key_id)
-            )).first()
+            row = (
+                await session.execute(select(ApiKey.revoked_at).where(ApiKey.id == key_id))
+            ).first()
             return row is not None and row[0] is None
 
     async def list_keys(self) -> list[KeyRecord]:
@@ -86,14 +89,20 @@ class KeyStore(StoreBase):
         matches; ValueError if several active keys do. Revoking a revoked key changes nothing."""
         ref = key_id_or_name_or_prefix.strip()
         async with self._write() as session:
-            rows = list(await session.scalars(
-                select(ApiKey)
-                .where(or_(
-                    ApiKey.id == ref, ApiKey.name == ref, ApiKey.key_prefix == ref,
-                    ApiKey.key_hash == hash_key(ref),
-                ))
-                .order_by(ApiKey.created_at, ApiKey.id)
-            ))
+            rows = list(
+                await session.scalars(
+                    select(ApiKey)
+                    .where(
+                        or_(
+                            ApiKey.id == ref,
+                            ApiKey.name == ref,
+                            ApiKey.key_prefix == ref,
+                            ApiKey.key_hash == hash_key(ref),
+                        )
+                    )
+                    .order_by(ApiKey.created_at, ApiKey.id)
+                )
+            )
             active = [row for row in rows if row.revoked_at is None]
             if len(active) > 1:
                 raise ValueError(

@@ -34,9 +34,20 @@ NEW_USER = "<new user message>"
 
 # Optional fields of add_message(); update_message() may also set status and content.
 MESSAGE_FIELDS = (
-    "name", "tool_calls", "tool_call_id", "num_tokens", "content_tokens", "token_ids",
-    "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms",
-    "total_ms", "error", "response",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "num_tokens",
+    "content_tokens",
+    "token_ids",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "total_ms",
+    "error",
+    "response",
 )
 UPDATABLE_FIELDS = ("status", "content", *MESSAGE_FIELDS)
 
@@ -62,16 +73,21 @@ class MessageStore(StoreBase):
         _check_status(status)
         now = utcnow()
         row = Message(
-            id=new_id("msg_"), conversation_id=conversation_id, parent_id=parent_id, role=role,
-            content=content, status=status, created_at=now, updated_at=now, **_json_ready(fields),
+            id=new_id("msg_"),
+            conversation_id=conversation_id,
+            parent_id=parent_id,
+            role=role,
+            content=content,
+            status=status,
+            created_at=now,
+            updated_at=now,
+            **_json_ready(fields),
         )
         async with self._write() as session:
             conversation = await session.get(Conversation, conversation_id)
             if conversation is None:
                 raise LookupError(f"no conversation {conversation_id!r}")
-            if parent_id is not None and not await has_message(
-                session, conversation_id, parent_id
-            ):
+            if parent_id is not None and not await has_message(session, conversation_id, parent_id):
                 raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
             await bump_tree(session, conversation_id, conversation)
             session.add(row)
@@ -94,8 +110,10 @@ class MessageStore(StoreBase):
                 values[name] = without_nul(values[name])
         async with self._write() as session:
             row = await session.scalar(
-                update(Message).where(Message.id == message_id)
-                .values(**values, updated_at=utcnow()).returning(Message)
+                update(Message)
+                .where(Message.id == message_id)
+                .values(**values, updated_at=utcnow())
+                .returning(Message)
                 .execution_options(populate_existing=True)
             )
             if row is None:
@@ -117,11 +135,13 @@ class MessageStore(StoreBase):
         """A message by its id alone, with its conversation, if that belongs to `owner`
         (another owner's message reads as a missing one): one query."""
         async with self._read() as session:
-            found = (await session.execute(
-                select(Conversation, Message)
-                .join(Message, Conversation.id == Message.conversation_id)
-                .where(Message.id == message_id, Conversation.owner == owner)
-            )).first()
+            found = (
+                await session.execute(
+                    select(Conversation, Message)
+                    .join(Message, Conversation.id == Message.conversation_id)
+                    .where(Message.id == message_id, Conversation.owner == owner)
+                )
+            ).first()
             if found is None:
                 return None
             return ConversationRecord.of(found[0]), MessageRecord.of(found[1])
@@ -131,8 +151,11 @@ class MessageStore(StoreBase):
         move up to its parent, the conversation's leaf and trim start move off it. False when
         there is no such message."""
         async with self._write() as session:
-            row = await session.scalar(select(Message).where(
-                Message.id == message_id, Message.conversation_id == conversation_id))
+            row = await session.scalar(
+                select(Message).where(
+                    Message.id == message_id, Message.conversation_id == conversation_id
+                )
+            )
             if row is None:
                 return False
             conversation = await session.get(Conversation, conversation_id)
@@ -140,8 +163,8 @@ class MessageStore(StoreBase):
             await bump_tree(session, conversation_id, conversation)
             now = utcnow()
             await session.execute(
-                update(Message).where(Message.conversation_id == conversation_id,
-                                      Message.parent_id == message_id)
+                update(Message)
+                .where(Message.conversation_id == conversation_id, Message.parent_id == message_id)
                 .values(parent_id=row.parent_id, updated_at=now)
             )
             if conversation.current_leaf_id == message_id:
@@ -159,8 +182,10 @@ class MessageStore(StoreBase):
         if leaf_id is None:
             return []
         async with self._read() as session:
-            return [MessageRecord.of(row) for row in await session.scalars(
-                _branch_query(conversation_id, leaf_id))]
+            return [
+                MessageRecord.of(row)
+                for row in await session.scalars(_branch_query(conversation_id, leaf_id))
+            ]
 
     async def turn_context(
         self, conversation_id: str, leaf_id: str | None
@@ -174,10 +199,14 @@ class MessageStore(StoreBase):
             .limit(1)
         )
         async with self._read() as session:
-            branch = [] if leaf_id is None else [
-                MessageRecord.of(row)
-                for row in await session.scalars(_branch_query(conversation_id, leaf_id))
-            ]
+            branch = (
+                []
+                if leaf_id is None
+                else [
+                    MessageRecord.of(row)
+                    for row in await session.scalars(_branch_query(conversation_id, leaf_id))
+                ]
+            )
             summary = await session.scalar(summary_query)
             return branch, None if summary is None else SummaryRecord.of(summary)
 
@@ -212,20 +241,35 @@ class MessageStore(StoreBase):
             check_fields(fields, MESSAGE_FIELDS)
             if role not in ROLES:
                 raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-            rows.append(Message(
-                id=new_id("msg_"), conversation_id=conversation_id, parent_id=parent_id,
-                role=role, content=content, status="complete", created_at=now, updated_at=now,
-                **_json_ready(fields),
-            ))
+            rows.append(
+                Message(
+                    id=new_id("msg_"),
+                    conversation_id=conversation_id,
+                    parent_id=parent_id,
+                    role=role,
+                    content=content,
+                    status="complete",
+                    created_at=now,
+                    updated_at=now,
+                    **_json_ready(fields),
+                )
+            )
         # One microsecond later than the user's message: messages() lists a tree in creation
         # order, parents first.
         reply_at = now + timedelta(microseconds=1) if rows else now
-        rows.append(Message(
-            id=new_id("msg_"), conversation_id=conversation_id,
-            parent_id=rows[0].id if rows else parent_id, role="assistant", content=None,
-            status="generating", created_at=reply_at, updated_at=reply_at,
-            **_json_ready(reply_fields),
-        ))
+        rows.append(
+            Message(
+                id=new_id("msg_"),
+                conversation_id=conversation_id,
+                parent_id=rows[0].id if rows else parent_id,
+                role="assistant",
+                content=None,
+                status="generating",
+                created_at=reply_at,
+                updated_at=reply_at,
+                **_json_ready(reply_fields),
+            )
+        )
         if trim_start_id == NEW_USER:
             trim_start_id = rows[0].id if user is not None else None
         new_ids = {r.id for r in rows}
@@ -234,7 +278,9 @@ class MessageStore(StoreBase):
         # the parent and the trim start are messages of this conversation.
         where = [Conversation.id == conversation_id]
         values: dict[str, Any] = dict(
-            current_leaf_id=rows[-1].id, trim_start_id=trim_start_id, updated_at=now,
+            current_leaf_id=rows[-1].id,
+            trim_start_id=trim_start_id,
+            updated_at=now,
             tree_version=Conversation.tree_version + 1,
         )
         if fence is not None:
@@ -246,7 +292,9 @@ class MessageStore(StoreBase):
             where.append(_message_of(conversation_id, trim_start_id))
         async with self._write() as session:
             moved = await session.scalar(
-                update(Conversation).where(*where).values(**values)
+                update(Conversation)
+                .where(*where)
+                .values(**values)
                 .returning(Conversation.tree_version)
                 .execution_options(synchronize_session=False)
             )
@@ -259,14 +307,14 @@ class MessageStore(StoreBase):
                 if parent_id is not None and not await has_message(
                     session, conversation_id, parent_id
                 ):
-                    raise ValueError(
-                        f"parent {parent_id!r} is not a message of {conversation_id}")
+                    raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
                 raise ValueError(f"trim_start_id: no message {trim_start_id!r}")
             if fence is not None:  # the caller holds the turn lock: a generating reply is dead
                 await session.execute(
                     update(Message)
-                    .where(Message.conversation_id == conversation_id,
-                           Message.status == "generating")
+                    .where(
+                        Message.conversation_id == conversation_id, Message.status == "generating"
+                    )
                     .values(status="interrupted", updated_at=now)
                     .execution_options(synchronize_session=False)
                 )
@@ -298,7 +346,9 @@ class MessageStore(StoreBase):
             return [MessageRecord.of(row) for row in await session.scalars(query)]
 
     async def mark_interrupted(
-        self, *, except_conversations: Collection[str] = (),
+        self,
+        *,
+        except_conversations: Collection[str] = (),
         created_before: datetime | None = None,
     ) -> list[MessageRecord]:
         """After a crash: every message still `generating` becomes `interrupted`, except in
@@ -313,12 +363,15 @@ class MessageStore(StoreBase):
             where.append(Message.created_at < created_before)
         async with self._write() as session:
             rows = await session.scalars(
-                update(Message).where(*where)
-                .values(status="interrupted", updated_at=utcnow()).returning(Message)
+                update(Message)
+                .where(*where)
+                .values(status="interrupted", updated_at=utcnow())
+                .returning(Message)
                 .execution_options(populate_existing=True)
             )
-            return sorted((MessageRecord.of(row) for row in rows),
-                          key=lambda m: (m.created_at, m.id))
+            return sorted(
+                (MessageRecord.of(row) for row in rows), key=lambda m: (m.created_at, m.id)
+            )
 
 
 def _message_of(conversation_id: str, message_id: str) -> Any:
@@ -349,7 +402,8 @@ def _branch_query(conversation_id: str, leaf_id: str) -> Any:
     )
     parent = aliased(Message)
     path = path.union_all(
-        select(parent.id, parent.parent_id, path.c.depth + literal_column("1"))
-        .where(parent.id == path.c.parent_id, parent.conversation_id == conversation_id)
+        select(parent.id, parent.parent_id, path.c.depth + literal_column("1")).where(
+            parent.id == path.c.parent_id, parent.conversation_id == conversation_id
+        )
     )
     return select(Message).join(path, Message.id == path.c.id).order_by(path.c.depth.desc())

@@ -40,8 +40,13 @@ class KeyRecord:
     @classmethod
     def of(cls, row: ApiKey) -> KeyRecord:
         return cls(
-            id=row.id, name=row.name, owner=row.owner, key_prefix=row.key_prefix,
-            is_admin=row.is_admin, created_at=row.created_at, last_used_at=row.last_used_at,
+            id=row.id,
+            name=row.name,
+            owner=row.owner,
+            key_prefix=row.key_prefix,
+            is_admin=row.is_admin,
+            created_at=row.created_at,
+            last_used_at=row.last_used_at,
             revoked_at=row.revoked_at,
         )
 
@@ -76,10 +81,16 @@ class ConversationRecord:
     @classmethod
     def of(cls, row: Conversation) -> ConversationRecord:
         return cls(
-            id=row.id, owner=row.owner, title=row.title, system_prompt=row.system_prompt,
-            metadata=dict(row.meta), **{name: getattr(row, name) for name in OVERRIDE_FIELDS},
-            current_leaf_id=row.current_leaf_id, trim_start_id=row.trim_start_id,
-            turn_fence=row.turn_fence or 0, tree_version=row.tree_version or 0,
+            id=row.id,
+            owner=row.owner,
+            title=row.title,
+            system_prompt=row.system_prompt,
+            metadata=dict(row.meta),
+            **{name: getattr(row, name) for name in OVERRIDE_FIELDS},
+            current_leaf_id=row.current_leaf_id,
+            trim_start_id=row.trim_start_id,
+            turn_fence=row.turn_fence or 0,
+            tree_version=row.tree_version or 0,
             created_at=row.created_at,
             updated_at=row.updated_at,
         )
@@ -114,15 +125,27 @@ class MessageRecord:
     @classmethod
     def of(cls, row: Message) -> MessageRecord:
         return cls(
-            id=row.id, conversation_id=row.conversation_id, parent_id=row.parent_id,
-            role=row.role, content=row.content, name=row.name, tool_calls=row.tool_calls,
-            tool_call_id=row.tool_call_id, num_tokens=row.num_tokens,
+            id=row.id,
+            conversation_id=row.conversation_id,
+            parent_id=row.parent_id,
+            role=row.role,
+            content=row.content,
+            name=row.name,
+            tool_calls=row.tool_calls,
+            tool_call_id=row.tool_call_id,
+            num_tokens=row.num_tokens,
             content_tokens=row.content_tokens,
             token_ids=None if row.token_ids is None else tuple(row.token_ids),
-            status=row.status, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
-            completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-            ttft_ms=row.ttft_ms, total_ms=row.total_ms, error=row.error,
-            created_at=row.created_at, updated_at=row.updated_at,
+            status=row.status,
+            finish_reason=row.finish_reason,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens,
+            cached_tokens=row.cached_tokens,
+            ttft_ms=row.ttft_ms,
+            total_ms=row.total_ms,
+            error=row.error,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
             response=None if row.response is None else dict(row.response),
         )
 
@@ -139,6 +162,10 @@ class SummaryRecord:
     @classmethod
     def of(cls, row: Summary) -> SummaryRecord:
         return cls(
-            id=row.id, conversation_id=row.conversation_id, text=row.text,
-            num_tokens=row.num_tokens, covers=tuple(row.covers), created_at=row.created_at,
+            id=row.id,
+            conversation_id=row.conversation_id,
+            text=row.text,
+            num_tokens=row.num_tokens,
+            covers=tuple(row.covers),
+            created_at=row.created_at,
         )

@@ -84,4 +84,3 @@ class Store(KeyStore, ConversationStore, MessageStore, SummaryStore):
         """(the database's revision, the migrations' head)."""
         async with self._engine.connect() as connection:
             return await current_revision(connection), head_revision()
-

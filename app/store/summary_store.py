@@ -20,8 +20,12 @@ class SummaryStore(StoreBase):
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         row = Summary(
-            id=new_id("sum_"), conversation_id=conversation_id, text=text,
-            num_tokens=num_tokens, covers=list(covers), created_at=utcnow(),
+            id=new_id("sum_"),
+            conversation_id=conversation_id,
+            text=text,
+            num_tokens=num_tokens,
+            covers=list(covers),
+            created_at=utcnow(),
         )
         async with self._write() as session:
             if await session.get(Conversation, conversation_id) is None:

@@ -16,12 +16,20 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvchat.inference import CheckedRequest, Tokenizer
-
-from kvchat.app.transports import sse
 from kvchat.app.errors import APIError, engine_failure
 from kvchat.app.ops.limits import check_capacity, spend_on_finish
-from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, TokenLogprob, ToolDelta
+from kvchat.app.schemas import chat as schema
+from kvchat.app.state import AppState
+from kvchat.app.store import KeyRecord
+from kvchat.app.transports import sse
+from kvchat.app.turns.generation import (
+    Done,
+    Generated,
+    Generation,
+    TextDelta,
+    TokenLogprob,
+    ToolDelta,
+)
 from kvchat.app.turns.prompting import (
     chat_messages,
     offered_tools,
@@ -29,18 +37,18 @@ from kvchat.app.turns.prompting import (
     sampling_params,
     session_key,
 )
-from kvchat.app.schemas import chat as schema
-from kvchat.app.state import AppState
 from kvchat.app.turns.structured import output_grammar
-from kvchat.app.store import KeyRecord
+from kvchat.inference import CheckedRequest, Tokenizer
 
 
 def check_model(state: AppState, model: str) -> None:
     if model != state.runtime.model_name:
         raise APIError(
-            404, f"The model '{model}' does not exist (this server serves "
+            404,
+            f"The model '{model}' does not exist (this server serves "
             f"'{state.runtime.model_name}'; see GET /v1/models).",
-            param="model", code="model_not_found",
+            param="model",
+            code="model_not_found",
         )
 
 
@@ -60,9 +68,15 @@ async def create(
     check_capacity(state)
     started = time.monotonic()
     generations = [
-        Generation(runtime, request, cache_salt=key.owner, tool_format=fmt,
-                   tool_names=tool_names, started_at=started,
-                   on_finish=spend_on_finish(state, key.id))
+        Generation(
+            runtime,
+            request,
+            cache_salt=key.owner,
+            tool_format=fmt,
+            tool_names=tool_names,
+            started_at=started,
+            on_finish=spend_on_finish(state, key.id),
+        )
         for request in requests
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -114,12 +128,16 @@ def _prepare(
     prompt = runtime.builder.renderer.render_ids(messages, tools=tools, state_key=skey)
     fmt = runtime.template.tool_call_format if tools else None
     grammar = output_grammar(body, fmt, runtime.grammars)
-    params = [sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
-              for i in range(body.n)]
+    params = [
+        sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
+        for i in range(body.n)
+    ]
     # The first choice runs in the session, against its budget too (an operator's
     # max_context_tokens): a 400 now, not an error mid-stream.
-    requests = [runtime.engine.check_request(prompt, p, session_id=skey if i == 0 else None)
-                for i, p in enumerate(params)]
+    requests = [
+        runtime.engine.check_request(prompt, p, session_id=skey if i == 0 else None)
+        for i, p in enumerate(params)
+    ]
     return requests, fmt, tool_names
 
 
@@ -166,13 +184,15 @@ def _logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> schema.Choic
             token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw)
         )
 
-    return schema.ChoiceLogprobs(content=[
-        schema.TokenLogprob(
-            **token(e.token_id, e.logprob).model_dump(),
-            top_logprobs=[token(t, lp) for t, lp in e.top or []],
-        )
-        for e in entries
-    ])
+    return schema.ChoiceLogprobs(
+        content=[
+            schema.TokenLogprob(
+                **token(e.token_id, e.logprob).model_dump(),
+                top_logprobs=[token(t, lp) for t, lp in e.top or []],
+            )
+            for e in entries
+        ]
+    )
 
 
 async def _stream(
@@ -189,9 +209,15 @@ async def _stream(
     tokenizer = state.runtime.tokenizer
 
     def chunk(choices: list[schema.ChunkChoice], usage: schema.Usage | None = None) -> str:
-        return sse.event(schema.ChatCompletionChunk(
-            id=completion_id, created=created, model=model, choices=choices, usage=usage,
-        ))
+        return sse.event(
+            schema.ChatCompletionChunk(
+                id=completion_id,
+                created=created,
+                model=model,
+                choices=choices,
+                usage=usage,
+            )
+        )
 
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
@@ -206,8 +232,13 @@ async def _stream(
     results: dict[int, Generated] = {}
     try:
         for i in range(len(generations)):
-            yield chunk([schema.ChunkChoice(index=i, delta=schema.ChoiceDelta(
-                role="assistant", content=""))])
+            yield chunk(
+                [
+                    schema.ChunkChoice(
+                        index=i, delta=schema.ChoiceDelta(role="assistant", content="")
+                    )
+                ]
+            )
         while len(results) < len(generations):
             index, item = await queue.get()
             if isinstance(item, Exception):
@@ -219,24 +250,46 @@ async def _stream(
                 if not item.text and not item.logprobs:
                     continue
                 logprobs = _logprobs(tokenizer, item.logprobs) if body.logprobs else None
-                yield chunk([schema.ChunkChoice(
-                    index=index, delta=schema.ChoiceDelta(content=item.text), logprobs=logprobs,
-                )])
+                yield chunk(
+                    [
+                        schema.ChunkChoice(
+                            index=index,
+                            delta=schema.ChoiceDelta(content=item.text),
+                            logprobs=logprobs,
+                        )
+                    ]
+                )
             elif isinstance(item, ToolDelta):
-                yield chunk([schema.ChunkChoice(index=index, delta=schema.ChoiceDelta(
-                    tool_calls=[schema.ToolCallDelta(
-                        index=item.index, id=item.id,
-                        type="function" if item.id is not None else None,
-                        function=schema.ToolCallFunctionDelta(
-                            name=item.name, arguments=item.arguments),
-                    )],
-                ))])
+                yield chunk(
+                    [
+                        schema.ChunkChoice(
+                            index=index,
+                            delta=schema.ChoiceDelta(
+                                tool_calls=[
+                                    schema.ToolCallDelta(
+                                        index=item.index,
+                                        id=item.id,
+                                        type="function" if item.id is not None else None,
+                                        function=schema.ToolCallFunctionDelta(
+                                            name=item.name, arguments=item.arguments
+                                        ),
+                                    )
+                                ],
+                            ),
+                        )
+                    ]
+                )
             elif isinstance(item, Done):
                 results[index] = item.result
-                yield chunk([schema.ChunkChoice(
-                    index=index, delta=schema.ChoiceDelta(),
-                    finish_reason=_finish_reason(item.result),  # type: ignore[arg-type]
-                )])
+                yield chunk(
+                    [
+                        schema.ChunkChoice(
+                            index=index,
+                            delta=schema.ChoiceDelta(),
+                            finish_reason=_finish_reason(item.result),  # type: ignore[arg-type]
+                        )
+                    ]
+                )
         if skey is not None:
             _remember(state, skey, results[0])
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -248,4 +301,3 @@ async def _stream(
             if not task.done():
                 generation.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
-

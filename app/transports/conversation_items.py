@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvchat.inference import ChatMessage
-
 from kvchat.app.errors import APIError, busy, not_found
 from kvchat.app.schemas.conversations import ROOT, ConversationCreate
 from kvchat.app.schemas.response_items import ItemList, parse_items
@@ -21,14 +19,15 @@ from kvchat.app.transports.response_items import (
     branch_items,
     call_ids,
     item_by_ref,
+    joined,
     page,
     parse_item_id,
-    joined,
     split_system,
     store_messages,
     to_messages,
 )
 from kvchat.app.turns.service import lock_key
+from kvchat.inference import ChatMessage
 
 BUSY = "A reply is being generated in this conversation; wait for it or stop it."
 
@@ -50,8 +49,9 @@ async def _check_idle(state: AppState, conv: ConversationRecord) -> None:
         raise busy(BUSY)
 
 
-def messages_of(raw: list[Any], param: str, known_calls: set[str]
-                ) -> tuple[str | None, list[ChatMessage]]:
+def messages_of(
+    raw: list[Any], param: str, known_calls: set[str]
+) -> tuple[str | None, list[ChatMessage]]:
     """The items' leading system and developer messages (joined) and the others."""
     return split_system(to_messages(parse_items(raw, param), param, known_calls), param)
 
@@ -64,8 +64,11 @@ async def create_conversation(
     `system` as its system prompt)."""
     system, messages = messages_of(body.items, "items", set()) if body.items else (None, [])
     conv = await state.store.create_conversation(
-        owner, title=body.title, system_prompt=joined(body.system, system),
-        metadata=body.metadata or {}, **settings,
+        owner,
+        title=body.title,
+        system_prompt=joined(body.system, system),
+        metadata=body.metadata or {},
+        **settings,
     )
     if messages:
         await store_messages(state, conv.id, ROOT, messages, move_leaf=True)
@@ -73,8 +76,9 @@ async def create_conversation(
     return conv
 
 
-async def update_metadata(state: AppState, owner: str, conversation_id: str,
-                          metadata: dict[str, Any]) -> ConversationRecord:
+async def update_metadata(
+    state: AppState, owner: str, conversation_id: str, metadata: dict[str, Any]
+) -> ConversationRecord:
     updated = await state.store.update_conversation(owner, conversation_id, metadata=metadata)
     if updated is None:
         raise not_found(f"conversation {conversation_id!r}")
@@ -82,7 +86,12 @@ async def update_metadata(state: AppState, owner: str, conversation_id: str,
 
 
 async def list_items(
-    state: AppState, owner: str, conversation_id: str, *, order: str, after: str | None,
+    state: AppState,
+    owner: str,
+    conversation_id: str,
+    *,
+    order: str,
+    after: str | None,
     limit: int,
 ) -> ItemList:
     conv = await conversation(state, owner, conversation_id)
@@ -90,19 +99,23 @@ async def list_items(
     return page(branch_items(branch, _format(state)), order=order, after=after, limit=limit)
 
 
-async def add_items(state: AppState, owner: str, conversation_id: str, raw: list[Any]
-                    ) -> ItemList:
+async def add_items(state: AppState, owner: str, conversation_id: str, raw: list[Any]) -> ItemList:
     """Store `raw` items after the current leaf; the items made, oldest first."""
     conv = await conversation(state, owner, conversation_id)
     await _check_idle(state, conv)
     branch = await state.store.branch(conv.id, conv.current_leaf_id)
     system, messages = messages_of(raw, "items", call_ids(branch))
     if system is not None:
-        raise APIError(400, "system and developer messages are taken only when the "
-                       "conversation is created (they become its system prompt)",
-                       param="items.0.role", code="unsupported")
-    _, records = await store_messages(state, conv.id, conv.current_leaf_id or ROOT, messages,
-                                      move_leaf=True)
+        raise APIError(
+            400,
+            "system and developer messages are taken only when the "
+            "conversation is created (they become its system prompt)",
+            param="items.0.role",
+            code="unsupported",
+        )
+    _, records = await store_messages(
+        state, conv.id, conv.current_leaf_id or ROOT, messages, move_leaf=True
+    )
     added = branch_items(records, _format(state))
     return page(added, order="asc", after=None, limit=len(added))
 
@@ -119,8 +132,9 @@ async def get_item(state: AppState, owner: str, conversation_id: str, item_id: s
     return item
 
 
-async def delete_item(state: AppState, owner: str, conversation_id: str, item_id: str
-                      ) -> ConversationRecord:
+async def delete_item(
+    state: AppState, owner: str, conversation_id: str, item_id: str
+) -> ConversationRecord:
     """Take the item out (see the module's docstring); the conversation as it is now."""
     conv = await conversation(state, owner, conversation_id)
     await _check_idle(state, conv)
@@ -139,9 +153,14 @@ async def delete_item(state: AppState, owner: str, conversation_id: str, item_id
     else:
         keep_text, keep_calls = None, []
     if keep_text or keep_calls:
-        await store.update_message(message.id, content=keep_text, tool_calls=keep_calls or None,
-                                   token_ids=None, num_tokens=None, content_tokens=None)
+        await store.update_message(
+            message.id,
+            content=keep_text,
+            tool_calls=keep_calls or None,
+            token_ids=None,
+            num_tokens=None,
+            content_tokens=None,
+        )
     else:
         await store.delete_message(conv.id, message.id)
     return await conversation(state, owner, conversation_id)
-

@@ -19,8 +19,6 @@ import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvchat.inference import ChatMessage, parse_tool_calls
-
 from kvchat.app.errors import APIError, invalid_request
 from kvchat.app.schemas.conversations import ROOT
 from kvchat.app.schemas.response_items import (
@@ -39,6 +37,7 @@ from kvchat.app.schemas.response_items import (
 )
 from kvchat.app.state import AppState
 from kvchat.app.store import MessageRecord
+from kvchat.inference import ChatMessage, parse_tool_calls
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -109,40 +108,61 @@ def items_of(message: MessageRecord, tool_format: str | None = None) -> list[Ite
     """The items one stored message is (see the module's docstring); `tool_format`: the
     template's tool-call format (visible_text)."""
     if message.role in ("user", "system"):
-        return [InputMessage(id=message.id, role=message.role,  # type: ignore[arg-type]
-                             content=[InputText(text=message.content or "")])]
+        return [
+            InputMessage(
+                id=message.id,
+                role=message.role,  # type: ignore[arg-type]
+                content=[InputText(text=message.content or "")],
+            )
+        ]
     if message.role == "tool":
-        return [FunctionCallOutput(id=OUTPUT_PREFIX + message.id.removeprefix(MESSAGE_PREFIX),
-                                   call_id=message.tool_call_id or "",
-                                   output=message.content or "")]
+        return [
+            FunctionCallOutput(
+                id=OUTPUT_PREFIX + message.id.removeprefix(MESSAGE_PREFIX),
+                call_id=message.tool_call_id or "",
+                output=message.content or "",
+            )
+        ]
     status = item_status(message)
     items: list[Item] = []
     calls = message.tool_calls or []
     text = visible_text(message, tool_format)
     if text or (text is not None and not calls):  # a reply that wrote nothing: no item
-        items.append(OutputMessage(id=message.id, status=status,  # type: ignore[arg-type]
-                                   content=[OutputText(text=text or "")]))
+        items.append(
+            OutputMessage(
+                id=message.id,
+                status=status,  # type: ignore[arg-type]
+                content=[OutputText(text=text or "")],
+            )
+        )
     for index, call in enumerate(calls):
         function = call.get("function", {})
-        items.append(FunctionCall(id=call_item_id(message.id, index), call_id=call.get("id", ""),
-                                  name=function.get("name", ""),
-                                  arguments=function.get("arguments", ""),
-                                  status=status))  # type: ignore[arg-type]
+        items.append(
+            FunctionCall(
+                id=call_item_id(message.id, index),
+                call_id=call.get("id", ""),
+                name=function.get("name", ""),
+                arguments=function.get("arguments", ""),
+                status=status,
+            )
+        )  # type: ignore[arg-type]
     return items
 
 
 def item_by_ref(message: MessageRecord, ref: ItemRef, tool_format: str | None) -> Item | None:
     """The item `ref` names in `message`, if it is one."""
     items = items_of(message, tool_format)
-    wanted = (call_item_id(message.id, ref.call_index) if ref.call_index is not None
-              else OUTPUT_PREFIX + message.id.removeprefix(MESSAGE_PREFIX) if ref.is_output
-              else message.id)
+    wanted = (
+        call_item_id(message.id, ref.call_index)
+        if ref.call_index is not None
+        else OUTPUT_PREFIX + message.id.removeprefix(MESSAGE_PREFIX)
+        if ref.is_output
+        else message.id
+    )
     return next((item for item in items if item.id == wanted), None)
 
 
-def page(
-    items: Sequence[Item], *, order: str, after: str | None, limit: int
-) -> ItemList:
+def page(items: Sequence[Item], *, order: str, after: str | None, limit: int) -> ItemList:
     """One page of `items` (oldest first as given): in `order` (asc, desc), after the item
     `after` (400 when it is not one of them), at most `limit`."""
     ordered = list(items) if order == "asc" else list(reversed(items))
@@ -152,10 +172,13 @@ def page(
         if after not in ids:
             raise invalid_request(f"after names no item of this list: {after!r}", "after")
         start = ids.index(after) + 1
-    chosen = ordered[start:start + limit]
-    return ItemList(data=chosen, first_id=chosen[0].id if chosen else None,
-                    last_id=chosen[-1].id if chosen else None,
-                    has_more=start + limit < len(ordered))
+    chosen = ordered[start : start + limit]
+    return ItemList(
+        data=chosen,
+        first_id=chosen[0].id if chosen else None,
+        last_id=chosen[-1].id if chosen else None,
+        has_more=start + limit < len(ordered),
+    )
 
 
 def branch_items(messages: Iterable[MessageRecord], tool_format: str | None) -> list[Item]:
@@ -180,20 +203,25 @@ def to_messages(
         elif isinstance(item, FunctionCallItem):
             call = _call(item, where)
             if item.call_id in calls:
-                raise invalid_request(f"a function_call with call_id {item.call_id!r} was "
-                                      "already given", f"{where}.call_id")
+                raise invalid_request(
+                    f"a function_call with call_id {item.call_id!r} was already given",
+                    f"{where}.call_id",
+                )
             calls.add(item.call_id)
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":  # the same assistant turn
-                out[-1] = ChatMessage("assistant", last.content,
-                                      tool_calls=(*(last.tool_calls or ()), call))
+                out[-1] = ChatMessage(
+                    "assistant", last.content, tool_calls=(*(last.tool_calls or ()), call)
+                )
             else:
                 out.append(ChatMessage("assistant", None, tool_calls=(call,)))
         else:
             assert isinstance(item, FunctionCallOutputItem)
             if item.call_id not in calls:
-                raise invalid_request(f"No tool call found for function call output with "
-                                      f"call_id {item.call_id}.", f"{where}.call_id")
+                raise invalid_request(
+                    f"No tool call found for function call output with call_id {item.call_id}.",
+                    f"{where}.call_id",
+                )
             out.append(ChatMessage("tool", item.text, tool_call_id=item.call_id))
     return out
 
@@ -204,8 +232,9 @@ def joined(*texts: str | None) -> str | None:
     return "\n\n".join(present) if present else None
 
 
-def split_system(messages: Sequence[ChatMessage], param: str
-                 ) -> tuple[str | None, list[ChatMessage]]:
+def split_system(
+    messages: Sequence[ChatMessage], param: str
+) -> tuple[str | None, list[ChatMessage]]:
     """The leading system (and developer) messages joined, and the rest. kvchat keeps one
     system prompt per conversation (or turn), so they are taken only at the start; later
     ones are a 400 naming the item."""
@@ -214,9 +243,13 @@ def split_system(messages: Sequence[ChatMessage], param: str
         head += 1
     for i, m in enumerate(messages[head:], start=head):
         if m.role == "system":
-            raise APIError(400, "system and developer messages are taken only at the start of "
-                           "the input (they become the system prompt)", param=f"{param}.{i}.role",
-                           code="unsupported")
+            raise APIError(
+                400,
+                "system and developer messages are taken only at the start of "
+                "the input (they become the system prompt)",
+                param=f"{param}.{i}.role",
+                code="unsupported",
+            )
     system = "\n\n".join(m.content or "" for m in messages[:head]) if head else None
     return system, list(messages[head:])
 
@@ -225,13 +258,16 @@ def _call(item: FunctionCallItem, where: str) -> dict[str, object]:
     try:
         arguments = json.loads(item.arguments)
     except json.JSONDecodeError as e:
-        raise invalid_request(f"function_call arguments must be a JSON object: {e.msg}",
-                              f"{where}.arguments") from e
+        raise invalid_request(
+            f"function_call arguments must be a JSON object: {e.msg}", f"{where}.arguments"
+        ) from e
     if not isinstance(arguments, dict):
-        raise invalid_request("function_call arguments must be a JSON object",
-                              f"{where}.arguments")
-    return {"id": item.call_id, "type": "function",
-            "function": {"name": item.name, "arguments": item.arguments}}
+        raise invalid_request("function_call arguments must be a JSON object", f"{where}.arguments")
+    return {
+        "id": item.call_id,
+        "type": "function",
+        "function": {"name": item.name, "arguments": item.arguments},
+    }
 
 
 def call_ids(branch: Iterable[MessageRecord]) -> set[str]:
@@ -252,9 +288,13 @@ async def store_messages(
     records = []
     for m in messages:
         record = await state.store.add_message(
-            conversation_id, parent_id=parent, role=m.role, content=m.content,
+            conversation_id,
+            parent_id=parent,
+            role=m.role,
+            content=m.content,
             tool_calls=list(m.tool_calls) if m.tool_calls else None,
-            tool_call_id=m.tool_call_id, move_leaf=move_leaf,
+            tool_call_id=m.tool_call_id,
+            move_leaf=move_leaf,
         )
         records.append(record)
         parent = record.id

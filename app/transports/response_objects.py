@@ -28,6 +28,7 @@ from kvchat.app.store import MessageRecord
 from kvchat.app.transports.response_items import call_item_id, response_id, visible_text
 from kvchat.app.turns.generation import Generated, Generation
 
+
 @dataclass(frozen=True)
 class Stateless:
     """A `store: false` response being generated."""
@@ -57,26 +58,65 @@ class Reply:
 
     @classmethod
     def of(cls, message: MessageRecord) -> Reply:
-        return cls(message.id, message.status, message.finish_reason, message.content,
-                   message.tool_calls or (), message.prompt_tokens, message.completion_tokens,
-                   message.cached_tokens, message.error, int(message.created_at.timestamp()),
-                   int(message.updated_at.timestamp()), message.response or {})
+        return cls(
+            message.id,
+            message.status,
+            message.finish_reason,
+            message.content,
+            message.tool_calls or (),
+            message.prompt_tokens,
+            message.completion_tokens,
+            message.cached_tokens,
+            message.error,
+            int(message.created_at.timestamp()),
+            int(message.updated_at.timestamp()),
+            message.response or {},
+        )
 
     @classmethod
-    def generated(cls, stateless: Stateless, result: Generated | None,
-                  error: str | None = None) -> Reply:
+    def generated(
+        cls, stateless: Stateless, result: Generated | None, error: str | None = None
+    ) -> Reply:
         if result is None:
-            return cls(stateless.id, "generating", None, None, (), None, None, None, None,
-                       stateless.created_at, stateless.created_at, stateless.record)
-        status = ("error" if error is not None else
-                  "cancelled" if result.finish_reason == "cancelled" else "complete")
-        calls = [{"id": c.id, "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}}
-                 for c in result.tool_calls]
-        return cls(stateless.id, status, result.finish_reason,
-                   result.content if result.content is not None else result.text, calls,
-                   result.prompt_tokens, result.completion_tokens, result.cached_tokens, error,
-                   stateless.created_at, int(time.time()), stateless.record)
+            return cls(
+                stateless.id,
+                "generating",
+                None,
+                None,
+                (),
+                None,
+                None,
+                None,
+                None,
+                stateless.created_at,
+                stateless.created_at,
+                stateless.record,
+            )
+        status = (
+            "error"
+            if error is not None
+            else "cancelled"
+            if result.finish_reason == "cancelled"
+            else "complete"
+        )
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in result.tool_calls
+        ]
+        return cls(
+            stateless.id,
+            status,
+            result.finish_reason,
+            result.content if result.content is not None else result.text,
+            calls,
+            result.prompt_tokens,
+            result.completion_tokens,
+            result.cached_tokens,
+            error,
+            stateless.created_at,
+            int(time.time()),
+            stateless.record,
+        )
 
 
 def response_status(reply: Reply) -> str:
@@ -90,25 +130,37 @@ def response_status(reply: Reply) -> str:
 
 
 def output_items(reply: Reply) -> list[OutputMessage | FunctionCall]:
-    status = "in_progress" if reply.status == "generating" else (
-        "completed" if response_status(reply) == "completed" else "incomplete")
+    status = (
+        "in_progress"
+        if reply.status == "generating"
+        else ("completed" if response_status(reply) == "completed" else "incomplete")
+    )
     items: list[OutputMessage | FunctionCall] = []
     if reply.status == "generating":
         return items
     if reply.content or (reply.content is not None and not reply.tool_calls):
-        items.append(OutputMessage(id=reply.message_id, status=status,  # type: ignore[arg-type]
-                                   content=[OutputText(text=reply.content or "")]))
+        items.append(
+            OutputMessage(
+                id=reply.message_id,
+                status=status,  # type: ignore[arg-type]
+                content=[OutputText(text=reply.content or "")],
+            )
+        )
     for index, call in enumerate(reply.tool_calls):
         function = call.get("function", {})
-        items.append(FunctionCall(id=call_item_id(reply.message_id, index),
-                                  call_id=call.get("id", ""), name=function.get("name", ""),
-                                  arguments=function.get("arguments", ""),
-                                  status=status))  # type: ignore[arg-type]
+        items.append(
+            FunctionCall(
+                id=call_item_id(reply.message_id, index),
+                call_id=call.get("id", ""),
+                name=function.get("name", ""),
+                arguments=function.get("arguments", ""),
+                status=status,
+            )
+        )  # type: ignore[arg-type]
     return items
 
 
-def response_object(reply: Reply, model: str, *, failure: APIError | None = None
-                    ) -> ResponseObject:
+def response_object(reply: Reply, model: str, *, failure: APIError | None = None) -> ResponseObject:
     """The response object of `reply` (with `failure`: the turn ended without a stored
     reply, e.g. its conversation was deleted under it)."""
     record = reply.record
@@ -119,36 +171,49 @@ def response_object(reply: Reply, model: str, *, failure: APIError | None = None
         prompt, completion = reply.prompt_tokens, reply.completion_tokens or 0
         cached = reply.cached_tokens or 0
         usage = ResponseUsage(
-            input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion,
-            input_tokens_details=InputTokensDetails(cached_tokens=cached,
-                                                    cache_write_tokens=max(0, prompt - cached)),
+            input_tokens=prompt,
+            output_tokens=completion,
+            total_tokens=prompt + completion,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=cached, cache_write_tokens=max(0, prompt - cached)
+            ),
         )
     error = None
     if failure is not None:
         error = ResponseError(code="server_error", message=failure.message)
     elif status == "failed":
-        error = ResponseError(code="server_error",
-                              message=f"The generation failed: {reply.error or 'unknown'}")
+        error = ResponseError(
+            code="server_error", message=f"The generation failed: {reply.error or 'unknown'}"
+        )
     conversation = record.get("conversation")
     return ResponseObject(
-        id=response_id(reply.message_id), created_at=reply.created_at,
-        completed_at=reply.updated_at if status == "completed" else None, status=status,
+        id=response_id(reply.message_id),
+        created_at=reply.created_at,
+        completed_at=reply.updated_at if status == "completed" else None,
+        status=status,
         error=error,
         incomplete_details=IncompleteDetails(reason="max_output_tokens")
-        if status == "incomplete" else None,
+        if status == "incomplete"
+        else None,
         instructions=record.get("instructions"),
-        max_output_tokens=record.get("max_output_tokens"), model=record.get("model", model),
+        max_output_tokens=record.get("max_output_tokens"),
+        model=record.get("model", model),
         output=output,
-        output_text="".join(part.text for item in output if isinstance(item, OutputMessage)
-                            for part in item.content),
+        output_text="".join(
+            part.text for item in output if isinstance(item, OutputMessage) for part in item.content
+        ),
         parallel_tool_calls=record.get("parallel_tool_calls", True),
         previous_response_id=record.get("previous_response_id"),
         conversation=ConversationRef(id=conversation) if conversation else None,
-        store=record.get("store", True), temperature=record.get("temperature"),
-        top_p=record.get("top_p"), text=ResponseTextOut(**record.get("text",
-                                                                     {"format": {"type": "text"}})),
-        tool_choice=record.get("tool_choice", "auto"), tools=record.get("tools", []),
-        truncation=record.get("truncation", "disabled"), usage=usage, user=record.get("user"),
+        store=record.get("store", True),
+        temperature=record.get("temperature"),
+        top_p=record.get("top_p"),
+        text=ResponseTextOut(**record.get("text", {"format": {"type": "text"}})),
+        tool_choice=record.get("tool_choice", "auto"),
+        tools=record.get("tools", []),
+        truncation=record.get("truncation", "disabled"),
+        usage=usage,
+        user=record.get("user"),
         metadata=record.get("metadata") or {},
     )
 
@@ -158,10 +223,9 @@ def stored_response(state: AppState, message: MessageRecord) -> ResponseObject:
     return response_object(replace(Reply.of(message), content=text), state.runtime.model_name)
 
 
-
-
 def skeleton(state: AppState, message: MessageRecord) -> ResponseObject:
     """The response as `response.created` shows it: in progress, nothing out yet."""
-    pending = replace(Reply.of(message), status="generating", content=None, tool_calls=(),
-                      prompt_tokens=None)
+    pending = replace(
+        Reply.of(message), status="generating", content=None, tool_calls=(), prompt_tokens=None
+    )
     return response_object(pending, state.runtime.model_name)

@@ -20,10 +20,12 @@ from kvchat.app.schemas.chat import (
 )
 from kvchat.app.schemas.responses import ResponseCreate
 
+
 def check_supported(body: ResponseCreate) -> None:
     def refuse(what: str, param: str) -> None:
-        raise APIError(400, f"{what} is not supported by this server", param=param,
-                       code="unsupported")
+        raise APIError(
+            400, f"{what} is not supported by this server", param=param, code="unsupported"
+        )
 
     if body.background:
         refuse("background", "background")
@@ -34,8 +36,9 @@ def check_supported(body: ResponseCreate) -> None:
     if body.top_logprobs:
         refuse("top_logprobs", "top_logprobs")
     if body.previous_response_id is not None and body.conversation is not None:
-        raise invalid_request("previous_response_id and conversation cannot both be given",
-                              "conversation")
+        raise invalid_request(
+            "previous_response_id and conversation cannot both be given", "conversation"
+        )
 
 
 def sampling_fields(body: ResponseCreate) -> SamplingFields:
@@ -45,21 +48,40 @@ def sampling_fields(body: ResponseCreate) -> SamplingFields:
     if text_format is not None and text_format.type != "text":
         response_format = ResponseFormat(
             type=text_format.type,
-            json_schema=JSONSchemaFormat(name=text_format.name or "output",
-                                         description=text_format.description,
-                                         schema=text_format.schema_, strict=text_format.strict)
-            if text_format.type == "json_schema" else None,
+            json_schema=JSONSchemaFormat(
+                name=text_format.name or "output",
+                description=text_format.description,
+                schema=text_format.schema_,
+                strict=text_format.strict,
+            )
+            if text_format.type == "json_schema"
+            else None,
         )
     choice = body.tool_choice
     return SamplingFields(
-        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, ignore_eos=body.ignore_eos, seed=body.seed, stop=body.stop,
-        tools=[Tool(type="function", function=FunctionDefinition(
-            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
-            for t in body.tools] if body.tools else None,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        ignore_eos=body.ignore_eos,
+        seed=body.seed,
+        stop=body.stop,
+        tools=[
+            Tool(
+                type="function",
+                function=FunctionDefinition(
+                    name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+                ),
+            )
+            for t in body.tools
+        ]
+        if body.tools
+        else None,
         tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        if choice is not None and not isinstance(choice, str) else choice,
-        parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
+        if choice is not None and not isinstance(choice, str)
+        else choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format,
         user=body.user,
     )
 
@@ -86,15 +108,23 @@ def renamed(error: APIError) -> APIError:
             break
     if param == error.param:
         return error
-    return APIError(error.status, error.message.replace(f"'{error.param}'", f"'{param}'"),
-                    param=param, code=error.code, type=error.type, headers=error.headers)
+    return APIError(
+        error.status,
+        error.message.replace(f"'{error.param}'", f"'{param}'"),
+        param=param,
+        code=error.code,
+        type=error.type,
+        headers=error.headers,
+    )
 
 
 def response_record(body: ResponseCreate, model: str, input_start: str | None) -> dict[str, Any]:
     """What a stored response was asked with (messages.response)."""
-    text_format = (body.text.format.model_dump(by_alias=True, exclude_none=True)
-                   if body.text is not None and body.text.format is not None
-                   else {"type": "text"})
+    text_format = (
+        body.text.format.model_dump(by_alias=True, exclude_none=True)
+        if body.text is not None and body.text.format is not None
+        else {"type": "text"}
+    )
     choice = body.tool_choice
     return {
         "model": model,
@@ -104,7 +134,8 @@ def response_record(body: ResponseCreate, model: str, input_start: str | None) -
         "input_start": input_start,  # the first input message (None: the reply's parent)
         "metadata": body.metadata or {},
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-        "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
+        "tool_choice": choice.model_dump()
+        if choice is not None and not isinstance(choice, str)
         else (choice or "auto"),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": {"format": text_format},

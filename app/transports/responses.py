@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvchat.inference import ChatMessage, CheckedRequest
-
 from kvchat.app.errors import APIError, api_error, invalid_request, not_found
 from kvchat.app.ops.limits import check_capacity, spend_on_finish
 from kvchat.app.schemas.chat import (
@@ -56,12 +54,18 @@ from kvchat.app.schemas.response_items import (
 from kvchat.app.schemas.responses import ResponseCreate, ResponseObject
 from kvchat.app.state import AppState
 from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
+from kvchat.app.transports import sse
 from kvchat.app.transports.chat_completions import check_model
-from kvchat.app.transports.response_requests import (
-    check_supported,
-    renamed,
-    response_record,
-    sampling_fields,
+from kvchat.app.transports.response_items import (
+    call_ids,
+    items_of,
+    joined,
+    message_of_response,
+    page,
+    split_system,
+    store_messages,
+    to_messages,
+    visible_text,
 )
 from kvchat.app.transports.response_objects import (
     Reply,
@@ -70,18 +74,12 @@ from kvchat.app.transports.response_objects import (
     skeleton,
     stored_response,
 )
-from kvchat.app.transports.response_items import (
-    visible_text,
-    call_ids,
-    items_of,
-    message_of_response,
-    joined,
-    page,
-    split_system,
-    store_messages,
-    to_messages,
+from kvchat.app.transports.response_requests import (
+    check_supported,
+    renamed,
+    response_record,
+    sampling_fields,
 )
-from kvchat.app.transports import sse
 from kvchat.app.transports.responses_stream import (
     drained,
     final_stored,
@@ -96,6 +94,7 @@ from kvchat.app.turns.pipeline import as_chat, turn_system, usable
 from kvchat.app.turns.prompting import offered_tools, sampling_params
 from kvchat.app.turns.structured import output_grammar
 from kvchat.app.turns.turn import Turn
+from kvchat.inference import ChatMessage, CheckedRequest
 
 TITLE_CHARS = 80
 
@@ -111,8 +110,12 @@ async def find_reply(
     message_id = message_of_response(response)
     found = await state.store.owned_message(owner, message_id) if message_id else None
     message = found[1] if found is not None else None
-    if found is None or message is None or message.role != "assistant" or (
-            message.response is not None and message.response.get("deleted")):
+    if (
+        found is None
+        or message is None
+        or message.role != "assistant"
+        or (message.response is not None and message.response.get("deleted"))
+    ):
         raise not_found(f"response {response!r}")
     return found
 
@@ -151,14 +154,18 @@ async def branch_of(state: AppState, placement: Placement) -> list[MessageRecord
     return await state.store.branch(conv.id, placement.parent_id)
 
 
-async def input_messages(state: AppState, body: ResponseCreate, placement: Placement
-                         ) -> tuple[str | None, list[ChatMessage]]:
+async def input_messages(
+    state: AppState, body: ResponseCreate, placement: Placement
+) -> tuple[str | None, list[ChatMessage]]:
     """The input's leading system and developer messages (joined), and its other messages
     to store. Outputs answer the calls of the input or of the branch (read only when the
     message continued does not have them)."""
     raw = body.input
-    items = [MessageItem(role="user", content=raw)] if isinstance(raw, str) else parse_items(
-        raw, "input")
+    items = (
+        [MessageItem(role="user", content=raw)]
+        if isinstance(raw, str)
+        else parse_items(raw, "input")
+    )
     given = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
     answered = {i.call_id for i in items if isinstance(i, FunctionCallOutputItem)}
     known: set[str] = set(placement.parent_calls)
@@ -166,8 +173,9 @@ async def input_messages(state: AppState, body: ResponseCreate, placement: Place
         known = call_ids(await branch_of(state, placement))
     system, messages = split_system(to_messages(items, "input", known), "input")
     if not messages or messages[-1].role == "assistant":
-        raise invalid_request("the last input item must be a user message or a "
-                              "function_call_output", "input")
+        raise invalid_request(
+            "the last input item must be a user message or a function_call_output", "input"
+        )
     return system, messages
 
 
@@ -190,20 +198,27 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
     if conv is None:  # its system messages are the new conversation's system prompt
         first_user = next((m.content for m in messages if m.role == "user" and m.content), None)
         conv = await state.store.create_conversation(
-            key.owner, title=first_user[:TITLE_CHARS] if first_user else None,
-            system_prompt=system)
+            key.owner, title=first_user[:TITLE_CHARS] if first_user else None, system_prompt=system
+        )
         created = True
     elif system is not None:  # continuing one: this turn's, with the instructions
         instructions = joined(instructions or conv.system_prompt, system)
     await _previous_turn_ended(state, conv.id)
-    parent, imported = await store_messages(state, conv.id, placement.parent_id,
-                                            messages[:-1], move_leaf=False)
+    parent, imported = await store_messages(
+        state, conv.id, placement.parent_id, messages[:-1], move_leaf=False
+    )
     record = response_record(body, model, imported[0].id if imported else None)
     try:
         return await state.turns.start(
-            key, conv.id, fields, new_message=messages[-1], parent_id=parent,
-            instructions=instructions, truncation=body.truncation == "auto",
-            reply_fields={"response": record}, key_verified=True,
+            key,
+            conv.id,
+            fields,
+            new_message=messages[-1],
+            parent_id=parent,
+            instructions=instructions,
+            truncation=body.truncation == "auto",
+            reply_fields={"response": record},
+            key_verified=True,
         )
     except Exception as e:
         # Nothing of a request that did not start stays behind.
@@ -237,15 +252,24 @@ async def _start_stateless(
     conv = placement.conversation
     system = turn_system(conv, body.instructions) if conv is not None else body.instructions
     system = joined(system, input_system)
-    chat = ([ChatMessage("system", system)] if system else []) + [
-        as_chat(m) for m in usable(await branch_of(state, placement))] + messages
+    chat = (
+        ([ChatMessage("system", system)] if system else [])
+        + [as_chat(m) for m in usable(await branch_of(state, placement))]
+        + messages
+    )
     try:
         request, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields, chat)
         check_capacity(state)
     except Exception as e:
         raise renamed(api_error(e)) from e
-    generation = Generation(runtime, request, cache_salt=key.owner, tool_format=fmt,
-                            tool_names=names, on_finish=spend_on_finish(state, key.id))
+    generation = Generation(
+        runtime,
+        request,
+        cache_salt=key.owner,
+        tool_format=fmt,
+        tool_names=names,
+        on_finish=spend_on_finish(state, key.id),
+    )
     hex_id = uuid.uuid4().hex
     record = response_record(body, runtime.model_name, None) | {"store": False}
     return Stateless(f"msg_{hex_id}", generation, record, int(time.time()))
@@ -275,8 +299,11 @@ async def delete(state: AppState, owner: str, response: str) -> None:
     extensions of it), marked deleted in its record."""
     message = await find_response(state, owner, response)
     if message.status == "generating":
-        raise APIError(409, "This response is still being generated; cancel it first.",
-                       code="conversation_busy")
+        raise APIError(
+            409,
+            "This response is still being generated; cancel it first.",
+            code="conversation_busy",
+        )
     record = dict(message.response or {}) | {"deleted": True}
     await state.store.update_message(message.id, response=record)
 
@@ -311,7 +338,6 @@ async def input_items(
     return page(items, order=order, after=after, limit=limit)
 
 
-
 # -- answering: whole, streamed, resumed ----------------------------------------------------------
 
 
@@ -328,8 +354,7 @@ async def create(
         if body.stream:
             return sse.sse_response(sse_lines(stateless_stream(state, started)))
         generation = started.generation
-        result = await sse.run_unless_disconnected(request, drained(generation),
-                                                   generation.stop)
+        result = await sse.run_unless_disconnected(request, drained(generation), generation.stop)
         return response_object(Reply.generated(started, result), model)
     turn = started
     if body.stream:
@@ -347,22 +372,34 @@ async def resume(
     message = await find_response(state, owner, response)
     events = await state.turns.attach(message.conversation_id, message.id, 0)
     visible = visible_text(message, state.runtime.template.tool_call_format)
-    return sse.sse_response(sse_lines(
-        response_events(_without_markup(events, message, visible), skeleton(state, message),
-                        message.id, final_stored(state, message)), starting_after))
+    return sse.sse_response(
+        sse_lines(
+            response_events(
+                _without_markup(events, message, visible),
+                skeleton(state, message),
+                message.id,
+                final_stored(state, message),
+            ),
+            starting_after,
+        )
+    )
 
 
-async def _without_markup(events: AsyncIterator[TurnEvent], message: MessageRecord,
-                          visible: str | None) -> AsyncIterator[TurnEvent]:
+async def _without_markup(
+    events: AsyncIterator[TurnEvent], message: MessageRecord, visible: str | None
+) -> AsyncIterator[TurnEvent]:
     """A stored reply's events (attach()'s last source) tell its stored text, which for a
     reply with calls holds their markup; a live turn's deltas never do. That text is shown as
     the response shows it."""
     async for event in events:
-        if (isinstance(event, TurnDelta) and message.tool_calls and event.offset == 0
-                and event.text == message.content and visible != message.content):
+        if (
+            isinstance(event, TurnDelta)
+            and message.tool_calls
+            and event.offset == 0
+            and event.text == message.content
+            and visible != message.content
+        ):
             if visible:
                 yield TurnDelta(event.message_id, visible, 0)
             continue
         yield event
-
-

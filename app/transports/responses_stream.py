@@ -45,8 +45,12 @@ from kvchat.app.turns.turn import Turn
 Event = dict[str, Any]
 FinalResponse = Callable[[TurnEvent], Awaitable[ResponseObject]]
 
-TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete",
-                  "cancelled": "response.incomplete", "failed": "response.failed"}
+TERMINAL_EVENT = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "cancelled": "response.incomplete",
+    "failed": "response.failed",
+}
 
 
 class ResponseEvents:
@@ -69,8 +73,10 @@ class ResponseEvents:
 
     def started(self) -> list[Event]:
         response = self.skeleton.model_dump(mode="json")
-        return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response)]
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
 
     def on(self, event: TurnEvent) -> list[Event]:
         if isinstance(event, TurnDelta):
@@ -83,20 +89,37 @@ class ResponseEvents:
         out = []
         if self.message_index is None:
             self.message_index = len(self.items)
-            item = {"id": self.message_id, "type": "message", "role": "assistant",
-                    "status": "in_progress", "content": []}
+            item = {
+                "id": self.message_id,
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             self.items.append(item)
             out += [
-                self._event("response.output_item.added", output_index=self.message_index,
-                            item=dict(item)),
-                self._event("response.content_part.added", item_id=self.message_id,
-                            output_index=self.message_index, content_index=0,
-                            part=_text_part("")),
+                self._event(
+                    "response.output_item.added", output_index=self.message_index, item=dict(item)
+                ),
+                self._event(
+                    "response.content_part.added",
+                    item_id=self.message_id,
+                    output_index=self.message_index,
+                    content_index=0,
+                    part=_text_part(""),
+                ),
             ]
         self.text += text
-        out.append(self._event("response.output_text.delta", item_id=self.message_id,
-                               output_index=self.message_index, content_index=0, delta=text,
-                               logprobs=[]))
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.message_id,
+                output_index=self.message_index,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
         return out
 
     def _call(self, event: TurnToolCall) -> list[Event]:
@@ -106,19 +129,31 @@ class ResponseEvents:
             index = len(self.items)
             self.calls[event.index] = index
             self.open_call = index
-            item = {"id": call_item_id(self.message_id, event.index), "type": "function_call",
-                    "call_id": event.id, "name": event.name or "", "arguments": "",
-                    "status": "in_progress"}
+            item = {
+                "id": call_item_id(self.message_id, event.index),
+                "type": "function_call",
+                "call_id": event.id,
+                "name": event.name or "",
+                "arguments": "",
+                "status": "in_progress",
+            }
             self.items.append(item)
-            out.append(self._event("response.output_item.added", output_index=index,
-                                   item=dict(item)))
+            out.append(
+                self._event("response.output_item.added", output_index=index, item=dict(item))
+            )
         at = self.calls.get(event.index)
         if at is None or not event.arguments:
             return out
         item = self.items[at]
         item["arguments"] += event.arguments
-        out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                               output_index=at, delta=event.arguments))
+        out.append(
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=at,
+                delta=event.arguments,
+            )
+        )
         return out
 
     def _close_call(self, status: str) -> list[Event]:
@@ -128,8 +163,12 @@ class ResponseEvents:
         item = self.items[index]
         item["status"] = status
         return [
-            self._event("response.function_call_arguments.done", item_id=item["id"],
-                        output_index=index, arguments=item["arguments"]),
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=item["arguments"],
+            ),
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]
 
@@ -140,10 +179,21 @@ class ResponseEvents:
         part = _text_part(self.text)
         item = self.items[index] | {"status": status, "content": [part]}
         return [
-            self._event("response.output_text.done", item_id=self.message_id,
-                        output_index=index, content_index=0, text=self.text, logprobs=[]),
-            self._event("response.content_part.done", item_id=self.message_id,
-                        output_index=index, content_index=0, part=part),
+            self._event(
+                "response.output_text.done",
+                item_id=self.message_id,
+                output_index=index,
+                content_index=0,
+                text=self.text,
+                logprobs=[],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=self.message_id,
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
@@ -151,10 +201,10 @@ class ResponseEvents:
         status = "completed" if final.status == "completed" else "incomplete"
         out = [*self._close_call(status), *self._close_text(status)]
         if isinstance(event, TurnFailed):
-            out.append(self._event("error", code=event.code, message=event.message,
-                                   param=None))
-        out.append(self._event(TERMINAL_EVENT[final.status],
-                               response=final.model_dump(mode="json")))
+            out.append(self._event("error", code=event.code, message=event.message, param=None))
+        out.append(
+            self._event(TERMINAL_EVENT[final.status], response=final.model_dump(mode="json"))
+        )
         return out
 
 
@@ -163,7 +213,9 @@ def _text_part(text: str) -> Event:
 
 
 async def response_events(
-    events: AsyncIterator[TurnEvent], skeleton: ResponseObject, message_id: str,
+    events: AsyncIterator[TurnEvent],
+    skeleton: ResponseObject,
+    message_id: str,
     final: FinalResponse,
 ) -> AsyncIterator[Event]:
     """The numbered stream events of a turn's events (from its start); `final` gives the
@@ -182,8 +234,9 @@ async def response_events(
             return
 
 
-async def sse_lines(events: AsyncIterator[Event], starting_after: int | None = None
-                    ) -> AsyncIterator[str]:
+async def sse_lines(
+    events: AsyncIterator[Event], starting_after: int | None = None
+) -> AsyncIterator[str]:
     """`event: <type>` and `data: <json>` per event, as OpenAI streams them; with
     `starting_after`, only the events numbered after it."""
     async for event in events:
@@ -202,8 +255,9 @@ def final_stored(state: AppState, message: MessageRecord) -> FinalResponse:
         if stored is None or stored.status == "generating":  # ended without a stored reply
             reason = event.message if isinstance(event, TurnFailed) else "the turn ended"
             status = event.status if isinstance(event, TurnFailed) else 500
-            return response_object(Reply.of(message), state.runtime.model_name,
-                                   failure=APIError(status, reason))
+            return response_object(
+                Reply.of(message), state.runtime.model_name, failure=APIError(status, reason)
+            )
         return stored_response(state, stored)
 
     return final
@@ -212,9 +266,12 @@ def final_stored(state: AppState, message: MessageRecord) -> FinalResponse:
 async def watched(state: AppState, turn: Turn) -> AsyncIterator[Event]:
     turn.watch()
     try:
-        async for event in response_events(turn.events(), skeleton(state, turn.assistant_message),
-                                           turn.message_id,
-                                           final_stored(state, turn.assistant_message)):
+        async for event in response_events(
+            turn.events(),
+            skeleton(state, turn.assistant_message),
+            turn.message_id,
+            final_stored(state, turn.assistant_message),
+        ):
             yield event
     finally:
         turn.unwatch(None if state.shutting_down else state.settings.ws_grace_period)
@@ -244,8 +301,9 @@ async def stateless_stream(state: AppState, stateless: Stateless) -> AsyncIterat
                     yield TurnDelta(message_id, event.text, offset)
                     offset += len(event.text)
                 elif isinstance(event, ToolDelta):
-                    yield TurnToolCall(message_id, event.index, event.id, event.name,
-                                       event.arguments)
+                    yield TurnToolCall(
+                        message_id, event.index, event.id, event.name, event.arguments
+                    )
         except Exception as e:  # the engine failed mid-stream: a failed response
             error = engine_failure(e)
             failure.append(error.message)
@@ -255,13 +313,18 @@ async def stateless_stream(state: AppState, stateless: Stateless) -> AsyncIterat
         yield TurnDone(message_id, "complete", result.finish_reason, {}, {})
 
     async def final(event: TurnEvent) -> ResponseObject:
-        return response_object(Reply.generated(stateless, generation.result,
-                                               failure[0] if failure else None), model)
+        return response_object(
+            Reply.generated(stateless, generation.result, failure[0] if failure else None), model
+        )
 
     finished = False
     try:
-        async for event in response_events(turn_events(), response_object(
-                Reply.generated(stateless, None), model), stateless.id, final):
+        async for event in response_events(
+            turn_events(),
+            response_object(Reply.generated(stateless, None), model),
+            stateless.id,
+            final,
+        ):
             yield event
         finished = True
     finally:

@@ -19,16 +19,15 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvchat.inference import ChatMessage
-
 from kvchat.app.errors import busy, invalid_request, not_found
-from kvchat.app.schemas.present import tree_children
 from kvchat.app.schemas.conversations import ROOT
+from kvchat.app.schemas.present import tree_children
 from kvchat.app.schemas.ui_chat import UIChatRequest, UIMessage
 from kvchat.app.state import AppState
 from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
 from kvchat.app.turns.service import regenerated_parent
 from kvchat.app.turns.turn import Turn
+from kvchat.inference import ChatMessage
 
 DERIVED_PREFIX = "conv_ui_"
 TITLE_CHARS = 80
@@ -54,7 +53,9 @@ async def create_chat(state: AppState, owner: str, request: UIChatRequest) -> Co
     title = text_of(first_user)[:TITLE_CHARS] if first_user is not None else None
     try:
         return await state.store.create_conversation(
-            owner, title=title or None, system_prompt=system,
+            owner,
+            title=title or None,
+            system_prompt=system,
             metadata={"ui_chat_id": request.id},
             conversation_id=derived_conversation_id(owner, request.id),
         )
@@ -97,8 +98,11 @@ def check_parts(message: UIMessage, index: int) -> None:
         if kind == "text" and not isinstance(part.get("text"), str):
             raise invalid_request("a text part needs text", f"messages.{index}.parts.{j}.text")
         if message.role == "user" and kind != "text":
-            raise invalid_request(f"user messages may only have text parts, not {kind!r}",
-                                  f"messages.{index}.parts.{j}", code="unsupported")
+            raise invalid_request(
+                f"user messages may only have text parts, not {kind!r}",
+                f"messages.{index}.parts.{j}",
+                code="unsupported",
+            )
 
 
 def check_request(request: UIChatRequest) -> int:
@@ -130,9 +134,11 @@ async def place(
     first = check_request(request)
     system = system_prompt(ui)
     if conv is not None and system is not None and system != (conv.system_prompt or ""):
-        raise invalid_request("the chat's system message differs from the conversation's "
-                              "system prompt; change it with PATCH /v1/conversations/{id}",
-                              "messages")
+        raise invalid_request(
+            "the chat's system message differs from the conversation's "
+            "system prompt; change it with PATCH /v1/conversations/{id}",
+            "messages",
+        )
     if conv is not None and state.turns.running(conv.id) is not None:
         raise busy("A reply is already being generated in this chat; wait for it or stop it.")
     stored = await state.store.messages(conv.id) if conv is not None else []
@@ -153,19 +159,23 @@ async def place(
     for i, m in enumerate(history):
         match = None if imported else _match(m, children.get(node, []), by_id)
         if match is None:
-            if m.role == "assistant" and any(p.get("type") != "text" and
-                                             p.get("type") != "step-start" for p in m.parts):
-                raise invalid_request("an assistant message the server does not store can only "
-                                      "have text parts", f"messages.{first + i}",
-                                      code="unsupported")
+            if m.role == "assistant" and any(
+                p.get("type") != "text" and p.get("type") != "step-start" for p in m.parts
+            ):
+                raise invalid_request(
+                    "an assistant message the server does not store can only have text parts",
+                    f"messages.{first + i}",
+                    code="unsupported",
+                )
             imported.append(m)
         else:
             node = match.id
     if new is None:
         last_role = imported[-1].role if imported else (by_id[node].role if node else None)
         if last_role != "user":
-            raise invalid_request("regenerating needs the chat to end with a user message",
-                                  "messages")
+            raise invalid_request(
+                "regenerating needs the chat to end with a user message", "messages"
+            )
     parent = node or ROOT
     message = ChatMessage("user", text_of(new)) if new is not None else None
     return Placement(parent, message, tuple(imported))
@@ -190,7 +200,11 @@ async def store_imported(state: AppState, conv: ConversationRecord, placement: P
     parent: str | None = None if placement.parent_id == ROOT else placement.parent_id
     for m in placement.imported:
         record = await state.store.add_message(
-            conv.id, parent_id=parent, role=m.role, content=text_of(m), move_leaf=False,
+            conv.id,
+            parent_id=parent,
+            role=m.role,
+            content=text_of(m),
+            move_leaf=False,
         )
         parent = record.id
     return parent or ROOT
@@ -200,12 +214,21 @@ async def start_chat_turn(state: AppState, key: KeyRecord, request: UIChatReques
     """Place useChat's request on its conversation and start the turn (app/turns/service.py)."""
     owner = key.owner
     conv = await find_chat(state, owner, request.id)
-    if conv is None and request.id.startswith("conv_") and not request.id.startswith(
-            DERIVED_PREFIX):
+    if (
+        conv is None
+        and request.id.startswith("conv_")
+        and not request.id.startswith(DERIVED_PREFIX)
+    ):
         raise not_found(f"conversation {request.id!r}", "id")
     placement = await place(state, conv, request)  # checks everything before storing
     if conv is None:
         conv = await create_chat(state, owner, request)
     parent = await store_imported(state, conv, placement)
-    return await state.turns.start(key, conv.id, request, new_message=placement.new_message,
-                                   parent_id=parent, key_verified=True)
+    return await state.turns.start(
+        key,
+        conv.id,
+        request,
+        new_message=placement.new_message,
+        parent_id=parent,
+        key_verified=True,
+    )

@@ -31,8 +31,12 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool-calls"
 
 def metadata(done: TurnDone) -> dict[str, Any]:
     """kvchat's usage and timings of a reply, as the message's metadata."""
-    return {"status": done.status, "finishReason": done.finish_reason,
-            "usage": dict(done.usage), "timings": dict(done.timings)}
+    return {
+        "status": done.status,
+        "finishReason": done.finish_reason,
+        "usage": dict(done.usage),
+        "timings": dict(done.timings),
+    }
 
 
 class PartWriter:
@@ -52,20 +56,27 @@ class PartWriter:
             if not self.text_open:
                 self.text_open = True
                 yield {"type": "text-start", "id": self._text_id(event.message_id)}
-            yield {"type": "text-delta", "id": self._text_id(event.message_id),
-                   "delta": event.text}
+            yield {"type": "text-delta", "id": self._text_id(event.message_id), "delta": event.text}
         elif isinstance(event, TurnToolCall):
             call = self.tools.get(event.index)
             if call is None:
                 call = self.tools[event.index] = {
                     "id": event.id or f"call_{event.message_id}_{event.index}",
-                    "name": event.name or "", "arguments": ""}
-                yield {"type": "tool-input-start", "toolCallId": call["id"],
-                       "toolName": call["name"]}
+                    "name": event.name or "",
+                    "arguments": "",
+                }
+                yield {
+                    "type": "tool-input-start",
+                    "toolCallId": call["id"],
+                    "toolName": call["name"],
+                }
             if event.arguments:
                 call["arguments"] += event.arguments
-                yield {"type": "tool-input-delta", "toolCallId": call["id"],
-                       "inputTextDelta": event.arguments}
+                yield {
+                    "type": "tool-input-delta",
+                    "toolCallId": call["id"],
+                    "inputTextDelta": event.arguments,
+                }
         elif isinstance(event, TurnDone):
             yield from self._close()
             yield {"type": "finish-step"}
@@ -96,12 +107,20 @@ class PartWriter:
             try:
                 arguments = json.loads(call["arguments"] or "{}")
             except json.JSONDecodeError as e:
-                yield {"type": "tool-input-error", "toolCallId": call["id"],
-                       "toolName": call["name"], "input": call["arguments"],
-                       "errorText": f"the arguments are not JSON: {e.msg}"}
+                yield {
+                    "type": "tool-input-error",
+                    "toolCallId": call["id"],
+                    "toolName": call["name"],
+                    "input": call["arguments"],
+                    "errorText": f"the arguments are not JSON: {e.msg}",
+                }
                 continue
-            yield {"type": "tool-input-available", "toolCallId": call["id"],
-                   "toolName": call["name"], "input": arguments}
+            yield {
+                "type": "tool-input-available",
+                "toolCallId": call["id"],
+                "toolName": call["name"],
+                "input": arguments,
+            }
         self.tools = {}
 
 

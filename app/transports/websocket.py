@@ -27,17 +27,16 @@ from fastapi import WebSocket
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from kvchat.inference import ChatMessage
-
 from kvchat.app.errors import APIError, _param, api_error
 from kvchat.app.ops import limits
-from kvchat.app.turns.events import TurnEvent
-from kvchat.app.turns.turn import Turn
 from kvchat.app.schemas.chat import SamplingFields, TextPart
 from kvchat.app.schemas.json_input import JSONInputError, parse_json
 from kvchat.app.schemas.ranges import INT32_MAX
 from kvchat.app.state import AppState, bearer_token
 from kvchat.app.store import KeyRecord
+from kvchat.app.turns.events import TurnEvent
+from kvchat.app.turns.turn import Turn
+from kvchat.inference import ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,8 @@ def origin_allowed(websocket: WebSocket, allowed: list[str]) -> bool:
 async def serve(state: AppState, websocket: WebSocket, conversation_id: str) -> None:
     settings = state.settings
     token = bearer_token(websocket.headers.get("authorization")) or websocket.query_params.get(
-        "access_token")
+        "access_token"
+    )
     key = await state.store.authenticate(token) if token else None
     await websocket.accept()
     if key is None:
@@ -120,9 +120,12 @@ async def serve(state: AppState, websocket: WebSocket, conversation_id: str) -> 
         await websocket.close(CLOSE_NOT_FOUND, "conversation not found")
         return
     if state.websockets.get(key.id, 0) >= settings.ws_max_connections_per_key:
-        await websocket.send_json(error_frame(
-            "too_many_connections",
-            f"this key has {settings.ws_max_connections_per_key} sockets open already"))
+        await websocket.send_json(
+            error_frame(
+                "too_many_connections",
+                f"this key has {settings.ws_max_connections_per_key} sockets open already",
+            )
+        )
         await websocket.close(CLOSE_TOO_MANY, "too many connections")
         return
     state.websockets[key.id] = state.websockets.get(key.id, 0) + 1
@@ -137,8 +140,9 @@ async def serve(state: AppState, websocket: WebSocket, conversation_id: str) -> 
 
 
 class Socket:
-    def __init__(self, state: AppState, websocket: WebSocket, key: KeyRecord,
-                 conversation_id: str) -> None:
+    def __init__(
+        self, state: AppState, websocket: WebSocket, key: KeyRecord, conversation_id: str
+    ) -> None:
         self.state = state
         self.websocket = websocket
         self.key = key
@@ -171,8 +175,11 @@ class Socket:
                 await self.send(error_frame("invalid_json", "frames are JSON text"))
                 continue
             if len(text.encode()) > settings.ws_max_frame_bytes:
-                await self.send(error_frame(
-                    "frame_too_large", f"frames are at most {settings.ws_max_frame_bytes} bytes"))
+                await self.send(
+                    error_frame(
+                        "frame_too_large", f"frames are at most {settings.ws_max_frame_bytes} bytes"
+                    )
+                )
                 continue
             await self.handle(text)
 
@@ -188,9 +195,12 @@ class Socket:
             return
         if not isinstance(data, dict) or data.get("type") not in TYPES:
             kind = data.get("type") if isinstance(data, dict) else None
-            await self.send(error_frame(
-                "unknown_type", f"unknown frame type {kind!r}; expected one of "
-                f"{', '.join(TYPES)}"))
+            await self.send(
+                error_frame(
+                    "unknown_type",
+                    f"unknown frame type {kind!r}; expected one of {', '.join(TYPES)}",
+                )
+            )
             return
         try:
             frame = FRAME.validate_python(data)
@@ -228,27 +238,31 @@ class Socket:
             if frame.role == "tool" and not frame.tool_call_id:
                 raise APIError(400, "a tool message needs tool_call_id", param="tool_call_id")
             message: ChatMessage | None = ChatMessage(
-                frame.role, frame.text, name=frame.name,
+                frame.role,
+                frame.text,
+                name=frame.name,
                 tool_call_id=frame.tool_call_id if frame.role == "tool" else None,
             )
             parent_id = frame.parent_id
         else:
             message = None
-            parent_id = await service.regenerate_parent(self.key.owner, self.conversation_id,
-                                                        frame.message_id)
-        turn = await service.start(self.key, self.conversation_id, frame, new_message=message,
-                                   parent_id=parent_id)
+            parent_id = await service.regenerate_parent(
+                self.key.owner, self.conversation_id, frame.message_id
+            )
+        turn = await service.start(
+            self.key, self.conversation_id, frame, new_message=message, parent_id=parent_id
+        )
         self.stream(turn, turn.events())
 
     async def resume(self, frame: ResumeFrame) -> None:
         if self.streaming is not None and not self.streaming.done():
             await self.send(error_frame("busy", "this socket is streaming a reply already"))
             return
-        events = await self.state.turns.attach(self.conversation_id, frame.message_id,
-                                               frame.offset)
+        events = await self.state.turns.attach(self.conversation_id, frame.message_id, frame.offset)
         turn = self.state.turns.running(self.conversation_id)
-        self.stream(turn if turn is not None and turn.message_id == frame.message_id else None,
-                    events)
+        self.stream(
+            turn if turn is not None and turn.message_id == frame.message_id else None, events
+        )
 
     # -- streaming a turn --------------------------------------------------------------------------
 
@@ -269,8 +283,9 @@ class Socket:
         finally:
             if turn is not None:
                 # Gone mid-reply: the reply goes on for the grace period (a client may resume).
-                turn.unwatch(None if self.state.shutting_down
-                             else self.state.settings.ws_grace_period)
+                turn.unwatch(
+                    None if self.state.shutting_down else self.state.settings.ws_grace_period
+                )
                 if self.turn is turn and turn.is_done:
                     self.turn = None
 

@@ -34,8 +34,12 @@ class TurnDelta:
     offset: int  # characters of the reply before this text
 
     def frame(self) -> dict[str, Any]:
-        return {"type": "delta", "message_id": self.message_id, "text": self.text,
-                "offset": self.offset}
+        return {
+            "type": "delta",
+            "message_id": self.message_id,
+            "text": self.text,
+            "offset": self.offset,
+        }
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,14 @@ class TurnToolCall:
     arguments: str
 
     def frame(self) -> dict[str, Any]:
-        return {"type": "tool_call", "message_id": self.message_id, "index": self.index,
-                "id": self.id, "name": self.name, "arguments": self.arguments}
+        return {
+            "type": "tool_call",
+            "message_id": self.message_id,
+            "index": self.index,
+            "id": self.id,
+            "name": self.name,
+            "arguments": self.arguments,
+        }
 
 
 @dataclass(frozen=True)
@@ -73,16 +83,24 @@ class TurnDone:
             message_id=message.id,
             status=message.status,
             finish_reason=message.finish_reason,
-            usage={"prompt_tokens": prompt, "completion_tokens": completion,
-                   "total_tokens": prompt + completion,
-                   "cached_tokens": message.cached_tokens or 0},
+            usage={
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "cached_tokens": message.cached_tokens or 0,
+            },
             timings={"ttft_ms": message.ttft_ms, "total_ms": message.total_ms},
         )
 
     def frame(self) -> dict[str, Any]:
-        return {"type": "done", "message_id": self.message_id,
-                "finish_reason": self.finish_reason, "status": self.status,
-                "usage": dict(self.usage), "timings": dict(self.timings)}
+        return {
+            "type": "done",
+            "message_id": self.message_id,
+            "finish_reason": self.finish_reason,
+            "status": self.status,
+            "usage": dict(self.usage),
+            "timings": dict(self.timings),
+        }
 
 
 @dataclass(frozen=True)
@@ -96,8 +114,12 @@ class TurnFailed:
     status: int = 500
 
     def frame(self) -> dict[str, Any]:
-        return {"type": "error", "code": self.code, "message": self.message,
-                "message_id": self.message_id}
+        return {
+            "type": "error",
+            "code": self.code,
+            "message": self.message,
+            "message_id": self.message_id,
+        }
 
 
 TurnEvent = TurnStarted | TurnDelta | TurnToolCall | TurnDone | TurnFailed
@@ -117,11 +139,21 @@ def event_of(frame: dict[str, Any]) -> TurnEvent:
     if kind == "delta":
         return TurnDelta(frame["message_id"], frame["text"], int(frame["offset"]))
     if kind == "tool_call":
-        return TurnToolCall(frame["message_id"], int(frame["index"]), frame.get("id"),
-                            frame.get("name"), frame.get("arguments") or "")
+        return TurnToolCall(
+            frame["message_id"],
+            int(frame["index"]),
+            frame.get("id"),
+            frame.get("name"),
+            frame.get("arguments") or "",
+        )
     if kind == "done":
-        return TurnDone(frame["message_id"], frame["status"], frame.get("finish_reason"),
-                        dict(frame.get("usage") or {}), dict(frame.get("timings") or {}))
+        return TurnDone(
+            frame["message_id"],
+            frame["status"],
+            frame.get("finish_reason"),
+            dict(frame.get("usage") or {}),
+            dict(frame.get("timings") or {}),
+        )
     if kind == "error":
         return TurnFailed(frame.get("message_id"), frame["code"], frame["message"])
     raise ValueError(f"not a turn event: {kind!r}")
@@ -134,8 +166,15 @@ def stored_events(message: MessageRecord) -> list[TurnEvent]:
         events.append(TurnDelta(message.id, message.content, 0))
     for index, call in enumerate(message.tool_calls or ()):
         function = call.get("function", {})
-        events.append(TurnToolCall(message.id, index, call.get("id"), function.get("name"),
-                                   function.get("arguments", "")))
+        events.append(
+            TurnToolCall(
+                message.id,
+                index,
+                call.get("id"),
+                function.get("name"),
+                function.get("arguments", ""),
+            )
+        )
     events.append(TurnDone.of(message))
     return events
 
@@ -161,7 +200,7 @@ async def from_offset(events: AsyncIterator[TurnEvent], offset: int) -> AsyncIte
             if end <= offset:
                 continue
             if event.offset < offset:
-                event = TurnDelta(event.message_id, event.text[offset - event.offset:], offset)
+                event = TurnDelta(event.message_id, event.text[offset - event.offset :], offset)
         yield event
         if is_terminal(event):
             return

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
+from kvchat.app.runtime import Runtime
 from kvchat.inference import (
     CheckedRequest,
     ContentDelta,
@@ -19,8 +20,6 @@ from kvchat.inference import (
     ToolCallStreamParser,
 )
 from kvchat.memory import HistoryStats
-
-from kvchat.app.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,8 @@ class Generation:
                     self.runtime.history.record(session_id, HistoryStats(window_turns=1))
                 metrics.finished(
                     ttft_s=None if result.ttft_ms is None else result.ttft_ms / 1e3,
-                    e2e_s=result.total_ms / 1e3, queue_s=out.queue_time,
+                    e2e_s=result.total_ms / 1e3,
+                    queue_s=out.queue_time,
                     completion_tokens=result.completion_tokens,
                     finish_reason=result.finish_reason,
                 )

@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvchat.app.errors import APIError, invalid_request, not_found
 from kvchat.app.coord import IdempotencyRecord
+from kvchat.app.errors import APIError, invalid_request, not_found
 from kvchat.app.store import MessageRecord
 from kvchat.app.turns.service import EndHook, lock_key
 from kvchat.app.turns.turn import Turn
@@ -70,8 +70,12 @@ async def run_once(
     name = f"idem:{owner}:{conversation_id}:{idempotency_key}"
     digest = fingerprint(body)
     coord = state.coord
-    attempt = {"id": uuid.uuid4().hex, "began": time.time(),
-               "conversation_id": conversation_id, **state.identity.process()}
+    attempt = {
+        "id": uuid.uuid4().hex,
+        "began": time.time(),
+        "conversation_id": conversation_id,
+        **state.identity.process(),
+    }
     deadline = time.monotonic() + MAX_WAIT_S
     while True:
         first = await coord.idempotency_begin(name, digest, IDEMPOTENCY_TTL, attempt)
@@ -80,18 +84,21 @@ async def run_once(
         if first.fingerprint != digest:
             raise invalid_request(
                 "this Idempotency-Key was used with a different request body",
-                "Idempotency-Key", code="idempotency_key_reused",
+                "Idempotency-Key",
+                code="idempotency_key_reused",
             )
         if first.is_done:
             return Replayed(await _stored(state, first))
         if await _alive(state, first.attempt):
             if time.monotonic() > deadline:
-                raise APIError(409, "The first request with this Idempotency-Key is still "
-                               "running.", code="conversation_busy")
+                raise APIError(
+                    409,
+                    "The first request with this Idempotency-Key is still running.",
+                    code="conversation_busy",
+                )
             await asyncio.sleep(POLL_S)
             continue
-        taken = await coord.idempotency_takeover(name, str(first.attempt.get("id", "")),
-                                                 attempt)
+        taken = await coord.idempotency_takeover(name, str(first.attempt.get("id", "")), attempt)
         if taken is None:
             continue  # it finished or another retry took it over meanwhile: look again
         user_message_id = first.attempt.get("user_message_id")
@@ -106,7 +113,8 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
     async def finished(turn: Turn) -> None:
         if turn.final is not None:
             await coord.idempotency_finish(
-                name, {"message_id": turn.final.id, "conversation_id": turn.conversation_id},
+                name,
+                {"message_id": turn.final.id, "conversation_id": turn.conversation_id},
                 IDEMPOTENCY_TTL,
             )
         else:  # nothing to replay: a retry starts afresh
@@ -117,11 +125,15 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
     except BaseException:
         await coord.idempotency_abandon(name, attempt["id"])
         raise
-    await coord.idempotency_progress(name, attempt["id"], {
-        "lock": turn.lock_token,
-        "user_message_id": turn.user_message.id if turn.user_message else None,
-        "reply_id": turn.message_id,
-    })
+    await coord.idempotency_progress(
+        name,
+        attempt["id"],
+        {
+            "lock": turn.lock_token,
+            "user_message_id": turn.user_message.id if turn.user_message else None,
+            "reply_id": turn.message_id,
+        },
+    )
     return turn
 
 
@@ -140,8 +152,9 @@ async def _alive(state: AppState, attempt: dict[str, Any]) -> bool:
 
 async def _stored(state: AppState, record: IdempotencyRecord) -> MessageRecord:
     result = record.result or {}
-    message = await state.store.get_message(str(result.get("conversation_id")),
-                                            str(result.get("message_id")))
+    message = await state.store.get_message(
+        str(result.get("conversation_id")), str(result.get("message_id"))
+    )
     if message is None:
         raise not_found("the reply of the first request with this Idempotency-Key")
     return message

@@ -14,6 +14,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from kvchat.app.coord.locks import HeldLock
+from kvchat.app.errors import invalid_request, not_found
+from kvchat.app.ops.limits import check_capacity
+from kvchat.app.schemas.chat import SamplingFields
+from kvchat.app.schemas.conversations import (
+    ROOT,
+    InvalidSessionSettings,
+    check_session_settings,
+    setting_in_range,
+)
+from kvchat.app.state import AppState
+from kvchat.app.store import NEW_USER, ConversationRecord, MessageRecord, SummaryRecord
+from kvchat.app.turns.prompting import offered_tools, sampling_params
+from kvchat.app.turns.structured import output_grammar
 from kvchat.history import (
     ContextLengthExceeded,
     ContextPlan,
@@ -35,21 +49,6 @@ from kvchat.inference import (
     plan_turn,
 )
 from kvchat.memory import HistoryStats, SessionBudget
-
-from kvchat.app.coord.locks import HeldLock
-from kvchat.app.errors import invalid_request, not_found
-from kvchat.app.ops.limits import check_capacity
-from kvchat.app.turns.prompting import offered_tools, sampling_params
-from kvchat.app.turns.structured import output_grammar
-from kvchat.app.schemas.chat import SamplingFields
-from kvchat.app.schemas.conversations import (
-    ROOT,
-    InvalidSessionSettings,
-    check_session_settings,
-    setting_in_range,
-)
-from kvchat.app.state import AppState
-from kvchat.app.store import NEW_USER, ConversationRecord, MessageRecord, SummaryRecord
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +88,12 @@ class PreparedTurn:
     @property
     def history_stats(self) -> HistoryStats:
         plan = self.plan
-        return HistoryStats(trims=int(plan.trimmed), dropped_tokens=plan.num_dropped_tokens,
-                            tool_results_capped=len(plan.capped))
+        return HistoryStats(
+            trims=int(plan.trimmed),
+            dropped_tokens=plan.num_dropped_tokens,
+            tool_results_capped=len(plan.capped),
+        )
+
 
 # -- the pipeline ----------------------------------------------------------------------------
 
@@ -104,7 +107,9 @@ def check_settings(state: AppState, conv: ConversationRecord) -> None:
     except InvalidSessionSettings as e:
         raise invalid_request(
             f"This conversation's settings cannot run a turn: {e}. Change them with PATCH "
-            f"/v1/conversations/{conv.id}.", e.field, code="invalid_session_settings",
+            f"/v1/conversations/{conv.id}.",
+            e.field,
+            code="invalid_session_settings",
         ) from None
 
 
@@ -125,7 +130,8 @@ def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
         )
     except HistoryPolicyError:
         return HistoryPolicy(
-            policy=default.history_policy, high_watermark=default.high_watermark,
+            policy=default.history_policy,
+            high_watermark=default.high_watermark,
             low_watermark=default.low_watermark,
             max_tool_result_tokens=default.max_tool_result_tokens,
             max_summary_tokens=default.max_summary_tokens,
@@ -133,8 +139,9 @@ def history_policy(state: AppState, conv: ConversationRecord) -> HistoryPolicy:
 
 
 def context_budget(state: AppState, conv: ConversationRecord) -> int:
-    return resolve_context_budget(_setting(state, conv, "max_context_tokens"),
-                                  state.runtime.max_model_len)
+    return resolve_context_budget(
+        _setting(state, conv, "max_context_tokens"), state.runtime.max_model_len
+    )
 
 
 def session_budget(state: AppState, conv: ConversationRecord) -> SessionBudget:
@@ -165,10 +172,14 @@ def as_chat(message: MessageRecord) -> ChatMessage:
     not render them again)."""
     tool_calls = tuple(message.tool_calls) if message.tool_calls else None
     if message.role == "assistant" and message.token_ids:
-        return ChatMessage("assistant", None, token_ids=tuple(message.token_ids),
-                           tool_calls=tool_calls)
+        return ChatMessage(
+            "assistant", None, token_ids=tuple(message.token_ids), tool_calls=tool_calls
+        )
     return ChatMessage(
-        message.role, message.content, name=message.name, tool_calls=tool_calls,
+        message.role,
+        message.content,
+        name=message.name,
+        tool_calls=tool_calls,
         tool_call_id=message.tool_call_id,
     )
 
@@ -177,9 +188,10 @@ def usable(branch: Sequence[MessageRecord]) -> list[MessageRecord]:
     """The branch as history: replies that were interrupted or failed before producing
     anything are left out."""
     return [
-        m for m in branch
-        if m.role != "assistant" or (m.status in USABLE and (m.token_ids or m.content
-                                                             or m.tool_calls))
+        m
+        for m in branch
+        if m.role != "assistant"
+        or (m.status in USABLE and (m.token_ids or m.content or m.tool_calls))
     ]
 
 
@@ -207,8 +219,9 @@ async def prepare_turn(
     runs on the runtime's worker threads, never on the event loop."""
     runtime, store = state.runtime, state.store
     check_settings(state, conv)
-    parent = conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT
-                                                             else parent_id)
+    parent = (
+        conv.current_leaf_id if parent_id is None else (None if parent_id == ROOT else parent_id)
+    )
     known = state.turns.branches.get(conv, parent)
     if known is not None:  # nothing changed since this process's last turn here
         stored, summary_record = known
@@ -224,22 +237,36 @@ async def prepare_turn(
     chat = [as_chat(m) for m in branch]
     if any(m.num_tokens is None for m in branch):  # stored before counts existed: once
         tools = await runtime.run_cpu(offered_tools, fields)
-        measured = await runtime.run_cpu(runtime.builder.count, turn_system(conv, instructions),
-                                         chat, tools, branch_key(conv.id))
+        measured = await runtime.run_cpu(
+            runtime.builder.count, turn_system(conv, instructions), chat, tools, branch_key(conv.id)
+        )
         for m, c in zip(branch, measured):
             if m.num_tokens is None:
-                await store.update_message(m.id, num_tokens=c.num_tokens,
-                                           content_tokens=c.content_tokens)
+                await store.update_message(
+                    m.id, num_tokens=c.num_tokens, content_tokens=c.content_tokens
+                )
         branch = [
             m if m.num_tokens is not None else _with_counts(m, c.num_tokens, c.content_tokens)
             for m, c in zip(branch, measured)
         ]
     summary = (
         SummaryState(summary_record.text, summary_record.num_tokens, tuple(summary_record.covers))
-        if summary_record is not None else None
+        if summary_record is not None
+        else None
     )
-    prepared = await runtime.run_cpu(_plan, state, conv, fields, branch, chat, new_message,
-                                     summary, parent, instructions, truncation)
+    prepared = await runtime.run_cpu(
+        _plan,
+        state,
+        conv,
+        fields,
+        branch,
+        chat,
+        new_message,
+        summary,
+        parent,
+        instructions,
+        truncation,
+    )
     check_capacity(state)
     return replace(prepared, path=tuple(stored), summary_record=summary_record)
 
@@ -266,43 +293,62 @@ def _plan(
     policy = history_policy(state, conv)
     start_id = conv.trim_start_id
     if not truncation:  # the whole branch, or nothing: plan without trimming, cuts, summary
-        policy = replace(policy, policy="drop", high_watermark=1.0,
-                         max_tool_result_tokens=None)
+        policy = replace(policy, policy="drop", high_watermark=1.0, max_tool_result_tokens=None)
         start_id, summary = None, None
     system = turn_system(conv, instructions)
     budget = context_budget(state, conv)
     planned = plan_turn(
-        runtime.builder, system=system,
+        runtime.builder,
+        system=system,
         branch=[(m.id, c, _counts(m)) for m, c in zip(branch, chat)],
-        new_message=new_message, tools=tools, policy=policy,
+        new_message=new_message,
+        tools=tools,
+        policy=policy,
         max_context_tokens=budget,
         requested_max_tokens=fields.reply_budget,
-        default_max_tokens=state.settings.default_max_tokens, summary=summary,
-        start_id=start_id, generation_prompt_tokens=runtime.generation_prompt_tokens,
+        default_max_tokens=state.settings.default_max_tokens,
+        summary=summary,
+        start_id=start_id,
+        generation_prompt_tokens=runtime.generation_prompt_tokens,
         conversation=conv.id,
     )
     if not truncation and planned.plan.dropped:
-        whole = (runtime.builder.system_tokens(system, tools=tools)
-                 + sum(m.num_tokens or 0 for m in branch) + runtime.generation_prompt_tokens
-                 + (planned.new_counts.num_tokens if planned.new_counts else 0))
+        whole = (
+            runtime.builder.system_tokens(system, tools=tools)
+            + sum(m.num_tokens or 0 for m in branch)
+            + runtime.generation_prompt_tokens
+            + (planned.new_counts.num_tokens if planned.new_counts else 0)
+        )
         raise ContextLengthExceeded(whole + planned.max_tokens, budget, planned.max_tokens)
     params = sampling_params(fields, max_tokens=planned.max_tokens, grammar=grammar)
-    request = runtime.engine.check_request(planned.prompt_ids, params, session_id=conv.id,
-                                           budget=session_budget(state, conv))
+    request = runtime.engine.check_request(
+        planned.prompt_ids, params, session_id=conv.id, budget=session_budget(state, conv)
+    )
     user_fields = None
     new_counts = planned.new_counts
     if new_message is not None and new_counts is not None:
         user_fields = dict(
-            role=new_message.role, content=new_message.content, name=new_message.name,
-            tool_call_id=new_message.tool_call_id, num_tokens=new_counts.num_tokens,
+            role=new_message.role,
+            content=new_message.content,
+            name=new_message.name,
+            tool_call_id=new_message.tool_call_id,
+            num_tokens=new_counts.num_tokens,
             content_tokens=new_counts.content_tokens,
         )
     return PreparedTurn(
-        conversation=conv, request=request, plan=planned.plan, policy=policy,
-        branch=branch, chat=chat, new_message=new_message,
+        conversation=conv,
+        request=request,
+        plan=planned.plan,
+        policy=policy,
+        branch=branch,
+        chat=chat,
+        new_message=new_message,
         user_fields=user_fields,
         reply_parent_id=parent if user_fields is not None else branch[-1].id,
-        tools=tools, tool_format=tool_format, tool_names=tool_names, instructions=instructions,
+        tools=tools,
+        tool_format=tool_format,
+        tool_names=tool_names,
+        instructions=instructions,
     )
 
 
@@ -316,10 +362,15 @@ def reply_counts(
     for a worker thread. The reply is the message as_chat() will make of it next turn, so
     the branch's kept render extends."""
     chat = [*prepared.chat, *([prepared.new_message] if prepared.new_message else [])]
-    reply = ChatMessage("assistant", None, token_ids=tuple(token_ids),
-                        tool_calls=tuple(tool_calls) if tool_calls else None)
-    return state.runtime.builder.count_last(prepared.system, [*chat, reply], prepared.tools,
-                                            branch_key(prepared.conversation.id))
+    reply = ChatMessage(
+        "assistant",
+        None,
+        token_ids=tuple(token_ids),
+        tool_calls=tuple(tool_calls) if tool_calls else None,
+    )
+    return state.runtime.builder.count_last(
+        prepared.system, [*chat, reply], prepared.tools, branch_key(prepared.conversation.id)
+    )
 
 
 def _with_counts(m: MessageRecord, num_tokens: int, content_tokens: int) -> MessageRecord:
@@ -352,8 +403,7 @@ def summary_job(
         if not isinstance(held, HeldLock):
             return  # a summary of this conversation is already being made
         try:
-            await summarize(state, conv, policy, previous, list(newly),
-                            [by_id[i] for i in newly])
+            await summarize(state, conv, policy, previous, list(newly), [by_id[i] for i in newly])
         except Exception:
             log.exception("summary of %s failed", conv.id)
         finally:
@@ -372,28 +422,38 @@ async def summarize(
 ) -> None:
     runtime = state.runtime
     builder = runtime.builder
-    prompt = await runtime.run_cpu(builder.summarization_prompt,
-                                   previous.text if previous else None, messages)
+    prompt = await runtime.run_cpu(
+        builder.summarization_prompt, previous.text if previous else None, messages
+    )
     # Within its share of the budget, so the summary that lands fits beside the next turns.
     budget = context_budget(state, conv)
-    max_tokens = await runtime.run_cpu(builder.summary_max_tokens, conv.system_prompt, policy,
-                                       budget)
+    max_tokens = await runtime.run_cpu(
+        builder.summary_max_tokens, conv.system_prompt, policy, budget
+    )
     if max_tokens < 1:
         return  # the budget leaves no room for a summary
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     text, num_generated = "", 0
     async for out in runtime.async_engine.generate(
-        f"summary-{uuid.uuid4().hex}", runtime.engine.check_request(prompt, params),
-        cache_salt=conv.owner, priority=PRIORITY_LOW,
+        f"summary-{uuid.uuid4().hex}",
+        runtime.engine.check_request(prompt, params),
+        cache_salt=conv.owner,
+        priority=PRIORITY_LOW,
     ):
         if out.finished:
             text, num_generated = (out.text or "").strip(), out.num_output_tokens
-    measured = await runtime.run_cpu(builder.summary_state, conv.system_prompt, text, (),
-                                     max_num_tokens=policy.summary_share_tokens(budget))
+    measured = await runtime.run_cpu(
+        builder.summary_state,
+        conv.system_prompt,
+        text,
+        (),
+        max_num_tokens=policy.summary_share_tokens(budget),
+    )
     merged = merge_summary(previous, measured.text, measured.num_tokens, newly)
     try:
-        await state.store.add_summary(conv.id, text=merged.text, num_tokens=merged.num_tokens,
-                                      covers=list(merged.covers))
+        await state.store.add_summary(
+            conv.id, text=merged.text, num_tokens=merged.num_tokens, covers=list(merged.covers)
+        )
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return

@@ -11,11 +11,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvchat.inference import ChatMessage, Grammar, SamplingParams
-
 from kvchat.app.errors import APIError, invalid_request
 from kvchat.app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
 from kvchat.app.turns.structured import check_json_schema
+from kvchat.inference import ChatMessage, Grammar, SamplingParams
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 STATELESS_SESSION_PREFIX = "sess_"  # engine sessions of X-Session-Id (conversations': conv_)
@@ -41,8 +40,7 @@ def offered_tools(fields: SamplingFields) -> list[dict[str, Any]] | None:
         check_parameters_schema(tool, f"tools.{i}.function.parameters")
     choice = fields.tool_choice
     if choice is not None and not tools and choice != "none":
-        raise invalid_request("tool_choice is only allowed when tools are specified",
-                              "tool_choice")
+        raise invalid_request("tool_choice is only allowed when tools are specified", "tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise invalid_request(
             f"tool_choice names the function {choice.function.name!r}, which is not in tools",
@@ -58,8 +56,9 @@ def check_parameters_schema(tool: Tool, param: str) -> None:
     if schema is None:
         return
     if schema.get("type", "object") != "object":
-        raise invalid_request("a function's parameters must be a JSON schema of type 'object'",
-                              param)
+        raise invalid_request(
+            "a function's parameters must be a JSON schema of type 'object'", param
+        )
     check_json_schema(schema, param)
 
 
@@ -87,7 +86,8 @@ def chat_messages(
             if m.tool_call_id not in open_calls:
                 raise invalid_request(
                     "messages with role 'tool' must be a response to a preceding message with "
-                    "'tool_calls'", f"{where}.tool_call_id",
+                    "'tool_calls'",
+                    f"{where}.tool_call_id",
                 )
             open_calls.discard(m.tool_call_id)
             if text is None:
@@ -106,7 +106,8 @@ def chat_messages(
                 if tool_names is not None and call.function.name not in tool_names:
                     raise invalid_request(
                         f"the assistant message calls {call.function.name!r}, which is not "
-                        "in tools", f"{where}.tool_calls.{j}.function.name",
+                        "in tools",
+                        f"{where}.tool_calls.{j}.function.name",
                     )
                 try:
                     arguments = json.loads(call.function.arguments)
@@ -116,24 +117,32 @@ def chat_messages(
                         f"{where}.tool_calls.{j}.function.arguments",
                     ) from e
                 if not isinstance(arguments, dict):
-                    raise invalid_request("tool call arguments must be a JSON object",
-                                          f"{where}.tool_calls.{j}.function.arguments")
+                    raise invalid_request(
+                        "tool call arguments must be a JSON object",
+                        f"{where}.tool_calls.{j}.function.arguments",
+                    )
             ids = [c.id for c in calls]
             if len(set(ids)) != len(ids):
                 raise invalid_request("tool call ids must be unique", f"{where}.tool_calls")
             open_calls = set(ids)
             if text is None and not calls:
-                raise invalid_request("an assistant message needs content or tool_calls",
-                                      f"{where}.content")
-            spliced = generated.lookup(session_key, text, calls) if generated and session_key \
-                else None
+                raise invalid_request(
+                    "an assistant message needs content or tool_calls", f"{where}.content"
+                )
+            spliced = (
+                generated.lookup(session_key, text, calls) if generated and session_key else None
+            )
             if spliced is not None:
                 out.append(ChatMessage("assistant", None, token_ids=spliced))
             else:
-                out.append(ChatMessage(
-                    "assistant", text, name=m.name,
-                    tool_calls=tuple(c.model_dump() for c in calls) or None,
-                ))
+                out.append(
+                    ChatMessage(
+                        "assistant",
+                        text,
+                        name=m.name,
+                        tool_calls=tuple(c.model_dump() for c in calls) or None,
+                    )
+                )
             continue
         if text is None:
             raise invalid_request(f"a {m.role} message needs content", f"{where}.content")
@@ -186,8 +195,7 @@ class GeneratedIds:
         def fields(call: Any) -> list[str]:
             if isinstance(call, dict):
                 function = call.get("function", {})
-                return [call.get("id", ""), function.get("name", ""),
-                        function.get("arguments", "")]
+                return [call.get("id", ""), function.get("name", ""), function.get("arguments", "")]
             return [call.id, call.function.name, call.function.arguments]
 
         return json.dumps([content or "", [fields(c) for c in calls]], ensure_ascii=False)

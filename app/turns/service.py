@@ -29,8 +29,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvchat.inference import ChatMessage, branch_key, prompt_key
-
 from kvchat.app.coord.locks import HeldLock, Locks
 from kvchat.app.errors import (
     APIError,
@@ -60,6 +58,7 @@ from kvchat.app.turns.events import (
 )
 from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
 from kvchat.app.turns.turn import Turn
+from kvchat.inference import ChatMessage, branch_key, prompt_key
 
 if TYPE_CHECKING:
     from kvchat.app.state import AppState
@@ -90,8 +89,12 @@ def events_stream(message_id: str) -> str:
 
 
 def key_revoked() -> APIError:
-    return APIError(401, "This API key was revoked.", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return APIError(
+        401,
+        "This API key was revoked.",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 class TurnService:
@@ -165,23 +168,32 @@ class TurnService:
         if not key_verified:
             await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
-        held = await self.locks.acquire(lock_key(conv.id), purpose="turn",
-                                        fence_floor=conv.turn_fence)
+        held = await self.locks.acquire(
+            lock_key(conv.id), purpose="turn", fence_floor=conv.turn_fence
+        )
         if not isinstance(held, HeldLock):
             if held.purpose == "delete":
                 raise conversation_gone(conv.id)
             raise busy(BUSY)
         try:
-            prepared = await pipeline.prepare_turn(state, conv, fields, new_message=new_message,
-                                                   parent_id=parent_id,
-                                                   instructions=instructions,
-                                                   truncation=truncation)
-            state.runtime.engine.set_session_budget(conv.id,
-                                                    pipeline.session_budget(state, conv))
+            prepared = await pipeline.prepare_turn(
+                state,
+                conv,
+                fields,
+                new_message=new_message,
+                parent_id=parent_id,
+                instructions=instructions,
+                truncation=truncation,
+            )
+            state.runtime.engine.set_session_budget(conv.id, pipeline.session_budget(state, conv))
             try:
                 user, reply = await state.store.start_reply(
-                    conv.id, parent_id=prepared.reply_parent_id, user=prepared.user_fields,
-                    trim_start_id=prepared.trim_start_id, fence=held.fence, reply=reply_fields,
+                    conv.id,
+                    parent_id=prepared.reply_parent_id,
+                    user=prepared.user_fields,
+                    trim_start_id=prepared.trim_start_id,
+                    fence=held.fence,
+                    reply=reply_fields,
                 )
             except LookupError:
                 raise conversation_gone(conv.id) from None
@@ -189,9 +201,13 @@ class TurnService:
                 raise busy(BUSY) from None
             state.runtime.history.record(conv.id, prepared.history_stats)
             generation = Generation(
-                state.runtime, prepared.request, cache_salt=key.owner,
-                tool_format=prepared.tool_format, tool_names=prepared.tool_names,
-                request_id=f"turn-{reply.id}", on_finish=spend_on_finish(state, key.id),
+                state.runtime,
+                prepared.request,
+                cache_salt=key.owner,
+                tool_format=prepared.tool_format,
+                tool_names=prepared.tool_names,
+                request_id=f"turn-{reply.id}",
+                on_finish=spend_on_finish(state, key.id),
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
             if state.coord.name != "local":
@@ -250,8 +266,11 @@ class TurnService:
                     turn.text_sent += len(event.text)
                     checkpoints.maybe()
                 elif isinstance(event, ToolDelta):
-                    turn.publish(TurnToolCall(turn.message_id, event.index, event.id,
-                                              event.name, event.arguments))
+                    turn.publish(
+                        TurnToolCall(
+                            turn.message_id, event.index, event.id, event.name, event.arguments
+                        )
+                    )
                 elif isinstance(event, Done):
                     result = event.result
         except asyncio.CancelledError:
@@ -261,8 +280,18 @@ class TurnService:
             log.exception("turn %s failed", turn.message_id)
             error = e
         finally:
-            await asyncio.shield(self._end(turn, held, prepared, result or turn.generation.result,
-                                           error, checkpoints, unsubscribe, on_end))
+            await asyncio.shield(
+                self._end(
+                    turn,
+                    held,
+                    prepared,
+                    result or turn.generation.result,
+                    error,
+                    checkpoints,
+                    unsubscribe,
+                    on_end,
+                )
+            )
 
     async def _end(
         self,
@@ -283,24 +312,23 @@ class TurnService:
             fields = self._reply_fields(result, error)
             if result.token_ids:
                 counts = await state.runtime.run_cpu(
-                    pipeline.reply_counts, state, prepared, result.token_ids,
-                    fields["tool_calls"])
+                    pipeline.reply_counts, state, prepared, result.token_ids, fields["tool_calls"]
+                )
                 fields.update(num_tokens=counts.num_tokens, content_tokens=counts.content_tokens)
             final = await state.store.update_message(turn.message_id, **fields)
             turn.final = final
             new = (turn.user_message, final) if turn.user_message is not None else (final,)
-            self.branches.put(prepared.conversation, prepared.path, new,
-                              prepared.summary_record)
+            self.branches.put(prepared.conversation, prepared.path, new, prepared.summary_record)
             if error is not None:
                 failure = engine_failure(error)
-                turn.publish(TurnFailed(final.id, failure.code or "engine_error",
-                                        failure.message))
+                turn.publish(TurnFailed(final.id, failure.code or "engine_error", failure.message))
             else:
                 turn.publish(TurnDone.of(final))
         except LookupError:  # the conversation was deleted under the turn
             turn.failure = conversation_gone(turn.conversation_id)
-            turn.publish(TurnFailed(turn.message_id, "conversation_not_found",
-                                    turn.failure.message, 404))
+            turn.publish(
+                TurnFailed(turn.message_id, "conversation_not_found", turn.failure.message, 404)
+            )
         except Exception:
             log.exception("storing the reply of turn %s failed", turn.message_id)
             turn.failure = APIError(500, "The reply could not be stored.", code="internal_error")
@@ -326,21 +354,32 @@ class TurnService:
             except Exception:
                 log.exception("taking the lease of %s failed", turn.conversation_id)
             if turn.final is not None and error is None:
-                job = pipeline.summary_job(state, prepared.conversation, prepared.policy,
-                                           prepared.plan, prepared.branch, prepared.chat)
+                job = pipeline.summary_job(
+                    state,
+                    prepared.conversation,
+                    prepared.policy,
+                    prepared.plan,
+                    prepared.branch,
+                    prepared.chat,
+                )
                 if job is not None:
                     state.spawn(job())
 
     def _reply_fields(self, result: Generated, error: BaseException | None) -> dict[str, Any]:
         fields: dict[str, Any] = dict(
             content=(result.content if result.content is not None else result.text)
-            if result.token_ids else None,
+            if result.token_ids
+            else None,
             token_ids=result.token_ids or None,
             tool_calls=[
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": c.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
                 for c in result.tool_calls
-            ] or None,
+            ]
+            or None,
             finish_reason=result.finish_reason,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
@@ -380,8 +419,11 @@ class TurnService:
         coordination back end's buffer, else from the stored reply. The caller has checked
         the conversation's owner. 404 for no such reply."""
         running = self._running.get(conversation_id)
-        turn = running if running is not None and running.message_id == message_id \
+        turn = (
+            running
+            if running is not None and running.message_id == message_id
             else self._recent.get(message_id)
+        )
         if turn is not None and turn.conversation_id == conversation_id:
             return from_offset(turn.events(), offset)
         stored = await self.state.store.get_message(conversation_id, message_id)
@@ -406,8 +448,10 @@ class TurnService:
             if isinstance(held, HeldLock):
                 break
             if self.clock() > deadline:
-                raise busy("The reply being generated in this conversation did not stop; "
-                           "try deleting again.")
+                raise busy(
+                    "The reply being generated in this conversation did not stop; "
+                    "try deleting again."
+                )
             turn = self._running.get(conv.id)
             if turn is not None:
                 turn.stop()
@@ -438,15 +482,20 @@ class TurnService:
         the last checkpoint). Returns the interrupted replies."""
         state = self.state
         for key, holder in await self.locks.reclaim_dead():
-            log.warning("took over lock %s from %s (pid %d), which is gone", key, holder.owner,
-                        holder.pid)
+            log.warning(
+                "took over lock %s from %s (pid %d), which is gone", key, holder.owner, holder.pid
+            )
         # A reply is dead when no turn lock covers it. Replies of turns that took their lock
         # after the scan are newer than `scanned`, and spared.
         scanned = utcnow()
-        live = {key.removeprefix("turn:") for key, holder in
-                await state.coord.lock_scan("turn:") if holder.purpose == "turn"}
-        interrupted = await state.store.mark_interrupted(except_conversations=live,
-                                                         created_before=scanned)
+        live = {
+            key.removeprefix("turn:")
+            for key, holder in await state.coord.lock_scan("turn:")
+            if holder.purpose == "turn"
+        }
+        interrupted = await state.store.mark_interrupted(
+            except_conversations=live, created_before=scanned
+        )
         recovered = []
         for message in interrupted:
             try:
@@ -480,13 +529,15 @@ class Checkpoints:
             return
         self.last = now
         turn = self.turn
-        self.task = asyncio.ensure_future(self._write(
-            turn.text, list(turn.generation.result.token_ids)))
+        self.task = asyncio.ensure_future(
+            self._write(turn.text, list(turn.generation.result.token_ids))
+        )
 
     async def _write(self, text: str, token_ids: list[int]) -> None:
         try:
-            await self.state.store.update_message(self.turn.message_id, content=text,
-                                                  token_ids=token_ids or None)
+            await self.state.store.update_message(
+                self.turn.message_id, content=text, token_ids=token_ids or None
+            )
         except Exception:
             log.warning("checkpointing reply %s failed", self.turn.message_id, exc_info=True)
 

@@ -23,6 +23,9 @@ from typing import Any
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
+from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.schemas.chat import NamedToolChoice, SamplingFields
+from kvchat.app.schemas.json_input import json_depth
 from kvchat.inference import (
     ANY_OBJECT,
     Grammar,
@@ -33,10 +36,6 @@ from kvchat.inference import (
     json_schema_grammar,
     tool_call_grammar,
 )
-
-from kvchat.app.errors import APIError, invalid_request
-from kvchat.app.schemas.chat import NamedToolChoice, SamplingFields
-from kvchat.app.schemas.json_input import json_depth
 
 MAX_SCHEMA_DEPTH = 64
 
@@ -57,7 +56,8 @@ def output_grammar(
             "this model's chat template writes tool calls in no format the server knows, so "
             "calls cannot be constrained (tool_choice 'required' or named, or tools together "
             "with a JSON response_format); use tool_choice 'auto' without response_format",
-            "tool_choice", code="unsupported",
+            "tool_choice",
+            code="unsupported",
         )
     specs = []
     for i, tool in enumerate(tools):
@@ -68,7 +68,9 @@ def output_grammar(
             _compile(compiler, json_schema_grammar(parameters), f"tools.{i}.function.parameters")
         specs.append(ToolSpec(tool.function.name, parameters))
     grammar = tool_call_grammar(
-        specs, tool_format, parallel=fields.parallel_tool_calls is not False,
+        specs,
+        tool_format,
+        parallel=fields.parallel_tool_calls is not False,
         content_schema=None if forced else content,
     )
     _compile(compiler, grammar, "tools")
@@ -106,8 +108,11 @@ def check_json_schema(schema: Mapping[str, Any], param: str) -> None:
     at most MAX_SCHEMA_DEPTH levels."""
     if json_depth(schema) > MAX_SCHEMA_DEPTH:
         raise APIError(
-            400, f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep; flatten it "
-            "(or use $defs and $ref)", param=param, code="schema_too_deep",
+            400,
+            f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep; flatten it "
+            "(or use $defs and $ref)",
+            param=param,
+            code="schema_too_deep",
         )
     try:
         validator_for(schema).check_schema(schema)
@@ -120,6 +125,8 @@ def _compile(compiler: GrammarCompiler, grammar: Grammar, param: str) -> None:
         compiler.compile(grammar)
     except GrammarError as e:
         raise APIError(
-            400, f"{param} cannot be enforced by constrained decoding: {e}",
-            param=param, code="unsupported_schema",
+            400,
+            f"{param} cannot be enforced by constrained decoding: {e}",
+            param=param,
+            code="unsupported_schema",
         ) from e

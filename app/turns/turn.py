@@ -50,8 +50,11 @@ class Turn:
     def publish(self, event: TurnEvent) -> None:
         """Add an event; nothing is added after the terminal one."""
         if self.is_done:
-            log.error("turn %s: %s published after its end; dropped", self.message_id,
-                      type(event).__name__)
+            log.error(
+                "turn %s: %s published after its end; dropped",
+                self.message_id,
+                type(event).__name__,
+            )
             return
         self.log.append(event)
         if is_terminal(event):
@@ -94,8 +97,10 @@ class Turn:
             return self.final
         last = self.log[-1]
         raise self.failure or APIError(
-            500, last.message if isinstance(last, TurnFailed) else "the turn failed",
-            code=last.code if isinstance(last, TurnFailed) else "internal_error")
+            500,
+            last.message if isinstance(last, TurnFailed) else "the turn failed",
+            code=last.code if isinstance(last, TurnFailed) else "internal_error",
+        )
 
     # -- watchers and the grace period -----------------------------------------------------------
 
@@ -125,6 +130,7 @@ class Turn:
     def _grace_over(self) -> None:
         self._grace = None
         if not self.watchers and not self.is_done:
-            log.info("turn %s: no client came back within the grace period; stopping it",
-                     self.message_id)
+            log.info(
+                "turn %s: no client came back within the grace period; stopping it", self.message_id
+            )
             self.stop()

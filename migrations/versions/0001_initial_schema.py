@@ -124,7 +124,6 @@ def upgrade() -> None:
         )
 
 
-
 def downgrade() -> None:
     with op.batch_alter_table("summaries", schema=None) as batch_op:
         batch_op.drop_index("ix_summaries_conversation_id_created_at")

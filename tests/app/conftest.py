@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import URL
 
 from kvchat.app.store import upgrade
-from kvchat_testing.service import create_postgres_database, drop_postgres_database, postgres_url
 from kvchat_testing.app_service import Service, service_settings
+from kvchat_testing.service import create_postgres_database, drop_postgres_database, postgres_url
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +39,6 @@ def empty_postgres() -> Iterator[URL]:
         yield postgres_url(name)
     finally:
         drop_postgres_database(name)
-
-
-
-
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])

@@ -41,8 +41,11 @@ def respond(**fields: Any) -> dict[str, Any]:
 
 
 def ui_chat(**fields: Any) -> dict[str, Any]:
-    return {"id": "{conv}", "messages": [{"id": "m1", "role": "user", "parts": [
-        {"type": "text", "text": "hi"}]}], **fields}
+    return {
+        "id": "{conv}",
+        "messages": [{"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}],
+        **fields,
+    }
 
 
 def nested_schema(depth: int) -> dict[str, Any]:
@@ -96,161 +99,599 @@ assert TOO_DEEP + 4 < MAX_JSON_DEPTH
 ROWS = [
     # -- 6: numbers past their range ----------------------------------------------------------
     Row("chat-seed-2^64", "POST", "/v1/chat/completions", chat(seed=2**64), 400, None, "seed"),
-    Row("chat-seed-below-int64", "POST", "/v1/chat/completions", chat(seed=INT64_MIN - 1),
-        400, None, "seed"),
+    Row(
+        "chat-seed-below-int64",
+        "POST",
+        "/v1/chat/completions",
+        chat(seed=INT64_MIN - 1),
+        400,
+        None,
+        "seed",
+    ),
     Row("chat-seed-1.2e24", "POST", "/v1/chat/completions", chat(seed=1.2e24), 400, None, "seed"),
-    Row("chat-stream-seed", "POST", "/v1/chat/completions", chat(seed=2**64, stream=True),
-        400, None, "seed"),
-    Row("chat-max-completion-tokens", "POST", "/v1/chat/completions",
-        chat(max_completion_tokens=2**64), 400, None, "max_completion_tokens"),
-    Row("message-seed", "POST", MESSAGES, {"content": "hi", **REPLY, "seed": 2**64},
-        400, None, "seed"),
-    Row("message-max-tokens", "POST", MESSAGES, {"content": "hi", "max_tokens": 2**64},
-        400, None, "max_tokens"),
-    Row("message-top-k", "POST", MESSAGES, {"content": "hi", **REPLY, "top_k": 2**64},
-        400, None, "top_k"),
-    Row("regenerate-seed", "POST", "/v1/conversations/{conv}/regenerate",
-        {**REPLY, "seed": 2**64}, 400, None, "seed"),
+    Row(
+        "chat-stream-seed",
+        "POST",
+        "/v1/chat/completions",
+        chat(seed=2**64, stream=True),
+        400,
+        None,
+        "seed",
+    ),
+    Row(
+        "chat-max-completion-tokens",
+        "POST",
+        "/v1/chat/completions",
+        chat(max_completion_tokens=2**64),
+        400,
+        None,
+        "max_completion_tokens",
+    ),
+    Row(
+        "message-seed",
+        "POST",
+        MESSAGES,
+        {"content": "hi", **REPLY, "seed": 2**64},
+        400,
+        None,
+        "seed",
+    ),
+    Row(
+        "message-max-tokens",
+        "POST",
+        MESSAGES,
+        {"content": "hi", "max_tokens": 2**64},
+        400,
+        None,
+        "max_tokens",
+    ),
+    Row(
+        "message-top-k",
+        "POST",
+        MESSAGES,
+        {"content": "hi", **REPLY, "top_k": 2**64},
+        400,
+        None,
+        "top_k",
+    ),
+    Row(
+        "regenerate-seed",
+        "POST",
+        "/v1/conversations/{conv}/regenerate",
+        {**REPLY, "seed": 2**64},
+        400,
+        None,
+        "seed",
+    ),
     Row("ui-chat-seed", "POST", "/v1/ui/chat", ui_chat(seed=2**64), 400, None, "seed"),
-    Row("create-max-kv-tokens-int64", "POST", "/v1/conversations", {"max_kv_tokens": 2**63},
-        400, None, "max_kv_tokens"),
-    Row("create-max-context-tokens-int32", "POST", "/v1/conversations",
-        {"max_context_tokens": INT32_MAX + 1}, 400, None, "max_context_tokens"),
-    Row("create-max-tool-result-tokens", "POST", "/v1/conversations",
-        {"max_tool_result_tokens": 2**64}, 400, None, "max_tool_result_tokens"),
-    Row("create-max-summary-tokens", "POST", "/v1/conversations",
-        {"max_summary_tokens": INT32_MAX + 1}, 400, None, "max_summary_tokens"),
-    Row("patch-max-kv-tokens", "PATCH", "/v1/conversations/{conv}", {"max_kv_tokens": 2**64},
-        400, None, "max_kv_tokens"),
-    Row("admin-session-max-context-tokens", "PUT", "/v1/admin/sessions/{conv}",
-        {"max_context_tokens": 2**64}, 400, None, "max_context_tokens", admin=True),
-    Row("admin-defaults-max-kv-tokens", "PUT", "/v1/admin/defaults",
-        {"max_kv_tokens": INT32_MAX + 1}, 400, None, "max_kv_tokens", admin=True),
-    Row("number-of-5000-digits", "POST", "/v1/chat/completions",
+    Row(
+        "create-max-kv-tokens-int64",
+        "POST",
+        "/v1/conversations",
+        {"max_kv_tokens": 2**63},
+        400,
+        None,
+        "max_kv_tokens",
+    ),
+    Row(
+        "create-max-context-tokens-int32",
+        "POST",
+        "/v1/conversations",
+        {"max_context_tokens": INT32_MAX + 1},
+        400,
+        None,
+        "max_context_tokens",
+    ),
+    Row(
+        "create-max-tool-result-tokens",
+        "POST",
+        "/v1/conversations",
+        {"max_tool_result_tokens": 2**64},
+        400,
+        None,
+        "max_tool_result_tokens",
+    ),
+    Row(
+        "create-max-summary-tokens",
+        "POST",
+        "/v1/conversations",
+        {"max_summary_tokens": INT32_MAX + 1},
+        400,
+        None,
+        "max_summary_tokens",
+    ),
+    Row(
+        "patch-max-kv-tokens",
+        "PATCH",
+        "/v1/conversations/{conv}",
+        {"max_kv_tokens": 2**64},
+        400,
+        None,
+        "max_kv_tokens",
+    ),
+    Row(
+        "admin-session-max-context-tokens",
+        "PUT",
+        "/v1/admin/sessions/{conv}",
+        {"max_context_tokens": 2**64},
+        400,
+        None,
+        "max_context_tokens",
+        admin=True,
+    ),
+    Row(
+        "admin-defaults-max-kv-tokens",
+        "PUT",
+        "/v1/admin/defaults",
+        {"max_kv_tokens": INT32_MAX + 1},
+        400,
+        None,
+        "max_kv_tokens",
+        admin=True,
+    ),
+    Row(
+        "number-of-5000-digits",
+        "POST",
+        "/v1/chat/completions",
         '{"model": "dev", "messages": [], "seed": ' + "9" * 5000 + "}",
-        400, "invalid_json", None),
+        400,
+        "invalid_json",
+        None,
+    ),
     # -- 8: nesting too deep ------------------------------------------------------------------
-    Row("chat-schema-200-deep", "POST", "/v1/chat/completions", chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "s", "schema": nested_schema(400)}}),
-        400, "json_too_deep", "response_format"),
-    Row("chat-tool-parameters-200-deep", "POST", "/v1/chat/completions",
-        chat(tools=[tool(nested_schema(400))]), 400, "json_too_deep", "tools"),
-    Row("chat-schema-past-its-depth", "POST", "/v1/chat/completions", chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "s", "schema": nested_schema(TOO_DEEP)}}),
-        400, "schema_too_deep", SCHEMA),
-    Row("chat-tool-parameters-past-their-depth", "POST", "/v1/chat/completions",
-        chat(tools=[tool(nested_schema(TOO_DEEP))]), 400, "schema_too_deep",
-        "tools.0.function.parameters"),
-    Row("message-tool-parameters-past-their-depth", "POST", MESSAGES,
+    Row(
+        "chat-schema-200-deep",
+        "POST",
+        "/v1/chat/completions",
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": nested_schema(400)},
+            }
+        ),
+        400,
+        "json_too_deep",
+        "response_format",
+    ),
+    Row(
+        "chat-tool-parameters-200-deep",
+        "POST",
+        "/v1/chat/completions",
+        chat(tools=[tool(nested_schema(400))]),
+        400,
+        "json_too_deep",
+        "tools",
+    ),
+    Row(
+        "chat-schema-past-its-depth",
+        "POST",
+        "/v1/chat/completions",
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": nested_schema(TOO_DEEP)},
+            }
+        ),
+        400,
+        "schema_too_deep",
+        SCHEMA,
+    ),
+    Row(
+        "chat-tool-parameters-past-their-depth",
+        "POST",
+        "/v1/chat/completions",
+        chat(tools=[tool(nested_schema(TOO_DEEP))]),
+        400,
+        "schema_too_deep",
+        "tools.0.function.parameters",
+    ),
+    Row(
+        "message-tool-parameters-past-their-depth",
+        "POST",
+        MESSAGES,
         {"content": "hi", **REPLY, "tools": [tool(nested_schema(TOO_DEEP))]},
-        400, "schema_too_deep", "tools.0.function.parameters"),
-    Row("create-metadata-200-deep", "POST", "/v1/conversations",
-        '{"metadata": ' + deep_object(200) + "}", 400, "json_too_deep", "metadata"),
-    Row("body-50000-deep", "POST", "/v1/chat/completions", deep_array(50_000),
-        400, "json_too_deep", None),
-    Row("body-just-too-deep", "POST", "/v1/chat/completions", deep_array(MAX_JSON_DEPTH + 1),
-        400, "json_too_deep", None),
+        400,
+        "schema_too_deep",
+        "tools.0.function.parameters",
+    ),
+    Row(
+        "create-metadata-200-deep",
+        "POST",
+        "/v1/conversations",
+        '{"metadata": ' + deep_object(200) + "}",
+        400,
+        "json_too_deep",
+        "metadata",
+    ),
+    Row(
+        "body-50000-deep",
+        "POST",
+        "/v1/chat/completions",
+        deep_array(50_000),
+        400,
+        "json_too_deep",
+        None,
+    ),
+    Row(
+        "body-just-too-deep",
+        "POST",
+        "/v1/chat/completions",
+        deep_array(MAX_JSON_DEPTH + 1),
+        400,
+        "json_too_deep",
+        None,
+    ),
     # -- 9: text that is not valid Unicode ----------------------------------------------------
-    Row("chat-content-surrogate", "POST", "/v1/chat/completions",
+    Row(
+        "chat-content-surrogate",
+        "POST",
+        "/v1/chat/completions",
         chat(messages=[{"role": "user", "content": "x\ud800"}]),
-        400, "invalid_unicode", "messages.0.content"),
-    Row("chat-tool-description-surrogate", "POST", "/v1/chat/completions",
+        400,
+        "invalid_unicode",
+        "messages.0.content",
+    ),
+    Row(
+        "chat-tool-description-surrogate",
+        "POST",
+        "/v1/chat/completions",
         chat(tools=[{"type": "function", "function": {"name": "f", "description": "\udfff"}}]),
-        400, "invalid_unicode", "tools.0.function.description"),
-    Row("chat-stop-surrogate", "POST", "/v1/chat/completions", chat(stop=["ok", "\ud83d"]),
-        400, "invalid_unicode", "stop.1"),
-    Row("message-content-surrogate", "POST", MESSAGES, {"content": "x\ud800", **REPLY},
-        400, "invalid_unicode", "content"),
-    Row("message-content-part-surrogate", "POST", MESSAGES,
+        400,
+        "invalid_unicode",
+        "tools.0.function.description",
+    ),
+    Row(
+        "chat-stop-surrogate",
+        "POST",
+        "/v1/chat/completions",
+        chat(stop=["ok", "\ud83d"]),
+        400,
+        "invalid_unicode",
+        "stop.1",
+    ),
+    Row(
+        "message-content-surrogate",
+        "POST",
+        MESSAGES,
+        {"content": "x\ud800", **REPLY},
+        400,
+        "invalid_unicode",
+        "content",
+    ),
+    Row(
+        "message-content-part-surrogate",
+        "POST",
+        MESSAGES,
         {"content": [{"type": "text", "text": "x\ud800"}], **REPLY},
-        400, "invalid_unicode", "content.0.text"),
-    Row("message-name-surrogate", "POST", MESSAGES, {"content": "x", "name": "a\udc00", **REPLY},
-        400, "invalid_unicode", "name"),
-    Row("tool-result-id-surrogate", "POST", MESSAGES,
+        400,
+        "invalid_unicode",
+        "content.0.text",
+    ),
+    Row(
+        "message-name-surrogate",
+        "POST",
+        MESSAGES,
+        {"content": "x", "name": "a\udc00", **REPLY},
+        400,
+        "invalid_unicode",
+        "name",
+    ),
+    Row(
+        "tool-result-id-surrogate",
+        "POST",
+        MESSAGES,
         {"role": "tool", "content": "5", "tool_call_id": "call\ud800", **REPLY},
-        400, "invalid_unicode", "tool_call_id"),
-    Row("create-title-surrogate", "POST", "/v1/conversations", {"title": "t\ud800"},
-        400, "invalid_unicode", "title"),
-    Row("create-system-surrogate", "POST", "/v1/conversations", {"system": "\ud800 be brief"},
-        400, "invalid_unicode", "system"),
-    Row("create-metadata-key-surrogate", "POST", "/v1/conversations",
-        {"metadata": {"k\ud800": 1}}, 400, "invalid_unicode", "metadata.k\\ud800"),
-    Row("create-metadata-value-surrogate", "POST", "/v1/conversations",
-        {"metadata": {"k": ["ok", "v\ud800"]}}, 400, "invalid_unicode", "metadata.k.1"),
-    Row("patch-title-surrogate", "PATCH", "/v1/conversations/{conv}", {"title": "\ud800"},
-        400, "invalid_unicode", "title"),
-    Row("ui-chat-text-surrogate", "POST", "/v1/ui/chat", {**ui_chat(), "messages": [
-        {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "x\ud800"}]}]},
-        400, "invalid_unicode", "messages.0.parts.0.text"),
-    Row("tokenize-content-surrogate", "POST", "/v1/tokenize",
+        400,
+        "invalid_unicode",
+        "tool_call_id",
+    ),
+    Row(
+        "create-title-surrogate",
+        "POST",
+        "/v1/conversations",
+        {"title": "t\ud800"},
+        400,
+        "invalid_unicode",
+        "title",
+    ),
+    Row(
+        "create-system-surrogate",
+        "POST",
+        "/v1/conversations",
+        {"system": "\ud800 be brief"},
+        400,
+        "invalid_unicode",
+        "system",
+    ),
+    Row(
+        "create-metadata-key-surrogate",
+        "POST",
+        "/v1/conversations",
+        {"metadata": {"k\ud800": 1}},
+        400,
+        "invalid_unicode",
+        "metadata.k\\ud800",
+    ),
+    Row(
+        "create-metadata-value-surrogate",
+        "POST",
+        "/v1/conversations",
+        {"metadata": {"k": ["ok", "v\ud800"]}},
+        400,
+        "invalid_unicode",
+        "metadata.k.1",
+    ),
+    Row(
+        "patch-title-surrogate",
+        "PATCH",
+        "/v1/conversations/{conv}",
+        {"title": "\ud800"},
+        400,
+        "invalid_unicode",
+        "title",
+    ),
+    Row(
+        "ui-chat-text-surrogate",
+        "POST",
+        "/v1/ui/chat",
+        {
+            **ui_chat(),
+            "messages": [
+                {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "x\ud800"}]}
+            ],
+        },
+        400,
+        "invalid_unicode",
+        "messages.0.parts.0.text",
+    ),
+    Row(
+        "tokenize-content-surrogate",
+        "POST",
+        "/v1/tokenize",
         {"messages": [{"role": "user", "content": "x\ud800"}]},
-        400, "invalid_unicode", "messages.0.content"),
-    Row("create-title-nul", "POST", "/v1/conversations", {"title": "a\x00b"},
-        400, "invalid_unicode", "title"),
-    Row("patch-title-nul", "PATCH", "/v1/conversations/{conv}", {"title": "a\x00b"},
-        400, "invalid_unicode", "title"),
-    Row("create-metadata-nul", "POST", "/v1/conversations", {"metadata": {"k": "a\x00"}},
-        400, "invalid_unicode", "metadata.k"),
-    Row("message-content-nul", "POST", MESSAGES, {"content": "a\x00b", **REPLY},
-        400, "invalid_unicode", "content"),
-    Row("body-not-utf8", "POST", MESSAGES, b'{"content": "\xff\xfe"}',
-        400, "invalid_unicode", None),
-    Row("body-encoded-surrogate", "POST", MESSAGES, b'{"content": "\xed\xa0\x80"}',
-        400, "invalid_unicode", None),
-    Row("query-nul", "GET", "/v1/conversations/{conv}/messages?leaf=%00", None,
-        400, "invalid_unicode", "leaf"),
+        400,
+        "invalid_unicode",
+        "messages.0.content",
+    ),
+    Row(
+        "create-title-nul",
+        "POST",
+        "/v1/conversations",
+        {"title": "a\x00b"},
+        400,
+        "invalid_unicode",
+        "title",
+    ),
+    Row(
+        "patch-title-nul",
+        "PATCH",
+        "/v1/conversations/{conv}",
+        {"title": "a\x00b"},
+        400,
+        "invalid_unicode",
+        "title",
+    ),
+    Row(
+        "create-metadata-nul",
+        "POST",
+        "/v1/conversations",
+        {"metadata": {"k": "a\x00"}},
+        400,
+        "invalid_unicode",
+        "metadata.k",
+    ),
+    Row(
+        "message-content-nul",
+        "POST",
+        MESSAGES,
+        {"content": "a\x00b", **REPLY},
+        400,
+        "invalid_unicode",
+        "content",
+    ),
+    Row(
+        "body-not-utf8", "POST", MESSAGES, b'{"content": "\xff\xfe"}', 400, "invalid_unicode", None
+    ),
+    Row(
+        "body-encoded-surrogate",
+        "POST",
+        MESSAGES,
+        b'{"content": "\xed\xa0\x80"}',
+        400,
+        "invalid_unicode",
+        None,
+    ),
+    Row(
+        "query-nul",
+        "GET",
+        "/v1/conversations/{conv}/messages?leaf=%00",
+        None,
+        400,
+        "invalid_unicode",
+        "leaf",
+    ),
     Row("path-nul", "GET", "/v1/conversations/%00", None, 400, "invalid_unicode", None),
     # -- the Responses and Conversations APIs (issue 21) ---------------------------------------
     Row("responses-seed-2^64", "POST", RESPONSES, respond(seed=2**64), 400, None, "seed"),
-    Row("responses-max-output-tokens", "POST", RESPONSES, respond(max_output_tokens=2**64),
-        400, None, "max_output_tokens"),
-    Row("responses-stream-max-output-tokens", "POST", RESPONSES,
-        respond(max_output_tokens=INT32_MAX + 1, stream=True), 400, None, "max_output_tokens"),
-    Row("responses-schema-200-deep", "POST", RESPONSES, respond(text={"format": {
-        "type": "json_schema", "name": "s", "schema": nested_schema(400)}}),
-        400, "json_too_deep", "text"),
-    Row("responses-schema-past-its-depth", "POST", RESPONSES, respond(text={"format": {
-        "type": "json_schema", "name": "s", "schema": nested_schema(TOO_DEEP)}}),
-        400, "schema_too_deep", "text.format.schema"),
-    Row("responses-tool-parameters-past-their-depth", "POST", RESPONSES, respond(tools=[
-        {"type": "function", "name": "f", "parameters": nested_schema(TOO_DEEP)}]),
-        400, "schema_too_deep", "tools.0.parameters"),
-    Row("responses-input-surrogate", "POST", RESPONSES, respond(input="x\ud800"),
-        400, "invalid_unicode", "input"),
-    Row("responses-item-text-surrogate", "POST", RESPONSES, respond(input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "x\ud800"}]}]),
-        400, "invalid_unicode", "input.0.content.0.text"),
-    Row("responses-instructions-nul", "POST", RESPONSES, respond(instructions="a\x00b"),
-        400, "invalid_unicode", "instructions"),
-    Row("responses-metadata-surrogate", "POST", RESPONSES, respond(metadata={"k": "v\ud800"}),
-        400, "invalid_unicode", "metadata.k"),
-    Row("responses-output-for-no-call", "POST", RESPONSES, respond(
-        previous_response_id="{resp}", input=[{"type": "function_call_output",
-                                               "call_id": "call_nope", "output": "x"}]),
-        400, None, "input.0.call_id"),
-    Row("responses-conversation-and-previous", "POST", RESPONSES, respond(
-        previous_response_id="{resp}", conversation="{conv}"), 400, None, "conversation"),
-    Row("responses-input-items-limit", "GET", "/v1/responses/{resp}/input_items?limit=1000",
-        None, 400, None, "limit"),
-    Row("responses-resume-starting-after", "GET",
-        "/v1/responses/{resp}?stream=true&starting_after=-1", None, 400, None,
-        "starting_after"),
-    Row("items-text-surrogate", "POST", "/v1/conversations/{conv}/items",
-        {"items": [{"role": "user", "content": "x\ud800"}]}, 400, "invalid_unicode",
-        "items.0.content"),
-    Row("items-bad-role", "POST", "/v1/conversations/{conv}/items",
-        {"items": [{"role": "robot", "content": "x"}]}, 400, None, "items.0.role"),
-    Row("items-output-for-no-call", "POST", "/v1/conversations/{conv}/items",
+    Row(
+        "responses-max-output-tokens",
+        "POST",
+        RESPONSES,
+        respond(max_output_tokens=2**64),
+        400,
+        None,
+        "max_output_tokens",
+    ),
+    Row(
+        "responses-stream-max-output-tokens",
+        "POST",
+        RESPONSES,
+        respond(max_output_tokens=INT32_MAX + 1, stream=True),
+        400,
+        None,
+        "max_output_tokens",
+    ),
+    Row(
+        "responses-schema-200-deep",
+        "POST",
+        RESPONSES,
+        respond(
+            text={"format": {"type": "json_schema", "name": "s", "schema": nested_schema(400)}}
+        ),
+        400,
+        "json_too_deep",
+        "text",
+    ),
+    Row(
+        "responses-schema-past-its-depth",
+        "POST",
+        RESPONSES,
+        respond(
+            text={"format": {"type": "json_schema", "name": "s", "schema": nested_schema(TOO_DEEP)}}
+        ),
+        400,
+        "schema_too_deep",
+        "text.format.schema",
+    ),
+    Row(
+        "responses-tool-parameters-past-their-depth",
+        "POST",
+        RESPONSES,
+        respond(tools=[{"type": "function", "name": "f", "parameters": nested_schema(TOO_DEEP)}]),
+        400,
+        "schema_too_deep",
+        "tools.0.parameters",
+    ),
+    Row(
+        "responses-input-surrogate",
+        "POST",
+        RESPONSES,
+        respond(input="x\ud800"),
+        400,
+        "invalid_unicode",
+        "input",
+    ),
+    Row(
+        "responses-item-text-surrogate",
+        "POST",
+        RESPONSES,
+        respond(input=[{"role": "user", "content": [{"type": "input_text", "text": "x\ud800"}]}]),
+        400,
+        "invalid_unicode",
+        "input.0.content.0.text",
+    ),
+    Row(
+        "responses-instructions-nul",
+        "POST",
+        RESPONSES,
+        respond(instructions="a\x00b"),
+        400,
+        "invalid_unicode",
+        "instructions",
+    ),
+    Row(
+        "responses-metadata-surrogate",
+        "POST",
+        RESPONSES,
+        respond(metadata={"k": "v\ud800"}),
+        400,
+        "invalid_unicode",
+        "metadata.k",
+    ),
+    Row(
+        "responses-output-for-no-call",
+        "POST",
+        RESPONSES,
+        respond(
+            previous_response_id="{resp}",
+            input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}],
+        ),
+        400,
+        None,
+        "input.0.call_id",
+    ),
+    Row(
+        "responses-conversation-and-previous",
+        "POST",
+        RESPONSES,
+        respond(previous_response_id="{resp}", conversation="{conv}"),
+        400,
+        None,
+        "conversation",
+    ),
+    Row(
+        "responses-input-items-limit",
+        "GET",
+        "/v1/responses/{resp}/input_items?limit=1000",
+        None,
+        400,
+        None,
+        "limit",
+    ),
+    Row(
+        "responses-resume-starting-after",
+        "GET",
+        "/v1/responses/{resp}?stream=true&starting_after=-1",
+        None,
+        400,
+        None,
+        "starting_after",
+    ),
+    Row(
+        "items-text-surrogate",
+        "POST",
+        "/v1/conversations/{conv}/items",
+        {"items": [{"role": "user", "content": "x\ud800"}]},
+        400,
+        "invalid_unicode",
+        "items.0.content",
+    ),
+    Row(
+        "items-bad-role",
+        "POST",
+        "/v1/conversations/{conv}/items",
+        {"items": [{"role": "robot", "content": "x"}]},
+        400,
+        None,
+        "items.0.role",
+    ),
+    Row(
+        "items-output-for-no-call",
+        "POST",
+        "/v1/conversations/{conv}/items",
         {"items": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-        400, None, "items.0.call_id"),
-    Row("create-items-bad-arguments", "POST", "/v1/conversations", {"items": [
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
-        400, None, "items.0.arguments"),
-    Row("items-list-order", "GET", "/v1/conversations/{conv}/items?order=sideways", None,
-        400, None, "order"),
+        400,
+        None,
+        "items.0.call_id",
+    ),
+    Row(
+        "create-items-bad-arguments",
+        "POST",
+        "/v1/conversations",
+        {"items": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+        400,
+        None,
+        "items.0.arguments",
+    ),
+    Row(
+        "items-list-order",
+        "GET",
+        "/v1/conversations/{conv}/items?order=sideways",
+        None,
+        400,
+        None,
+        "order",
+    ),
     # -- 10: a body over the cap, refused on its Content-Length --------------------------------
-    Row("body-over-the-cap", "POST", MESSAGES,
-        {"content": "x" * (4 * 2**20), "max_tokens": 0}, 413, "request_too_large", None),
+    Row(
+        "body-over-the-cap",
+        "POST",
+        MESSAGES,
+        {"content": "x" * (4 * 2**20), "max_tokens": 0},
+        413,
+        "request_too_large",
+        None,
+    ),
 ]
 
 
@@ -265,33 +706,74 @@ class FrameRow:
 
 
 FRAME_ROWS = [
-    FrameRow("message-seed", {"type": "message", "content": "hi", **REPLY, "seed": 2**64},
-             "invalid_request", "seed"),
-    FrameRow("message-seed-below-int64", {"type": "message", "content": "hi", **REPLY,
-                                          "seed": INT64_MIN - 1}, "invalid_request", "seed"),
-    FrameRow("regenerate-seed", {"type": "regenerate", **REPLY, "seed": 2**64},
-             "invalid_request", "seed"),
-    FrameRow("resume-offset", {"type": "resume", "message_id": "{reply}", "offset": 2**64},
-             "invalid_request", "offset"),
-    FrameRow("message-max-tokens", {"type": "message", "content": "hi", "max_tokens": 2**63},
-             "invalid_request", "max_tokens"),
-    FrameRow("number-of-5000-digits", '{"type": "ping", "n": ' + "9" * 5000 + "}",
-             "invalid_json", None),
+    FrameRow(
+        "message-seed",
+        {"type": "message", "content": "hi", **REPLY, "seed": 2**64},
+        "invalid_request",
+        "seed",
+    ),
+    FrameRow(
+        "message-seed-below-int64",
+        {"type": "message", "content": "hi", **REPLY, "seed": INT64_MIN - 1},
+        "invalid_request",
+        "seed",
+    ),
+    FrameRow(
+        "regenerate-seed", {"type": "regenerate", **REPLY, "seed": 2**64}, "invalid_request", "seed"
+    ),
+    FrameRow(
+        "resume-offset",
+        {"type": "resume", "message_id": "{reply}", "offset": 2**64},
+        "invalid_request",
+        "offset",
+    ),
+    FrameRow(
+        "message-max-tokens",
+        {"type": "message", "content": "hi", "max_tokens": 2**63},
+        "invalid_request",
+        "max_tokens",
+    ),
+    FrameRow(
+        "number-of-5000-digits", '{"type": "ping", "n": ' + "9" * 5000 + "}", "invalid_json", None
+    ),
     FrameRow("50000-deep", deep_array(50_000), "invalid_json", None),
-    FrameRow("tools-200-deep", '{"type": "message", "content": "hi", "tools": [' +
-             deep_object(200) + "]}", "invalid_json", "tools"),
-    FrameRow("tool-parameters-past-their-depth", {
-        "type": "message", "content": "hi", **REPLY, "tool_choice": "required",
-        "tools": [tool(nested_schema(TOO_DEEP))]}, "schema_too_deep",
-        "tools.0.function.parameters"),
-    FrameRow("content-surrogate", {"type": "message", "content": "x\ud800", **REPLY},
-             "invalid_request", "content"),
-    FrameRow("content-part-surrogate", {"type": "message", **REPLY,
-                                        "content": [{"type": "text", "text": "\udbff"}]},
-             "invalid_request", "content.0.text"),
+    FrameRow(
+        "tools-200-deep",
+        '{"type": "message", "content": "hi", "tools": [' + deep_object(200) + "]}",
+        "invalid_json",
+        "tools",
+    ),
+    FrameRow(
+        "tool-parameters-past-their-depth",
+        {
+            "type": "message",
+            "content": "hi",
+            **REPLY,
+            "tool_choice": "required",
+            "tools": [tool(nested_schema(TOO_DEEP))],
+        },
+        "schema_too_deep",
+        "tools.0.function.parameters",
+    ),
+    FrameRow(
+        "content-surrogate",
+        {"type": "message", "content": "x\ud800", **REPLY},
+        "invalid_request",
+        "content",
+    ),
+    FrameRow(
+        "content-part-surrogate",
+        {"type": "message", **REPLY, "content": [{"type": "text", "text": "\udbff"}]},
+        "invalid_request",
+        "content.0.text",
+    ),
     FrameRow("type-surrogate", {"type": "ping\ud800"}, "invalid_request", "type"),
-    FrameRow("content-nul", {"type": "message", "content": "a\x00", **REPLY},
-             "invalid_request", "content"),
+    FrameRow(
+        "content-nul",
+        {"type": "message", "content": "a\x00", **REPLY},
+        "invalid_request",
+        "content",
+    ),
 ]
 
 
@@ -329,8 +811,11 @@ class World:
 
     @property
     def names(self) -> dict[str, str]:
-        return {"conv": self.conv, "reply": self.reply,
-                "resp": "resp_" + self.reply.removeprefix("msg_")}
+        return {
+            "conv": self.conv,
+            "reply": self.reply,
+            "resp": "resp_" + self.reply.removeprefix("msg_"),
+        }
 
     def snapshot(self) -> Any:
         """Everything a bad request could have changed."""
@@ -346,8 +831,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(service: Service) -> World:
-    _, admin = service.client.portal.call(
-        lambda: service.state.store.create_key("ops", admin=True))
+    _, admin = service.client.portal.call(lambda: service.state.store.create_key("ops", admin=True))
     conv = service.post("/v1/conversations", {"title": "bad input"}).json()["id"]
     r = service.post(f"/v1/conversations/{conv}/messages", {"content": "hello", **REPLY})
     assert r.status_code == 200, r.text
@@ -369,8 +853,12 @@ def test_a_bad_request_is_answered_and_changes_nothing(world: World, row: Row) -
     headers = s.headers(world.admin if row.admin else None)
     if body is not None:
         headers["content-type"] = "application/json"
-    r = s.client.request(row.method, fill(row.path, world.names), headers=headers,
-                         content=None if body is None else encode(body))
+    r = s.client.request(
+        row.method,
+        fill(row.path, world.names),
+        headers=headers,
+        content=None if body is None else encode(body),
+    )
     assert_error(r, row)
     assert world.snapshot() == before
 
@@ -382,12 +870,16 @@ def test_a_bad_frame_gets_an_error_frame_and_the_socket_stays_open(
     s = world.service
     before = world.snapshot()
     frame = fill(row.frame, world.names)
-    with s.client.websocket_connect(f"/v1/conversations/{world.conv}/ws",
-                                    headers=s.headers()) as ws:
+    with s.client.websocket_connect(
+        f"/v1/conversations/{world.conv}/ws", headers=s.headers()
+    ) as ws:
         ws.send_text(frame if isinstance(frame, str) else json.dumps(frame))
         error = ws.receive_json()
         assert (error["type"], error["code"], error.get("param")) == (
-            "error", row.code, row.param), error
+            "error",
+            row.code,
+            row.param,
+        ), error
         ws.send_json({"type": "ping"})
         assert ws.receive_json() == {"type": "pong"}
     assert world.snapshot() == before
@@ -399,8 +891,10 @@ def test_nul_in_a_websocket_url_is_refused_at_the_handshake(world: World) -> Non
     s = world.service
     before = world.snapshot()
     for url in ("/v1/conversations/%00/ws", f"/v1/conversations/{world.conv}/ws?x=%00"):
-        with pytest.raises(WebSocketDisconnect) as refused, s.client.websocket_connect(
-                url, headers=s.headers()) as ws:
+        with (
+            pytest.raises(WebSocketDisconnect) as refused,
+            s.client.websocket_connect(url, headers=s.headers()) as ws,
+        ):
             ws.receive_json()
         assert refused.value.code == 1008
     assert world.snapshot() == before
@@ -412,13 +906,19 @@ def test_nesting_up_to_the_limits_is_accepted(service: Service) -> None:
     assert r.status_code == 200, r.text
     assert service.get(f"/v1/conversations/{r.json()['id']}").json()["metadata"] == metadata
     schema = nested_schema(MAX_SCHEMA_DEPTH)
-    r = service.post("/v1/chat/completions", chat(
-        max_tokens=2, response_format={"type": "json_schema",
-                                       "json_schema": {"name": "s", "schema": schema}},
-        tools=[tool(schema)]))
+    r = service.post(
+        "/v1/chat/completions",
+        chat(
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            tools=[tool(schema)],
+        ),
+    )
     assert r.status_code == 200, r.text
-    r = service.post("/v1/chat/completions", chat(tools=[tool(nested_schema(MAX_SCHEMA_DEPTH))],
-                                                  tool_choice="required", max_tokens=2))
+    r = service.post(
+        "/v1/chat/completions",
+        chat(tools=[tool(nested_schema(MAX_SCHEMA_DEPTH))], tool_choice="required", max_tokens=2),
+    )
     assert r.status_code == 200, r.text
 
 
@@ -428,7 +928,10 @@ def test_the_documented_limits_are_the_codes() -> None:
     from kvchat.app.turns.structured import MAX_SCHEMA_DEPTH as schema_depth
 
     assert (limits.INT32_MAX, limits.INT64_MIN, limits.INT64_MAX) == (
-        INT32_MAX, INT64_MIN, INT64_MAX)
+        INT32_MAX,
+        INT64_MIN,
+        INT64_MAX,
+    )
     assert (json_depth, schema_depth) == (MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH)
 
 
@@ -443,8 +946,9 @@ def test_the_seeds_of_n_choices_wrap_within_int64(service: Service) -> None:
     r = service.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     texts = [c["message"]["content"] for c in r.json()["choices"]]
-    alone = service.post("/v1/chat/completions", chat(max_tokens=4, temperature=1.0,
-                                                      seed=INT64_MIN)).json()
+    alone = service.post(
+        "/v1/chat/completions", chat(max_tokens=4, temperature=1.0, seed=INT64_MIN)
+    ).json()
     assert alone["choices"][0]["message"]["content"] == texts[1]
 
 
@@ -456,9 +960,14 @@ MAX_FRAME = 16 * 1024
 
 @pytest.fixture(scope="module")
 def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = Server(dev_model, tmp_path_factory.mktemp("bad-input"), env={
-        "KVCHAT_MAX_REQUEST_BYTES": str(MAX_BODY), "KVCHAT_WS_MAX_FRAME_BYTES": str(MAX_FRAME),
-    }).start()
+    server = Server(
+        dev_model,
+        tmp_path_factory.mktemp("bad-input"),
+        env={
+            "KVCHAT_MAX_REQUEST_BYTES": str(MAX_BODY),
+            "KVCHAT_WS_MAX_FRAME_BYTES": str(MAX_FRAME),
+        },
+    ).start()
     assert server.key is not None
     try:
         yield server
@@ -466,13 +975,21 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.stop()
 
 
-def exchange(server: Server, head: dict[str, str], sent: bytes, path: str = "/v1/conversations",
-             ) -> tuple[int, dict[str, str], dict[str, Any]]:
+def exchange(
+    server: Server,
+    head: dict[str, str],
+    sent: bytes,
+    path: str = "/v1/conversations",
+) -> tuple[int, dict[str, str], dict[str, Any]]:
     """Send a POST's headers and only `sent` of its body, then read the answer: it comes
     without the rest of the body ever being sent, or the read times out (a safety net)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}",
-                 "Content-Type: application/json", *(f"{k}: {v}" for k, v in head.items())]
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"Host: 127.0.0.1:{server.port}",
+            "Content-Type: application/json",
+            *(f"{k}: {v}" for k, v in head.items()),
+        ]
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + sent)
         data = b""
         while b"\r\n\r\n" not in data:
@@ -517,9 +1034,10 @@ def test_bodies_over_the_cap_and_unauthenticated_big_bodies_are_refused_unread(
     # A chunked body under the cap reaches the route whole.
     title = "chunked " + "y" * 70_000
     whole = json.dumps({"title": title[:500], "metadata": {"note": title}}).encode()
-    parts = b"".join(chunk(whole[i:i + 4096]) for i in range(0, len(whole), 4096))
-    status, _, body = exchange(server, {**key, "Transfer-Encoding": "chunked"},
-                               parts + b"0\r\n\r\n")
+    parts = b"".join(chunk(whole[i : i + 4096]) for i in range(0, len(whole), 4096))
+    status, _, body = exchange(
+        server, {**key, "Transfer-Encoding": "chunked"}, parts + b"0\r\n\r\n"
+    )
     assert status == 200 and body["metadata"] == {"note": title}, body
     # And a body just under the cap with its Content-Length, too.
     status, _, body = exchange(server, {**key, "Content-Length": str(len(whole))}, whole)
@@ -530,29 +1048,43 @@ def test_bodies_over_the_cap_and_unauthenticated_big_bodies_are_refused_unread(
 def test_bad_websocket_frames_keep_the_socket_and_oversized_ones_close_it(
     server: Server,
 ) -> None:
-    conv = httpx.post(f"{server.url}/v1/conversations", headers=server.headers(),
-                      json={}).json()["id"]
+    conv = httpx.post(f"{server.url}/v1/conversations", headers=server.headers(), json={}).json()[
+        "id"
+    ]
     url = f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws"
     bad = [
-        (json.dumps({"type": "message", "content": "x\ud800", "max_tokens": 2}),
-         "invalid_request", "content"),
-        (json.dumps({"type": "message", "content": "hi", "seed": 2**64}), "invalid_request",
-         "seed"),
+        (
+            json.dumps({"type": "message", "content": "x\ud800", "max_tokens": 2}),
+            "invalid_request",
+            "content",
+        ),
+        (
+            json.dumps({"type": "message", "content": "hi", "seed": 2**64}),
+            "invalid_request",
+            "seed",
+        ),
         (deep_array(MAX_FRAME // 2 - 1), "invalid_json", None),
         ('{"type": "ping", "n": ' + "9" * 5000 + "}", "invalid_json", None),
         # Over the app's frame limit, under the protocol's: read, refused, socket kept.
-        (json.dumps({"type": "message", "content": "x" * (2 * MAX_FRAME)}), "frame_too_large",
-         None),
+        (
+            json.dumps({"type": "message", "content": "x" * (2 * MAX_FRAME)}),
+            "frame_too_large",
+            None,
+        ),
     ]
 
     async def drive() -> int | None:
-        async with websockets.connect(url, additional_headers=server.headers(),
-                                      max_size=None) as ws:
+        async with websockets.connect(
+            url, additional_headers=server.headers(), max_size=None
+        ) as ws:
             for frame, code, param in bad:
                 await ws.send(frame)
                 error = json.loads(await asyncio.wait_for(ws.recv(), 60))
                 assert (error["type"], error["code"], error.get("param")) == (
-                    "error", code, param), error
+                    "error",
+                    code,
+                    param,
+                ), error
                 await ws.send(json.dumps({"type": "ping"}))
                 assert json.loads(await asyncio.wait_for(ws.recv(), 60)) == {"type": "pong"}
             # Over the protocol's limit (four frame limits): closed with 1009, not buffered.
@@ -562,6 +1094,7 @@ def test_bad_websocket_frames_keep_the_socket_and_oversized_ones_close_it(
             return closed.value.rcvd.code if closed.value.rcvd else None
 
     assert asyncio.run(drive()) == 1009
-    messages = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
-                         headers=server.headers()).json()["data"]
+    messages = httpx.get(
+        f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers()
+    ).json()["data"]
     assert messages == []

@@ -44,8 +44,11 @@ def test_app_imports_only_the_faces_of_the_engine_packages() -> None:
             wrong.append(f"{where}:{line}: import of {module} (use the face of {package})")
             continue
         face = FACES[package].__all__
-        wrong += [f"{where}:{line}: {package}.{name} is not on the face of {package}"
-                  for name in names if name not in face]
+        wrong += [
+            f"{where}:{line}: {package}.{name} is not on the face of {package}"
+            for name in names
+            if name not in face
+        ]
     assert wrong == []
 
 
@@ -93,22 +96,26 @@ def modules_loaded_by(code: str) -> list[str]:
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'triton'}"
         " | {m for m in sys.modules} & {'kvchat.kernels'}))"
     )
-    proc = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     loaded: list[str] = ast.literal_eval(proc.stdout.strip())
     return loaded
 
 
-@pytest.mark.parametrize("code", [
-    "import kvchat.memory",
-    "import kvchat.history",
-    "from kvchat.memory import KV_CACHE_DTYPES, CacheConfig, SessionBudget",
-    "from kvchat.history import plan_context, HistoryPolicy, summary_targets",
-    "import kvchat.app.settings, kvchat.app.schemas.conversations",
-    "from kvchat.inference import ChatMessage, SamplingParams, PRIORITY_LOW, EngineDeadError, "
-    "RequestOutput, MessageCounts, Tokenizer, ToolCall, Grammar, InvalidRequestError",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import kvchat.memory",
+        "import kvchat.history",
+        "from kvchat.memory import KV_CACHE_DTYPES, CacheConfig, SessionBudget",
+        "from kvchat.history import plan_context, HistoryPolicy, summary_targets",
+        "import kvchat.app.settings, kvchat.app.schemas.conversations",
+        "from kvchat.inference import ChatMessage, SamplingParams, PRIORITY_LOW, EngineDeadError, "
+        "RequestOutput, MessageCounts, Tokenizer, ToolCall, Grammar, InvalidRequestError",
+    ],
+)
 def test_light_names_import_no_torch(code: str) -> None:
     assert modules_loaded_by(code) == []
 

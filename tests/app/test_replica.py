@@ -34,20 +34,27 @@ def replica(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def chat(service: Service, messages: list[dict[str, Any]], key: str | None = None) -> Any:
-    r = service.post("/v1/chat/completions", {"model": service.model, "messages": messages,
-                                              "max_tokens": 6, "temperature": 0}, key=key)
+    r = service.post(
+        "/v1/chat/completions",
+        {"model": service.model, "messages": messages, "max_tokens": 6, "temperature": 0},
+        key=key,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_every_response_names_the_replica_that_served_it(replica: Service) -> None:
-    for response in (replica.client.get("/healthz"), replica.get("/v1/models"),
-                     replica.client.get("/v1/models"),  # a 401
-                     replica.post("/v1/conversations", {"title": 7})):  # a 400
+    for response in (
+        replica.client.get("/healthz"),
+        replica.get("/v1/models"),
+        replica.client.get("/v1/models"),  # a 401
+        replica.post("/v1/conversations", {"title": 7}),
+    ):  # a 400
         assert response.headers["x-kvchat-replica"] == REPLICA, response.status_code
     conv = replica.post("/v1/conversations", {}).json()["id"]
-    with replica.client.websocket_connect(f"/v1/conversations/{conv}/ws",
-                                          headers=replica.headers()) as ws:
+    with replica.client.websocket_connect(
+        f"/v1/conversations/{conv}/ws", headers=replica.headers()
+    ) as ws:
         assert dict(ws.extra_headers or [])[b"x-kvchat-replica"] == REPLICA.encode()
     assert replica.client.get("/readyz").json()["replica"] == REPLICA
 
@@ -65,16 +72,20 @@ def test_a_keyless_client_resending_its_history_reuses_all_of_it(replica: Servic
     with the same opening, get sessions of their own."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "A system prompt every user shares."},
-        {"role": "user", "content": "Hello, this is the first user."}]
+        {"role": "user", "content": "Hello, this is the first user."},
+    ]
     previous = None
     for turn in range(4):
         usage = (body := chat(replica, messages))["usage"]
         if previous is not None:
             assert usage["prompt_tokens_details"]["cached_tokens"] == (
-                previous["prompt_tokens"] + previous["completion_tokens"])
+                previous["prompt_tokens"] + previous["completion_tokens"]
+            )
         previous = usage
-        messages += [body["choices"][0]["message"],
-                     {"role": "user", "content": f"Follow-up number {turn}."}]
+        messages += [
+            body["choices"][0]["message"],
+            {"role": "user", "content": f"Follow-up number {turn}."},
+        ]
     others = [
         chat(replica, [messages[0], {"role": "user", "content": "A second user opens."}]),
         chat(replica, messages[:2], key=replica.other_key),
@@ -105,8 +116,11 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
         _, key = client.portal.call(lambda: state.store.create_key("alice"))
         headers = {"Authorization": f"Bearer {key}"}
         conv = client.post("/v1/conversations", json={}, headers=headers).json()["id"]
-        r = client.post(f"/v1/conversations/{conv}/messages", headers=headers,
-                        json={"content": "Pin me", "max_tokens": 4})
+        r = client.post(
+            f"/v1/conversations/{conv}/messages",
+            headers=headers,
+            json={"content": "Pin me", "max_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         assert client.get("/readyz").status_code == 200
         state.drain.begin()
@@ -116,8 +130,11 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
         client.get("/readyz")
         assert state.drain.is_grace_over()  # the balancer's checks saw it twice
         # Still serving while the balancer takes it out.
-        again = client.post(f"/v1/conversations/{conv}/messages", headers=headers,
-                            json={"content": "Still here?", "max_tokens": 4})
+        again = client.post(
+            f"/v1/conversations/{conv}/messages",
+            headers=headers,
+            json={"content": "Still here?", "max_tokens": 4},
+        )
         assert again.status_code == 200 and again.json()["status"] == "complete"
         assert client.get("/healthz").status_code == 200
     # persist_pinned_sessions, then this hook: the engine stopped, the session still pinned.

@@ -46,8 +46,11 @@ def test_the_readme_examples_work_as_printed(server: Server) -> None:
     assert {lang for lang, _ in examples} == {"bash", "python"} and len(examples) >= 4
     env = {**os.environ, "KVCHAT_URL": server.url, "KVCHAT_API_KEY": server.key or ""}
     for lang, code in examples:
-        command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [
-            sys.executable, "-c", code]
+        command = (
+            ["bash", "-euo", "pipefail", "-c", code]
+            if lang == "bash"
+            else [sys.executable, "-c", code]
+        )
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{code}\n{proc.stdout}\n{proc.stderr}"
         assert proc.stdout.strip(), code
@@ -64,33 +67,66 @@ def test_the_first_start_printed_its_url_and_a_working_admin_key(server: Server)
 
 def test_an_agent_loop_with_the_openai_client(server: Server) -> None:
     client = OpenAI(base_url=f"{server.url}/v1", api_key=server.key)
-    tools = [{"type": "function", "function": {
-        "name": "add", "description": "Add two integers",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                        "b": {"type": "integer"}},
-                       "required": ["a", "b"]}}}]
-    messages: list[Any] = [{"role": "system", "content": "Use the tools."},
-                           {"role": "user", "content": "What is 2 + 3?"}]
-    first = client.chat.completions.create(model="dev", messages=messages, tools=tools,
-                                           max_tokens=16, temperature=0,
-                                           extra_headers={"X-Session-Id": "loop"})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
+    messages: list[Any] = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    first = client.chat.completions.create(
+        model="dev",
+        messages=messages,
+        tools=tools,
+        max_tokens=16,
+        temperature=0,
+        extra_headers={"X-Session-Id": "loop"},
+    )
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     # The model is random: the call the agent makes is written by the test, as an agent
     # would have parsed it; the server must accept it and the tool result.
-    messages.append({"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_add_1", "type": "function",
-        "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}}]})
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_add_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})},
+                }
+            ],
+        }
+    )
     messages.append({"role": "tool", "tool_call_id": "call_add_1", "content": "5"})
-    reply = client.chat.completions.create(model="dev", messages=messages, tools=tools,
-                                           max_tokens=16, temperature=0,
-                                           extra_headers={"X-Session-Id": "loop"})
+    reply = client.chat.completions.create(
+        model="dev",
+        messages=messages,
+        tools=tools,
+        max_tokens=16,
+        temperature=0,
+        extra_headers={"X-Session-Id": "loop"},
+    )
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
     # The first reply was spliced back by its ids: everything up to the new messages reused.
     assert reply.usage.prompt_tokens_details.cached_tokens >= (
-        first.usage.prompt_tokens + first.usage.completion_tokens)  # type: ignore[union-attr]
-    streamed = client.chat.completions.create(model="dev", messages=messages, tools=tools,
-                                              max_tokens=16, temperature=0, stream=True)
+        first.usage.prompt_tokens + first.usage.completion_tokens
+    )  # type: ignore[union-attr]
+    streamed = client.chat.completions.create(
+        model="dev", messages=messages, tools=tools, max_tokens=16, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == (reply.choices[0].message.content or "")
     # The SDK's typed errors: a bad request is a BadRequestError with the param named.
@@ -122,10 +158,13 @@ def wait_for(predicate: Any, timeout: float = 30.0) -> Any:
 
 def test_a_client_that_leaves_mid_stream_stops_the_reply(server: Server) -> None:
     conv = new_conversation(server)
-    with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
-                      headers=server.headers(), timeout=60,
-                      json={"content": "Write at length", "max_tokens": 3000,
-                            "temperature": 1.0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/conversations/{conv}/messages",
+        headers=server.headers(),
+        timeout=60,
+        json={"content": "Write at length", "max_tokens": 3000, "temperature": 1.0, "stream": True},
+    ) as r:
         deltas = 0
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "delta":
@@ -138,11 +177,15 @@ def test_a_client_that_leaves_mid_stream_stops_the_reply(server: Server) -> None
     # The same for a client of the non-streaming API.
     conv2 = new_conversation(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/conversations/{conv2}/messages", headers=server.headers(),
-                   json={"content": "Again", "max_tokens": 3000, "temperature": 1.0},
-                   timeout=1.5)
-    reply = wait_for(lambda: (m := messages(server, conv2))
-                     and m[-1]["status"] != "generating" and m[-1])
+        httpx.post(
+            f"{server.url}/v1/conversations/{conv2}/messages",
+            headers=server.headers(),
+            json={"content": "Again", "max_tokens": 3000, "temperature": 1.0},
+            timeout=1.5,
+        )
+    reply = wait_for(
+        lambda: (m := messages(server, conv2)) and m[-1]["status"] != "generating" and m[-1]
+    )
     assert reply["status"] == "cancelled" and reply["usage"]["completion_tokens"] < 3000
 
 
@@ -151,10 +194,18 @@ def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> Non
     server = Server(dev_model, data, env={"KVCHAT_REPLY_CHECKPOINT_INTERVAL": "0.05"}).start()
     conv = new_conversation(server, title="crash")
     seen = ""
-    with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
-                      headers=server.headers(), timeout=60,
-                      json={"content": "Please answer slowly", "max_tokens": 3000,
-                            "temperature": 1.0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/conversations/{conv}/messages",
+        headers=server.headers(),
+        timeout=60,
+        json={
+            "content": "Please answer slowly",
+            "max_tokens": 3000,
+            "temperature": 1.0,
+            "stream": True,
+        },
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -171,20 +222,26 @@ def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> Non
         # The existing key is kept: no new one is made or printed.
         assert "created an admin API key" not in "".join(restarted.output)
         stored = messages(restarted, conv)
-        assert [(m["role"], m["content"]) for m in stored][:1] == [
-            ("user", "Please answer slowly")]
+        assert [(m["role"], m["content"]) for m in stored][:1] == [("user", "Please answer slowly")]
         assert stored[1]["role"] == "assistant" and stored[1]["status"] == "interrupted"
         # The interrupted reply keeps the text streamed up to its last checkpoint: the same
         # stream as the client's, cut at one point or the other.
         kept = stored[1]["content"] or ""
         assert kept and (seen.startswith(kept) or kept.startswith(seen)), (kept, seen)
-        r = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
-                       headers=restarted.headers(), timeout=120,
-                       json={"content": "Are you back?", "max_tokens": 8})
+        r = httpx.post(
+            f"{restarted.url}/v1/conversations/{conv}/messages",
+            headers=restarted.headers(),
+            timeout=120,
+            json={"content": "Are you back?", "max_tokens": 8},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "complete"
         assert [m["role"] for m in messages(restarted, conv)] == [
-            "user", "assistant", "user", "assistant"]
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+        ]
     finally:
         restarted.stop()
 
@@ -192,29 +249,62 @@ def test_sigkill_mid_reply_loses_nothing(dev_model: Path, tmp_path: Path) -> Non
 def test_postgres_must_be_migrated_first(dev_model: Path, tmp_path: Path) -> None:
     with postgres_database(migrated=False) as url:
         proc = subprocess.run(
-            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(dev_model),
-             "--database-url", url, "--port", "1"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvchat.app.cli",
+                "serve",
+                "--model",
+                str(dev_model),
+                "--database-url",
+                url,
+                "--port",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "kvchat db upgrade" in lines[0], proc.stderr
-        upgrade = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "db", "upgrade",
-                                  "--database-url", url], capture_output=True, text=True,
-                                 timeout=120)
+        upgrade = subprocess.run(
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "db", "upgrade", "--database-url", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert upgrade.returncode == 0, upgrade.stderr
-        keys = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "keys", "create", "--name",
-                               "ops", "--database-url", url], capture_output=True, text=True,
-                              timeout=120)
+        keys = subprocess.run(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvchat.app.cli",
+                "keys",
+                "create",
+                "--name",
+                "ops",
+                "--database-url",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert keys.returncode == 0, keys.stderr
         key = keys.stdout.strip()
         server = Server(dev_model, tmp_path, env={"KVCHAT_DATABASE_URL": url}, key=key).start()
         try:
             assert "created an admin API key" not in "".join(server.output)
             conv = new_conversation(server)
-            r = httpx.post(f"{server.url}/v1/conversations/{conv}/messages",
-                           headers=server.headers(), timeout=120,
-                           json={"content": "Hello Postgres", "max_tokens": 6})
+            r = httpx.post(
+                f"{server.url}/v1/conversations/{conv}/messages",
+                headers=server.headers(),
+                timeout=120,
+                json={"content": "Hello Postgres", "max_tokens": 6},
+            )
             assert r.status_code == 200, r.text
         finally:
             server.stop()
@@ -222,14 +312,27 @@ def test_postgres_must_be_migrated_first(dev_model: Path, tmp_path: Path) -> Non
 
 def test_the_admin_commands_against_the_running_server(server: Server) -> None:
     conv = new_conversation(server)
-    httpx.post(f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers(),
-               json={"content": "Something to pin", "max_tokens": 4}, timeout=60)
-    env = {**os.environ, "KVCHAT_URL": server.url, "KVCHAT_API_KEY": server.key or "",
-           "COLUMNS": "200"}
+    httpx.post(
+        f"{server.url}/v1/conversations/{conv}/messages",
+        headers=server.headers(),
+        json={"content": "Something to pin", "max_tokens": 4},
+        timeout=60,
+    )
+    env = {
+        **os.environ,
+        "KVCHAT_URL": server.url,
+        "KVCHAT_API_KEY": server.key or "",
+        "COLUMNS": "200",
+    }
 
     def admin(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "admin", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-P", "-m", "kvchat.app.cli", "admin", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     memory = admin("memory")
     assert memory.returncode == 0, memory.stderr
@@ -238,8 +341,14 @@ def test_the_admin_commands_against_the_running_server(server: Server) -> None:
     assert session.returncode == 0, session.stderr
     assert "max_kv_tokens" in session.stdout and "48" in session.stdout
     assert "summarize" in session.stdout
-    wait_for(lambda: httpx.get(f"{server.url}/v1/admin/sessions/{conv}",
-                               headers=server.headers()).json()["engine"]["state"] == "resident")
+    wait_for(
+        lambda: (
+            httpx.get(f"{server.url}/v1/admin/sessions/{conv}", headers=server.headers()).json()[
+                "engine"
+            ]["state"]
+            == "resident"
+        )
+    )
     evicted = admin("evict", conv)
     assert evicted.returncode == 0, evicted.stderr
     assert evicted.stdout.strip() == f"{conv}: resident -> offloaded"
@@ -254,10 +363,19 @@ def test_sigterm_mid_reply_stores_it_before_exiting(dev_model: Path, tmp_path: P
     server = Server(dev_model, data, env={"KVCHAT_DRAIN_TIMEOUT": "0.5"}).start()
     conv = new_conversation(server)
     deltas = 0
-    with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
-                      headers=server.headers(), timeout=60,
-                      json={"content": "Go on", "max_tokens": 3000, "temperature": 1.0,
-                            "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/conversations/{conv}/messages",
+        headers=server.headers(),
+        timeout=60,
+        json={
+            "content": "Go on",
+            "max_tokens": 3000,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "delta":
                 deltas += 1
@@ -287,25 +405,53 @@ def test_sigkill_with_redis_frees_the_conversation_and_answers_the_retry(
     import uuid
 
     with postgres_database() as url:
-        keys = subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "keys", "create", "--name",
-                               "ops", "--admin", "--database-url", url], capture_output=True,
-                              text=True, timeout=120)
+        keys = subprocess.run(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvchat.app.cli",
+                "keys",
+                "create",
+                "--name",
+                "ops",
+                "--admin",
+                "--database-url",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert keys.returncode == 0, keys.stderr
-        env = {"KVCHAT_DATABASE_URL": url, "KVCHAT_REDIS_URL": "redis://127.0.0.1:6379/0",
-               "KVCHAT_REDIS_PREFIX": f"kvchat-test-{uuid.uuid4().hex[:10]}:",
-               "KVCHAT_TURN_LOCK_TTL": "600", "KVCHAT_REPLY_CHECKPOINT_INTERVAL": "0"}
+        env = {
+            "KVCHAT_DATABASE_URL": url,
+            "KVCHAT_REDIS_URL": "redis://127.0.0.1:6379/0",
+            "KVCHAT_REDIS_PREFIX": f"kvchat-test-{uuid.uuid4().hex[:10]}:",
+            "KVCHAT_TURN_LOCK_TTL": "600",
+            "KVCHAT_REPLY_CHECKPOINT_INTERVAL": "0",
+        }
         key = keys.stdout.strip()
         server = Server(dev_model, tmp_path, env=env, key=key).start()
         conv = new_conversation(server)
-        body = {"content": "Tell me everything", "max_tokens": 3000, "temperature": 1.0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "content": "Tell me everything",
+            "max_tokens": 3000,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         idem = {**server.headers(), "Idempotency-Key": "crash-1"}
         seen = ""
-        with httpx.stream("POST", f"{server.url}/v1/conversations/{conv}/messages",
-                          headers=idem, timeout=60, json=body) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/conversations/{conv}/messages",
+            headers=idem,
+            timeout=60,
+            json=body,
+        ) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") and (event := json.loads(line[6:]))["type"] == \
-                        "delta":
+                if line.startswith("data: ") and (event := json.loads(line[6:]))["type"] == "delta":
                     seen += event["text"]
                     if len(seen) >= 30:
                         server.stop(signal.SIGKILL)
@@ -320,33 +466,54 @@ def test_sigkill_with_redis_frees_the_conversation_and_answers_the_retry(
             # stream, cut at one point or the other.
             kept = reply["content"] or ""
             assert kept and (seen.startswith(kept) or kept.startswith(seen)), (kept, seen)
-            stop = httpx.post(f"{restarted.url}/v1/conversations/{conv}/stop",
-                              headers=restarted.headers(), timeout=30)
+            stop = httpx.post(
+                f"{restarted.url}/v1/conversations/{conv}/stop",
+                headers=restarted.headers(),
+                timeout=30,
+            )
             assert stop.json()["stopped"] is False
-            again = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
-                               headers=restarted.headers(), timeout=60,
-                               json={"content": "Back?", "max_tokens": 4})
+            again = httpx.post(
+                f"{restarted.url}/v1/conversations/{conv}/messages",
+                headers=restarted.headers(),
+                timeout=60,
+                json={"content": "Back?", "max_tokens": 4},
+            )
             assert again.status_code == 200, again.text
             # The retry: a new reply to the stored user message, streaming at once.
-            with httpx.stream("POST", f"{restarted.url}/v1/conversations/{conv}/messages",
-                              headers=idem, timeout=60, json=body) as retry:
+            with httpx.stream(
+                "POST",
+                f"{restarted.url}/v1/conversations/{conv}/messages",
+                headers=idem,
+                timeout=60,
+                json=body,
+            ) as retry:
                 assert retry.status_code == 200
                 lines = retry.iter_lines()
                 start = next(json.loads(x[6:]) for x in lines if x.startswith("data: "))
                 assert start["type"] == "start" and start["parent_id"] == stored[0]["id"]
                 assert start["message_id"] != reply["id"]
-                httpx.post(f"{restarted.url}/v1/conversations/{conv}/stop",
-                           headers=restarted.headers(), timeout=30)
+                httpx.post(
+                    f"{restarted.url}/v1/conversations/{conv}/stop",
+                    headers=restarted.headers(),
+                    timeout=30,
+                )
                 events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
             assert events[-1]["type"] == "done" and events[-1]["status"] == "cancelled"
             # Retried once more: the re-run's reply is replayed, not run a third time.
-            replay = httpx.post(f"{restarted.url}/v1/conversations/{conv}/messages",
-                                headers=idem, timeout=60, json=body)
-            replayed = [json.loads(x[6:]) for x in replay.text.splitlines()
-                        if x.startswith("data: ")]
+            replay = httpx.post(
+                f"{restarted.url}/v1/conversations/{conv}/messages",
+                headers=idem,
+                timeout=60,
+                json=body,
+            )
+            replayed = [
+                json.loads(x[6:]) for x in replay.text.splitlines() if x.startswith("data: ")
+            ]
             assert replayed[0] == start and replayed[-1] == events[-1]
-            tree = httpx.get(f"{restarted.url}/v1/conversations/{conv}/messages?all=true",
-                             headers=restarted.headers()).json()["data"]
+            tree = httpx.get(
+                f"{restarted.url}/v1/conversations/{conv}/messages?all=true",
+                headers=restarted.headers(),
+            ).json()["data"]
             replies = [m["id"] for m in tree if m["parent_id"] == stored[0]["id"]]
             assert replies == [reply["id"], start["message_id"]]
         finally:

@@ -29,5 +29,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "schemathesis requests per database")
         for backend, count in sorted(sent.items()):
             terminalreporter.write_line(
-                f"{backend}: {count} requests over {operations[backend]} operations")
+                f"{backend}: {count} requests over {operations[backend]} operations"
+            )
         terminalreporter.write_line(f"total: {sum(sent.values())} requests")

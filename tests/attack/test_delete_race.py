@@ -50,17 +50,22 @@ def outcome(response: httpx.Response | BaseException) -> str:
 def test_deleting_a_conversation_during_its_turn(server: Server) -> None:
     async def race(i: int) -> tuple[str, str]:
         # A connection of its own: a connection the server drops is this try's outcome.
-        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(),
-                                     timeout=ENDS_WITHIN_S) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=server.headers(), timeout=ENDS_WITHIN_S
+        ) as client:
             r = await client.post("/v1/conversations", json={"title": f"race {i}"})
             conv = r.json()["id"]
             # Each first message its own: no KV block is shared between conversations.
-            post = asyncio.ensure_future(client.post(
-                f"/v1/conversations/{conv}/messages",
-                json={"content": f"try {i}: tell me a long story", "max_tokens": 64}))
+            post = asyncio.ensure_future(
+                client.post(
+                    f"/v1/conversations/{conv}/messages",
+                    json={"content": f"try {i}: tell me a long story", "max_tokens": 64},
+                )
+            )
             await asyncio.sleep((1 + i % 20) / 1000)
-            deleted = await asyncio.gather(client.delete(f"/v1/conversations/{conv}"),
-                                           return_exceptions=True)
+            deleted = await asyncio.gather(
+                client.delete(f"/v1/conversations/{conv}"), return_exceptions=True
+            )
             posted = await asyncio.gather(post, return_exceptions=True)
             return outcome(posted[0]), outcome(deleted[0])
 
@@ -79,16 +84,21 @@ def test_deleting_a_conversation_during_its_turn(server: Server) -> None:
     for posted, _ in results:
         counts[posted] = counts.get(posted, 0) + 1
     print(f"\ndelete racing a turn, the POSTs got: {counts}")
-    wrong = [(i, posted, deleted) for i, (posted, deleted) in enumerate(results)
-             if posted not in allowed or deleted not in allowed]
-    assert not wrong, f"{len(wrong)} of {len(results)} tries went wrong (try, POST, DELETE): " \
-                      f"{wrong}"
+    wrong = [
+        (i, posted, deleted)
+        for i, (posted, deleted) in enumerate(results)
+        if posted not in allowed or deleted not in allowed
+    ]
+    assert not wrong, (
+        f"{len(wrong)} of {len(results)} tries went wrong (try, POST, DELETE): {wrong}"
+    )
     assert len(results) == TRIES
 
     report = idle_memory(server)
     assert report["requests"] == {"running": 0, "waiting": 0, "swapped": 0}
-    listed = httpx.get(f"{server.url}/v1/conversations?limit=100", headers=server.headers(),
-                       timeout=60).json()["data"]
+    listed = httpx.get(
+        f"{server.url}/v1/conversations?limit=100", headers=server.headers(), timeout=60
+    ).json()["data"]
     assert not [c for c in listed if (c["title"] or "").startswith("race ")]  # all deleted
     live = {c["id"] for c in listed}
     assert {s["conversation_id"] for s in report["sessions"]} <= live

@@ -12,7 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvchat_testing.attack_servers import assert_openai_error, create_key, database_of, started_server
+from kvchat_testing.attack_servers import (
+    assert_openai_error,
+    create_key,
+    database_of,
+    started_server,
+)
 from kvchat_testing.service import Server
 
 LIMIT = 5
@@ -23,8 +28,9 @@ BURSTS = 3  # each on a key of its own: a limiter that races lets more in, most 
 @pytest.fixture(scope="module")
 def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {"KVCHAT_RATE_LIMIT_REQUESTS": str(LIMIT)}
-    with started_server(dev_model, tmp_path_factory.mktemp("data"), "postgres+redis",
-                        env) as server:
+    with started_server(
+        dev_model, tmp_path_factory.mktemp("data"), "postgres+redis", env
+    ) as server:
         yield server
 
 
@@ -39,21 +45,35 @@ def burst(server: Server, route: str) -> int:
     are checked to be 429s in OpenAI's shape)."""
     key = create_key(database_of(server), f"burst-{uuid.uuid4().hex[:8]}")  # a fresh window
     headers = server.headers(key)
-    convs = [httpx.post(f"{server.url}/v1/conversations", headers=headers, json={},
-                        timeout=60).json()["id"] for _ in range(BURST)]
+    convs = [
+        httpx.post(f"{server.url}/v1/conversations", headers=headers, json={}, timeout=60).json()[
+            "id"
+        ]
+        for _ in range(BURST)
+    ]
 
     def request(client: httpx.AsyncClient, i: int) -> httpx.Request:
         if route == "chat completions":
-            return client.build_request("POST", "/v1/chat/completions", json={
-                "model": "dev", "max_tokens": 1,
-                "messages": [{"role": "user", "content": f"burst {i}"}]})
-        return client.build_request("POST", f"/v1/conversations/{convs[i]}/messages",
-                                    json={"content": f"burst {i}", "max_tokens": 1})
+            return client.build_request(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": "dev",
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": f"burst {i}"}],
+                },
+            )
+        return client.build_request(
+            "POST",
+            f"/v1/conversations/{convs[i]}/messages",
+            json={"content": f"burst {i}", "max_tokens": 1},
+        )
 
     async def send_all() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
-        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=headers, timeout=120, limits=limits
+        ) as client:
             requests = [request(client, i) for i in range(BURST)]
             return list(await asyncio.gather(*(client.send(r) for r in requests)))
 

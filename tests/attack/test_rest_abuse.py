@@ -50,12 +50,19 @@ def api(server: Server) -> Server:
     return dataclasses.replace(server, key=key)  # the same process and log
 
 
-def send(server: Server, method: str, path: str, body: Any = None, raw: bytes | str | None = None,
-         **kw: Any) -> httpx.Response:
+def send(
+    server: Server,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | str | None = None,
+    **kw: Any,
+) -> httpx.Response:
     headers = {**server.headers(), "Content-Type": "application/json", **kw.pop("headers", {})}
     content = raw if raw is not None else None if body is None else json.dumps(body)
-    return httpx.request(method, f"{server.url}{path}", headers=headers, content=content,
-                         timeout=120, **kw)
+    return httpx.request(
+        method, f"{server.url}{path}", headers=headers, content=content, timeout=120, **kw
+    )
 
 
 def new_conversation(server: Server) -> str:
@@ -80,8 +87,7 @@ def refused_or_served(response: httpx.Response, param: str) -> None:
 
 TURN = {"content": "hello", "max_tokens": 2}
 CHAT = {"model": "dev", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-SETTINGS = ("max_context_tokens", "max_kv_tokens", "max_tool_result_tokens",
-            "max_summary_tokens")
+SETTINGS = ("max_context_tokens", "max_kv_tokens", "max_tool_result_tokens", "max_summary_tokens")
 
 
 @pytest.mark.parametrize("field", SETTINGS)
@@ -103,12 +109,13 @@ def test_a_sampling_integer_past_64_bits_is_refused_or_served(
     api: Server, field: str, value: int
 ) -> None:
     conv = new_conversation(api)
-    refused_or_served(send(api, "POST", f"/v1/conversations/{conv}/messages",
-                           {**TURN, field: value}), field)
-    refused_or_served(send(api, "POST", "/v1/chat/completions", {**CHAT, field: value}),
-                      field)
-    refused_or_served(send(api, "POST", "/v1/chat/completions",
-                           {**CHAT, field: value, "stream": True}), field)
+    refused_or_served(
+        send(api, "POST", f"/v1/conversations/{conv}/messages", {**TURN, field: value}), field
+    )
+    refused_or_served(send(api, "POST", "/v1/chat/completions", {**CHAT, field: value}), field)
+    refused_or_served(
+        send(api, "POST", "/v1/chat/completions", {**CHAT, field: value, "stream": True}), field
+    )
 
 
 def nested(depth: int, inner: str = "1") -> str:
@@ -123,15 +130,24 @@ def test_deeply_nested_json_is_refused_or_served(api: Server, depth: int) -> Non
     bodies = [
         ("/v1/conversations", '{"metadata": ' + nested(depth) + "}"),
         ("/v1/conversations", '{"metadata": {"a": ' + "[" * depth + "]" * depth + "}}"),
-        (f"/v1/conversations/{conv}/messages",
-         '{"content": "x", "max_tokens": 2, "tools": [{"type": "function", "function": '
-         '{"name": "f", "parameters": ' + nested(depth) + "}}]}"),
-        (f"/v1/conversations/{conv}/messages",
-         '{"content": "x", "max_tokens": 2, "response_format": {"type": "json_schema", '
-         '"json_schema": {"name": "f", "schema": ' + '{"items":' * depth + "{}" + "}" * depth
-         + "}}}"),
-        ("/v1/chat/completions",
-         '{"model": "dev", "max_tokens": 2, "messages": ' + "[" * depth + "]" * depth + "}"),
+        (
+            f"/v1/conversations/{conv}/messages",
+            '{"content": "x", "max_tokens": 2, "tools": [{"type": "function", "function": '
+            '{"name": "f", "parameters": ' + nested(depth) + "}}]}",
+        ),
+        (
+            f"/v1/conversations/{conv}/messages",
+            '{"content": "x", "max_tokens": 2, "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "f", "schema": '
+            + '{"items":' * depth
+            + "{}"
+            + "}" * depth
+            + "}}}",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "dev", "max_tokens": 2, "messages": ' + "[" * depth + "]" * depth + "}",
+        ),
     ]
     for path, raw in bodies:
         r = send(api, "POST", path, raw=raw)
@@ -144,30 +160,49 @@ def test_deeply_nested_json_is_refused_or_served(api: Server, depth: int) -> Non
 
 SURROGATES = [
     # (where, path, raw JSON with a lone surrogate escaped in it)
-    ("message content", "/v1/conversations/{conv}/messages",
-     '{"content": "a\\ud800b", "max_tokens": 2}'),
-    ("message name", "/v1/conversations/{conv}/messages",
-     '{"content": "x", "name": "\\udfff", "max_tokens": 2}'),
-    ("streamed message", "/v1/conversations/{conv}/messages",
-     '{"content": "\\udbff", "max_tokens": 2, "stream": true}'),
+    (
+        "message content",
+        "/v1/conversations/{conv}/messages",
+        '{"content": "a\\ud800b", "max_tokens": 2}',
+    ),
+    (
+        "message name",
+        "/v1/conversations/{conv}/messages",
+        '{"content": "x", "name": "\\udfff", "max_tokens": 2}',
+    ),
+    (
+        "streamed message",
+        "/v1/conversations/{conv}/messages",
+        '{"content": "\\udbff", "max_tokens": 2, "stream": true}',
+    ),
     ("system prompt", "/v1/conversations", '{"system": "be \\ud800 brief"}'),
     ("metadata key", "/v1/conversations", '{"metadata": {"\\ud800": 1}}'),
     ("metadata value", "/v1/conversations", '{"metadata": {"k": "\\udc00"}}'),
     ("conversation title", "/v1/conversations/{conv}", '{"title": "\\ud800"}'),
-    ("chat completion", "/v1/chat/completions",
-     '{"model": "dev", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\udc00"}]}'),
-    ("tool call id", "/v1/chat/completions",
-     '{"model": "dev", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}, '
-     '{"role": "assistant", "tool_calls": [{"id": "\\ud800", "type": "function", "function": '
-     '{"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "\\ud800", '
-     '"content": "1"}]}'),
-    ("tokenize", "/v1/tokenize",
-     '{"model": "dev", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    (
+        "chat completion",
+        "/v1/chat/completions",
+        '{"model": "dev", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\udc00"}]}',
+    ),
+    (
+        "tool call id",
+        "/v1/chat/completions",
+        '{"model": "dev", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}, '
+        '{"role": "assistant", "tool_calls": [{"id": "\\ud800", "type": "function", "function": '
+        '{"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "\\ud800", '
+        '"content": "1"}]}',
+    ),
+    (
+        "tokenize",
+        "/v1/tokenize",
+        '{"model": "dev", "messages": [{"role": "user", "content": "\\ud800"}]}',
+    ),
 ]
 
 
-@pytest.mark.parametrize("path, raw", [(p, r) for _, p, r in SURROGATES],
-                         ids=[name for name, _, _ in SURROGATES])
+@pytest.mark.parametrize(
+    "path, raw", [(p, r) for _, p, r in SURROGATES], ids=[name for name, _, _ in SURROGATES]
+)
 def test_a_lone_surrogate_is_refused_or_served_and_what_is_stored_reads_back(
     api: Server, path: str, raw: str
 ) -> None:
@@ -177,8 +212,11 @@ def test_a_lone_surrogate_is_refused_or_served_and_what_is_stored_reads_back(
     assert r.status_code < 500, r.text[:300]
     if r.status_code != 200:
         refused(r)
-    for read in (f"/v1/conversations/{conv}", f"/v1/conversations/{conv}/messages",
-                 "/v1/conversations?limit=100"):
+    for read in (
+        f"/v1/conversations/{conv}",
+        f"/v1/conversations/{conv}/messages",
+        "/v1/conversations?limit=100",
+    ):
         got = send(api, "GET", read)
         assert got.status_code == 200, (read, got.text[:300])
 
@@ -216,7 +254,8 @@ def post_big(server: Server, path: str, size: int, chunked: bool) -> tuple[int, 
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.key}"
             f"\r\nContent-Type: application/json\r\n{framing}\r\nExpect: 100-continue"
-            "\r\n\r\n".encode())
+            "\r\n\r\n".encode()
+        )
         status, headers = read_head(reader)
         if status == 100:
             try:
@@ -248,9 +287,7 @@ def read_head(reader: Any) -> tuple[int, dict[str, str]]:
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-def test_a_body_far_past_any_chat_request_is_refused_with_413(
-    api: Server, chunked: bool
-) -> None:
+def test_a_body_far_past_any_chat_request_is_refused_with_413(api: Server, chunked: bool) -> None:
     status, body = post_big(api, "/v1/conversations", BIG_BODY, chunked)
     assert status == 413, (status, str(body)[:300])
     assert_openai_error(body)
@@ -258,8 +295,15 @@ def test_a_body_far_past_any_chat_request_is_refused_with_413(
     assert all(c["title"] != "big" for c in listed)  # nothing was stored
 
 
-SECRET_QUERIES = ["access_token", "access%5Ftoken", "%61ccess_token", "access%255Ftoken",
-                  "ACCESS_TOKEN", "api%5Fkey", "x&access%5ftoken"]
+SECRET_QUERIES = [
+    "access_token",
+    "access%5Ftoken",
+    "%61ccess_token",
+    "access%255Ftoken",
+    "ACCESS_TOKEN",
+    "api%5Fkey",
+    "x&access%5ftoken",
+]
 
 
 def test_keys_in_query_parameters_never_reach_the_log(api: Server) -> None:

@@ -57,7 +57,12 @@ from schemathesis.checks import (
 from schemathesis.config import SchemathesisConfig
 
 from kvchat.app.turns.prompting import SESSION_ID_PATTERN
-from kvchat_testing.attack_servers import BACKENDS, REQUESTS_PROPERTY, assert_openai_error, started_server
+from kvchat_testing.attack_servers import (
+    BACKENDS,
+    REQUESTS_PROPERTY,
+    assert_openai_error,
+    started_server,
+)
 from kvchat_testing.service import Server
 
 EXAMPLES = int(os.environ.get("KVCHAT_ATTACK_EXAMPLES", "10"))
@@ -74,16 +79,23 @@ def app_schema() -> dict[str, Any]:
     return create_app(Settings()).openapi()
 
 
-CONFIG = SchemathesisConfig.from_dict({
-    "seed": 0,
-    "generation": {"mode": "all", "max-examples": EXAMPLES, "deterministic": True,
-                   "database": "none", "no-shrink": True},
-    "phases": {"stateful": {"enabled": False}},
-    "request-timeout": 120,
-    # Show the values sent (max_tokens too: its name has "token" in it); the key is the
-    # test server's own.
-    "output": {"sanitization": {"enabled": False}},
-})
+CONFIG = SchemathesisConfig.from_dict(
+    {
+        "seed": 0,
+        "generation": {
+            "mode": "all",
+            "max-examples": EXAMPLES,
+            "deterministic": True,
+            "database": "none",
+            "no-shrink": True,
+        },
+        "phases": {"stateful": {"enabled": False}},
+        "request-timeout": 120,
+        # Show the values sent (max_tokens too: its name has "token" in it); the key is the
+        # test server's own.
+        "output": {"sanitization": {"enabled": False}},
+    }
+)
 schema = schemathesis.openapi.from_dict(app_schema(), config=CONFIG)
 
 
@@ -91,13 +103,18 @@ schema = schemathesis.openapi.from_dict(app_schema(), config=CONFIG)
 def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
     """Every 4xx body is OpenAI's error shape."""
     if 400 <= response.status_code < 500:
-        assert_openai_error(response.json(), f"{case.method} {case.formatted_path} "
-                                             f"-> {response.status_code}")
+        assert_openai_error(
+            response.json(), f"{case.method} {case.formatted_path} -> {response.status_code}"
+        )
     return None
 
 
-CHECKS = [not_a_server_error, openai_error_shape, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    openai_error_shape,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 @dataclass
@@ -112,8 +129,12 @@ class Target:
     made: list[str] = field(default_factory=list)
 
     def new_conversation(self, tag: str) -> str:
-        r = httpx.post(f"{self.server.url}/v1/conversations", headers=self.server.headers(),
-                       json={"title": tag}, timeout=60)
+        r = httpx.post(
+            f"{self.server.url}/v1/conversations",
+            headers=self.server.headers(),
+            json={"title": tag},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         self.made.append(r.json()["id"])
         return str(r.json()["id"])
@@ -128,14 +149,18 @@ def target(
     with started_server(dev_model, tmp_path_factory.mktemp("data"), backend, env) as server:
         served = httpx.get(f"{server.url}/openapi.json", timeout=60).json()
         assert served == app_schema(), "the server serves another schema than the tests use"
-        model = httpx.get(f"{server.url}/v1/models", headers=server.headers(),
-                          timeout=60).json()["data"][0]["id"]
+        model = httpx.get(f"{server.url}/v1/models", headers=server.headers(), timeout=60).json()[
+            "data"
+        ][0]["id"]
         target = Target(backend, server, model, [])
         for i in range(CONVERSATIONS):  # each with a first turn: something to regenerate
             conv = target.new_conversation(f"fuzz {i}")
-            r = httpx.post(f"{server.url}/v1/conversations/{conv}/messages",
-                           headers=server.headers(), timeout=120,
-                           json={"content": f"conversation {i} of the schema fuzzing"})
+            r = httpx.post(
+                f"{server.url}/v1/conversations/{conv}/messages",
+                headers=server.headers(),
+                timeout=120,
+                json={"content": f"conversation {i} of the schema fuzzing"},
+            )
             assert r.status_code == 200, r.text
             target.conversations.append(conv)
         yield target
@@ -181,14 +206,19 @@ def retarget(case: Any, target: Target) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = target.model
-    if case.operation.path.endswith("/messages") and body.get("content") is None \
-            and body.get("parent_id") is None:
+    if (
+        case.operation.path.endswith("/messages")
+        and body.get("content") is None
+        and body.get("parent_id") is None
+    ):
         body["content"] = f"fuzzed turn {target.sent}"
     for message in body.get("messages") or () if isinstance(body.get("messages"), list) else ():
         if not isinstance(message, dict):
             continue
-        if message.get("role") in ("system", "developer", "user") \
-                and message.get("content") is None:
+        if (
+            message.get("role") in ("system", "developer", "user")
+            and message.get("content") is None
+        ):
             message["content"] = f"fuzzed message {target.sent}"
         if message.get("role") == "tool" and not message.get("tool_call_id"):
             message["tool_call_id"] = "call_fuzzed"

@@ -27,8 +27,13 @@ from kvchat_testing.service import Server
 
 WINDOW_S = 10.0  # a crash's leftovers must not hold a conversation longer than this
 DELTAS_BEFORE_KILL = 24
-STREAM = {"content": "Please write at length", "max_tokens": 3000, "temperature": 1.0,
-          "ignore_eos": True, "stream": True}
+STREAM = {
+    "content": "Please write at length",
+    "max_tokens": 3000,
+    "temperature": 1.0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @dataclass
@@ -51,13 +56,21 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def crash(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Crash]:
     with started_server(dev_model, tmp_path_factory.mktemp("data"), "postgres+redis") as first:
-        conv = httpx.post(f"{first.url}/v1/conversations", headers=first.headers(),
-                          json={"title": "killed"}, timeout=60).json()["id"]
+        conv = httpx.post(
+            f"{first.url}/v1/conversations",
+            headers=first.headers(),
+            json={"title": "killed"},
+            timeout=60,
+        ).json()["id"]
         key = f"retry-{uuid.uuid4().hex}"
         seen, message_id, deltas = "", None, 0
-        with httpx.stream("POST", f"{first.url}/v1/conversations/{conv}/messages",
-                          headers={**first.headers(), "Idempotency-Key": key}, json=STREAM,
-                          timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            f"{first.url}/v1/conversations/{conv}/messages",
+            headers={**first.headers(), "Idempotency-Key": key},
+            json=STREAM,
+            timeout=120,
+        ) as r:
             assert r.status_code == 200, r.read()
             for event in sse_events(r):
                 if event["type"] == "start":
@@ -75,8 +88,11 @@ def crash(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         server = restarted(first)
         ready_at = time.monotonic()
         try:
-            stored = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
-                               headers=server.headers(), timeout=60).json()["data"]
+            stored = httpx.get(
+                f"{server.url}/v1/conversations/{conv}/messages",
+                headers=server.headers(),
+                timeout=60,
+            ).json()["data"]
             yield Crash(server, ready_at, conv, key, message_id, seen, stored)
         finally:
             server.stop()
@@ -86,14 +102,20 @@ def test_the_conversation_takes_a_new_turn_at_once(crash: Crash) -> None:
     server = crash.server
     while True:
         sent_at = time.monotonic()
-        r = httpx.post(f"{server.url}/v1/conversations/{crash.conversation}/messages",
-                       headers=server.headers(), json={"content": "Are you back?",
-                                                       "max_tokens": 8}, timeout=120)
+        r = httpx.post(
+            f"{server.url}/v1/conversations/{crash.conversation}/messages",
+            headers=server.headers(),
+            json={"content": "Are you back?", "max_tokens": 8},
+            timeout=120,
+        )
         if r.status_code != 409 or sent_at - crash.ready_at > WINDOW_S:
             break
         time.sleep(0.2)
-    assert r.status_code == 200, (f"{sent_at - crash.ready_at:.1f} s after the restart",
-                                  r.status_code, r.text[:300])
+    assert r.status_code == 200, (
+        f"{sent_at - crash.ready_at:.1f} s after the restart",
+        r.status_code,
+        r.text[:300],
+    )
     assert sent_at - crash.ready_at <= WINDOW_S
     assert r.json()["status"] == "complete"
 
@@ -109,9 +131,11 @@ def test_the_killed_request_retried_with_its_key_gets_a_clear_answer(crash: Cras
         assert left > 0, f"no clear answer within {WINDOW_S:.0f} s: {answers}"
         try:
             with httpx.stream(
-                "POST", f"{server.url}/v1/conversations/{crash.conversation}/messages",
+                "POST",
+                f"{server.url}/v1/conversations/{crash.conversation}/messages",
                 headers={**server.headers(), "Idempotency-Key": crash.idempotency_key},
-                json=STREAM, timeout=httpx.Timeout(120, read=left),
+                json=STREAM,
+                timeout=httpx.Timeout(120, read=left),
             ) as r:
                 if r.status_code == 409:
                     answers.append(json.loads(r.read()))
@@ -122,8 +146,7 @@ def test_the_killed_request_retried_with_its_key_gets_a_clear_answer(crash: Cras
                 first = next(events)
                 assert first["type"] == "start", first
                 after = next(events, None)  # the reply's text or its end; a re-run goes on
-                assert after is not None and after["type"] in ("delta", "tool_call", "done"), \
-                    after
+                assert after is not None and after["type"] in ("delta", "tool_call", "done"), after
                 return
         except httpx.ReadTimeout:
             pytest.fail(f"the retry hung: no answer within {WINDOW_S:.0f} s ({answers})")

@@ -21,8 +21,7 @@ def test_a_short_soak_has_no_errors_and_leaves_the_pool_at_what_sessions_hold(
 ) -> None:
     with started_server(dev_model, tmp_path_factory.mktemp("data"), "sqlite") as server:
         assert server.process is not None and server.key is not None
-        result = asyncio.run(soak(server.url, server.key, server.process.pid, CLIENTS,
-                                  DURATION_S))
+        result = asyncio.run(soak(server.url, server.key, server.process.pid, CLIENTS, DURATION_S))
     print(f"\nsoak: {dict(result.requests)}, RSS {result.rss_growth:+.1%} second half vs first")
     assert sum(result.requests.values()) > 0
     assert result.errors == []

@@ -20,8 +20,8 @@ import pytest
 import websockets
 
 from kvchat_testing.attack_servers import (
-    database_of,
     create_key,
+    database_of,
     metric,
     open_fds,
     revoke_key,
@@ -49,15 +49,17 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def new_conversation(server: Server, key: str | None = None) -> str:
-    r = httpx.post(f"{server.url}/v1/conversations", headers=server.headers(key), json={},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/conversations", headers=server.headers(key), json={}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return str(r.json()["id"])
 
 
 def stored(server: Server, conv: str, key: str | None = None) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.url}/v1/conversations/{conv}/messages",
-                  headers=server.headers(key), timeout=60)
+    r = httpx.get(
+        f"{server.url}/v1/conversations/{conv}/messages", headers=server.headers(key), timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()["data"]  # type: ignore[no-any-return]
 
@@ -65,7 +67,9 @@ def stored(server: Server, conv: str, key: str | None = None) -> list[dict[str, 
 def connect(server: Server, conv: str, key: str | None = None) -> Any:
     return websockets.connect(
         f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws",
-        additional_headers=server.headers(key), max_size=None, open_timeout=RECV_TIMEOUT_S,
+        additional_headers=server.headers(key),
+        max_size=None,
+        open_timeout=RECV_TIMEOUT_S,
     )
 
 
@@ -99,24 +103,37 @@ BAD_FRAMES: list[tuple[str, str | bytes, set[str]]] = [
     ("binary frame", b"\x00\x01\x02 not text", {"invalid_json"}),
     # Over the app's limit but under the protocol's (4x): an error frame, the socket stays.
     ("oversized frame", message("x" * (2 * FRAME_LIMIT)), {"frame_too_large"}),
-    ("one byte over the limit", message("x" * (FRAME_LIMIT - len(message("")) + 1)),
-     {"frame_too_large"}),
+    (
+        "one byte over the limit",
+        message("x" * (FRAME_LIMIT - len(message("")) + 1)),
+        {"frame_too_large"},
+    ),
     ("50,000 deep array", "[" * DEEP + "]" * DEEP, {"invalid_json", "invalid_request"}),
-    ("50,000 deep content", '{"type": "message", "content": ' + "[" * DEEP + "]" * DEEP + "}",
-     {"invalid_json", "invalid_request"}),
-    ("50,000 deep object", '{"type": "message", "content": "x", "stop": ' + '{"":' * DEEP
-     + "1" + "}" * DEEP + "}", {"invalid_json", "invalid_request"}),
+    (
+        "50,000 deep content",
+        '{"type": "message", "content": ' + "[" * DEEP + "]" * DEEP + "}",
+        {"invalid_json", "invalid_request"},
+    ),
+    (
+        "50,000 deep object",
+        '{"type": "message", "content": "x", "stop": ' + '{"":' * DEEP + "1" + "}" * DEEP + "}",
+        {"invalid_json", "invalid_request"},
+    ),
     ("unknown type", json.dumps({"type": "dance"}), {"unknown_type"}),
     ("no type", json.dumps({"content": "hello"}), {"unknown_type"}),
     ("not an object", "42", {"unknown_type"}),
     ("lone surrogate as the type", '{"type": "\\udc00"}', {"unknown_type", "invalid_request"}),
-    ("offset past 64 bits", json.dumps({"type": "resume", "message_id": "msg_x",
-                                        "offset": 2**64}), {"invalid_request", "not_found"}),
+    (
+        "offset past 64 bits",
+        json.dumps({"type": "resume", "message_id": "msg_x", "offset": 2**64}),
+        {"invalid_request", "not_found"},
+    ),
 ]
 
 
-@pytest.mark.parametrize("frame, codes", [(f, c) for _, f, c in BAD_FRAMES],
-                         ids=[name for name, _, _ in BAD_FRAMES])
+@pytest.mark.parametrize(
+    "frame, codes", [(f, c) for _, f, c in BAD_FRAMES], ids=[name for name, _, _ in BAD_FRAMES]
+)
 def test_a_bad_frame_gets_an_error_frame_and_the_socket_still_answers(
     server: Server, frame: str | bytes, codes: set[str]
 ) -> None:
@@ -139,10 +156,14 @@ def test_a_bad_frame_gets_an_error_frame_and_the_socket_still_answers(
 
 ODD_MESSAGES: list[tuple[str, str]] = [
     # Frames a fix may refuse (a typed error) or serve (a reply); never a dropped socket.
-    ("lone surrogate in the content", '{"type": "message", "content": "a\\ud800b", '
-                                      '"max_tokens": 4}'),
-    ("lone surrogate in the name", '{"type": "message", "content": "x", "name": "\\udfff", '
-                                   '"max_tokens": 4}'),
+    (
+        "lone surrogate in the content",
+        '{"type": "message", "content": "a\\ud800b", "max_tokens": 4}',
+    ),
+    (
+        "lone surrogate in the name",
+        '{"type": "message", "content": "x", "name": "\\udfff", "max_tokens": 4}',
+    ),
     ("seed past 64 bits", message("x", seed=2**70)),
     ("negative seed past 64 bits", message("x", seed=-(2**70))),
     ("max_tokens past 64 bits", message("x", max_tokens=2**64)),
@@ -150,8 +171,9 @@ ODD_MESSAGES: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize("frame", [f for _, f in ODD_MESSAGES],
-                         ids=[name for name, _ in ODD_MESSAGES])
+@pytest.mark.parametrize(
+    "frame", [f for _, f in ODD_MESSAGES], ids=[name for name, _ in ODD_MESSAGES]
+)
 def test_an_odd_message_is_refused_or_answered_and_the_socket_still_answers(
     server: Server, frame: str
 ) -> None:
@@ -185,8 +207,7 @@ def test_two_sockets_on_one_conversation_get_the_reply_or_busy(server: Server) -
     async def attack() -> list[list[dict[str, Any]]]:
         async with connect(server, conv) as a, connect(server, conv) as b:
             await asyncio.gather(ping(a), ping(b))
-            results = list(await asyncio.gather(one(a, "from socket a"),
-                                                one(b, "from socket b")))
+            results = list(await asyncio.gather(one(a, "from socket a"), one(b, "from socket b")))
             await asyncio.gather(ping(a), ping(b))
             return results
 
@@ -221,8 +242,9 @@ def test_two_hundred_sockets_opened_and_dropped_leave_nothing_behind(server: Ser
             await asyncio.gather(*(open_and_drop(i) for i in range(start, start + batch)))
 
     def idle() -> bool:
-        requests = httpx.get(f"{server.url}/v1/admin/memory", headers=server.headers(),
-                             timeout=30).json()["requests"]
+        requests = httpx.get(
+            f"{server.url}/v1/admin/memory", headers=server.headers(), timeout=30
+        ).json()["requests"]
         return metric(server, "kvchat:websocket_connections") == 0 and not requests["running"]
 
     # One batch first: it opens what the server keeps open at this concurrency (its database
@@ -232,8 +254,10 @@ def test_two_hundred_sockets_opened_and_dropped_leave_nothing_behind(server: Ser
     baseline = open_fds(pid)
     asyncio.run(drop(batch, 200))
     wait_until(idle, "no socket open and no reply running")
-    wait_until(lambda: open_fds(pid) <= baseline,
-               f"the server's file descriptors back at {baseline} (now {open_fds(pid)})")
+    wait_until(
+        lambda: open_fds(pid) <= baseline,
+        f"the server's file descriptors back at {baseline} (now {open_fds(pid)})",
+    )
     assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
 
     async def still_answers() -> None:
@@ -257,8 +281,10 @@ def test_an_idle_socket_is_closed_by_the_server(server: Server) -> None:
             return closed.value.rcvd.code if closed.value.rcvd else None
 
     assert asyncio.run(attack()) == 1001
-    wait_until(lambda: metric(server, "kvchat:websocket_connections") == 0,
-               "the server counts no open socket")
+    wait_until(
+        lambda: metric(server, "kvchat:websocket_connections") == 0,
+        "the server counts no open socket",
+    )
 
 
 def test_a_socket_stops_working_when_its_key_is_revoked(server: Server) -> None:
@@ -279,8 +305,10 @@ def test_a_socket_stops_working_when_its_key_is_revoked(server: Server) -> None:
                 return closed.rcvd.code if closed.rcvd else None
 
     answer = asyncio.run(attack())
-    assert httpx.get(f"{server.url}/v1/models", headers=server.headers(key),
-                     timeout=30).status_code == 401  # revoked, as REST sees it
+    assert (
+        httpx.get(f"{server.url}/v1/models", headers=server.headers(key), timeout=30).status_code
+        == 401
+    )  # revoked, as REST sees it
     if isinstance(answer, dict):
         assert answer["type"] == "error" and answer["code"] != "busy", answer
     else:

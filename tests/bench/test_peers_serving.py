@@ -6,8 +6,9 @@ from __future__ import annotations
 from kvchat.bench.peers_serving import RateRun, Turn, Workload, knee
 
 
-def run_at(rate: float, ttfts: list[float], span: float, late: list[float] | None = None,
-           failed: int = 0) -> RateRun:
+def run_at(
+    rate: float, ttfts: list[float], span: float, late: list[float] | None = None, failed: int = 0
+) -> RateRun:
     """3 users' requests on the schedule of `rate`, answered over `span` seconds; request i
     starts `late[i]` seconds after its slot."""
     run = RateRun("s", rate)
@@ -44,9 +45,12 @@ def test_sustained_needs_the_rate_an_on_time_schedule_and_every_answer() -> None
 
 def test_knee_is_the_last_rate_sustained_before_the_first_that_was_not() -> None:
     behind = [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    runs = [run_at(0.5, [0.2] * 9, 16.0), run_at(1.0, [0.2] * 9, 8.0),
-            run_at(2.0, [0.2] * 9, 4.0, late=[x / 2 for x in behind]),
-            run_at(4.0, [0.2] * 9, 2.0)]
+    runs = [
+        run_at(0.5, [0.2] * 9, 16.0),
+        run_at(1.0, [0.2] * 9, 8.0),
+        run_at(2.0, [0.2] * 9, 4.0, late=[x / 2 for x in behind]),
+        run_at(4.0, [0.2] * 9, 2.0),
+    ]
     assert [r.sustained for r in runs] == [True, True, False, True]
     assert knee(runs) == 1.0
     assert knee(runs[2:]) == 0.0

@@ -27,7 +27,10 @@ def test_every_script_documents_its_command() -> None:
 def test_script_help_runs_as_documented(name: str) -> None:
     proc = subprocess.run(
         [sys.executable, f"bench/{name}", "--help"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: ")

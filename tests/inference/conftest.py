@@ -12,7 +12,6 @@ from kvchat.inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
 from kvchat_testing.tokenizers import LLAMA3_MERGES
 
 
-
 @pytest.fixture(scope="module")
 def dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_dir = tmp_path_factory.mktemp("dev")

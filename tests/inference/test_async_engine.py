@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +194,6 @@ def test_generate_before_start_is_refused(tiny_llama: tuple[Path, Any]) -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
-
-
 
 
 @pytest.mark.timeout(60)

@@ -46,16 +46,24 @@ POINT = {
 }
 FLAGS = {
     "type": "object",
-    "properties": {"on": {"type": "boolean"},
-                   "level": {"type": "number", "minimum": 0, "maximum": 4, "multipleOf": 0.5}},
+    "properties": {
+        "on": {"type": "boolean"},
+        "level": {"type": "number", "minimum": 0, "maximum": 4, "multipleOf": 0.5},
+    },
     "required": ["on", "level"],
     "additionalProperties": False,
 }
 # Long enough to outgrow a small pool: six strings of exactly 8 characters.
 LIST = {
     "type": "object",
-    "properties": {"words": {"type": "array", "minItems": 6, "maxItems": 6,
-                             "items": {"type": "string", "minLength": 8, "maxLength": 8}}},
+    "properties": {
+        "words": {
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 6,
+            "items": {"type": "string", "minLength": 8, "maxLength": 8},
+        }
+    },
     "required": ["words"],
     "additionalProperties": False,
 }
@@ -70,17 +78,26 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make_engine(path: Path, num_blocks: int = 256, host_blocks: int = 0,
-                **cache: Any) -> Engine:
+def make_engine(path: Path, num_blocks: int = 256, host_blocks: int = 0, **cache: Any) -> Engine:
     config = ModelConfig.from_dir(path)
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK,
-                       torch.float32, "auto")
-    return Engine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-        cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks,
-                          host_cache_bytes=host_blocks * spec.bytes_per_block, **cache),
-        scheduler=SchedulerConfig(max_num_batched_tokens=256),
-    ))
+    spec = KVCacheSpec(
+        config.num_layers, config.num_kv_heads, config.head_dim, BLOCK, torch.float32, "auto"
+    )
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(
+                block_size=BLOCK,
+                num_blocks_override=num_blocks,
+                host_cache_bytes=host_blocks * spec.bytes_per_block,
+                **cache,
+            ),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +107,13 @@ def engine(dev_model: Path) -> Engine:
 
 def prompt(engine: Engine, text: str) -> list[int]:
     assert engine.tokenizer is not None
-    return engine.tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
-                                   allow_special=True)
+    return engine.tokenizer.encode(
+        f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", allow_special=True
+    )
 
 
 def constrained(grammar: Grammar, seed: int, max_tokens: int = 120, **kw: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, grammar=grammar,
-                          **kw)
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, grammar=grammar, **kw)
 
 
 def check_json(engine: Engine, out: RequestOutput, schema: dict[str, Any]) -> Any:
@@ -107,8 +124,9 @@ def check_json(engine: Engine, out: RequestOutput, schema: dict[str, Any]) -> An
     return value
 
 
-def turn(engine: Engine, rid: str, ids: list[int], params: SamplingParams,
-         session: str | None = None) -> RequestOutput:
+def turn(
+    engine: Engine, rid: str, ids: list[int], params: SamplingParams, session: str | None = None
+) -> RequestOutput:
     engine.add_request(rid, ids, params, session_id=session)
     final = None
     while engine.has_unfinished_requests():
@@ -127,8 +145,12 @@ def test_unconstrained_row_gets_its_solo_tokens_next_to_constrained_ones(engine:
     solo_point = engine.generate([ids], constrained(json_schema_grammar(POINT), seed=5))[0]
     outs = engine.generate(
         [ids, ids, ids, ids],
-        [constrained(json_schema_grammar(POINT), seed=5), free,
-         constrained(json_schema_grammar(FLAGS), seed=6), greedy],
+        [
+            constrained(json_schema_grammar(POINT), seed=5),
+            free,
+            constrained(json_schema_grammar(FLAGS), seed=6),
+            greedy,
+        ],
     )
     assert outs[1].output_token_ids == solo_free
     assert outs[3].output_token_ids == solo_greedy
@@ -141,9 +163,12 @@ def test_unconstrained_row_gets_its_solo_tokens_next_to_constrained_ones(engine:
         json.loads(engine.generate([ids], SamplingParams(max_tokens=40, seed=5))[0].text or "")
 
 
-NOTE = {"type": "object", "properties": {"note": {"type": "string", "minLength": 30,
-                                                 "maxLength": 80}},
-        "required": ["note"], "additionalProperties": False}
+NOTE = {
+    "type": "object",
+    "properties": {"note": {"type": "string", "minLength": 30, "maxLength": 80}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
 
 
 def test_checked_draws_and_mask_placement_never_change_the_tokens(
@@ -155,13 +180,15 @@ def test_checked_draws_and_mask_placement_never_change_the_tokens(
     request's tokens, alone or batched."""
     ids = prompt(make_engine(dev_model), "Points, flags, a note and a call.")
     call = tool_call_grammar([ToolSpec("set_flags", FLAGS)], HERMES, parallel=False)
-    params = [constrained(json_schema_grammar(POINT), seed=7),
-              SamplingParams(max_tokens=30, temperature=1.0, seed=8, ignore_eos=True),
-              constrained(json_schema_grammar(FLAGS), seed=9),
-              constrained(call, seed=10),  # forced text: the tag, the name, the keys
-              SamplingParams(max_tokens=80, temperature=0.0, grammar=json_schema_grammar(POINT)),
-              constrained(json_schema_grammar(FLAGS), seed=11, top_k=5),  # always masked first
-              constrained(json_schema_grammar(NOTE), seed=12, max_tokens=100)]  # checks pass
+    params = [
+        constrained(json_schema_grammar(POINT), seed=7),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=8, ignore_eos=True),
+        constrained(json_schema_grammar(FLAGS), seed=9),
+        constrained(call, seed=10),  # forced text: the tag, the name, the keys
+        SamplingParams(max_tokens=80, temperature=0.0, grammar=json_schema_grammar(POINT)),
+        constrained(json_schema_grammar(FLAGS), seed=11, top_k=5),  # always masked first
+        constrained(json_schema_grammar(NOTE), seed=12, max_tokens=100),
+    ]  # checks pass
     tokens, masked = {}, {}
     for placement, worker_min in (("beside", 0.0), ("after", float("inf"))):
         monkeypatch.setattr(structured_output, "MASK_WORKER_MIN_SECONDS", worker_min)
@@ -213,8 +240,9 @@ def test_without_checks_first_every_constrained_step_computes_a_mask(
 
     monkeypatch.setattr(engine.grammars, "fill_bitmask", counting)
     ids = prompt(engine, "A note.")
-    outs = engine.generate([ids] * 2, [constrained(json_schema_grammar(NOTE), seed=s,
-                                                   max_tokens=100) for s in (1, 2)])
+    outs = engine.generate(
+        [ids] * 2, [constrained(json_schema_grammar(NOTE), seed=s, max_tokens=100) for s in (1, 2)]
+    )
     for out in outs:
         check_json(engine, out, NOTE)
     # A mask for every token (the request ends with the object's last token).
@@ -231,8 +259,10 @@ def test_seeds_reproduce_and_differ(engine: Engine) -> None:
 
 
 def test_greedy_constrained_decoding_is_valid(engine: Engine) -> None:
-    out = engine.generate([prompt(engine, "Point?")], SamplingParams(
-        max_tokens=120, temperature=0.0, grammar=json_schema_grammar(POINT)))[0]
+    out = engine.generate(
+        [prompt(engine, "Point?")],
+        SamplingParams(max_tokens=120, temperature=0.0, grammar=json_schema_grammar(POINT)),
+    )[0]
     check_json(engine, out, POINT)
 
 
@@ -252,8 +282,10 @@ def test_length_before_the_structure_closes_ends_with_length(
 
 def test_json_object_output_is_an_accepted_prefix_or_an_object(engine: Engine) -> None:
     grammar = json_object_grammar()
-    outs = engine.generate([prompt(engine, "Any object")] * 4,
-                           [constrained(grammar, s, max_tokens=30) for s in range(4)])
+    outs = engine.generate(
+        [prompt(engine, "Any object")] * 4,
+        [constrained(grammar, s, max_tokens=30) for s in range(4)],
+    )
     for out in outs:
         assert out.output_token_ids
         matcher = engine.grammars.new_matcher(grammar)
@@ -309,8 +341,14 @@ def test_a_session_turn_starts_its_own_grammar_on_the_reused_kv(dev_model: Path)
 
 
 def test_logprobs_of_a_constrained_request_are_over_the_allowed_tokens(engine: Engine) -> None:
-    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2, logprobs=True, top_logprobs=5,
-                            grammar=json_schema_grammar(POINT))
+    params = SamplingParams(
+        max_tokens=3,
+        temperature=1.0,
+        seed=2,
+        logprobs=True,
+        top_logprobs=5,
+        grammar=json_schema_grammar(POINT),
+    )
     engine.add_request("lp", prompt(engine, "Point"), params)
     outs = []
     while engine.has_unfinished_requests():

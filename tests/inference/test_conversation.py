@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvchat.history import HistoryPolicy
 from kvchat.inference.chat_template import load_chat_template
 from kvchat.inference.context_builder import SUMMARY_PREFIX, ContextBuilder
 from kvchat.inference.conversation import Conversation, TurnResult
@@ -19,7 +20,6 @@ from kvchat.inference.engine_config import EngineConfig
 from kvchat.inference.sampling_params import SamplingParams
 from kvchat.inference.scheduler import SchedulerConfig
 from kvchat.memory.config import CacheConfig, SessionBudget
-from kvchat.history import HistoryPolicy
 
 # A tight budget and short turns: the conversation is several times the budget after 48 turns
 # of ~21 tokens, `drop` trims about every 4 turns, and each turn is one prefill step (the

@@ -15,11 +15,6 @@ from kvchat.inference.sampling_params import SamplingParams
 from kvchat_testing.engines import BLOCK, GREEDY, make_engine, random_prompt
 
 
-
-
-
-
-
 def run_until_done(engine: Engine) -> dict[str, RequestOutput]:
     finals = {}
     while engine.has_unfinished_requests():
@@ -125,8 +120,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
         [SamplingParams(max_tokens=20, temperature=1.0), seeded, SamplingParams(max_tokens=5)],
     )[1].output_token_ids
     assert alone == again == batched
-    other_seed = engine.generate([prompt], SamplingParams(
-        max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=4321))[0].output_token_ids
+    other_seed = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=4321)
+    )[0].output_token_ids
     assert other_seed != alone
 
 
@@ -146,9 +142,7 @@ def test_logprobs_are_the_chosen_tokens_log_probabilities(tiny_llama: tuple[Path
     with torch.no_grad():
         full = torch.tensor([prompt + final.output_token_ids])
         logp = hf_model(full).logits[0].float().log_softmax(-1)
-    expected = [
-        logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(final.output_token_ids)
-    ]
+    expected = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(final.output_token_ids)]
     assert streamed == pytest.approx(expected, abs=1e-4)
 
 
@@ -257,8 +251,9 @@ def test_session_context_budget_is_enforced(tiny_llama: tuple[Path, Any]) -> Non
         engine.add_request("over", random_prompt(40, seed=1), GREEDY, session_id="conv")
     assert err.value.code == "context_length_exceeded" and "40" in str(err.value)
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("reserve", random_prompt(30, seed=1),
-                           SamplingParams(max_tokens=11), session_id="conv")
+        engine.add_request(
+            "reserve", random_prompt(30, seed=1), SamplingParams(max_tokens=11), session_id="conv"
+        )
     assert err.value.field == "max_tokens"
     # Without max_tokens, generation stops at the budget.
     unbounded = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -274,8 +269,9 @@ def test_top_logprobs_are_the_most_likely_tokens(tiny_llama: tuple[Path, Any]) -
     path, hf_model = tiny_llama
     engine = make_engine(path)
     prompt = random_prompt(9, seed=4)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True,
-                            top_logprobs=5)
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
     engine.add_request("top", prompt, params)
     tops, final = [], None
     while engine.has_unfinished_requests():

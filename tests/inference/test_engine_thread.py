@@ -36,8 +36,13 @@ def test_calls_run_on_the_thread_in_order_and_raise_here() -> None:
 
 
 def config(path: Path) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-                        cache=CacheConfig(block_size=BLOCK, num_blocks_override=128))
+    return EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+        cache=CacheConfig(block_size=BLOCK, num_blocks_override=128),
+    )
 
 
 def test_build_constructs_and_steps_the_engine_on_one_thread(
@@ -61,6 +66,7 @@ def test_build_constructs_and_steps_the_engine_on_one_thread(
     prompt = random_prompt(9, seed=3)
     runner.start()
     try:
+
         async def stream() -> list[int]:
             tokens: list[int] = []
             async for out in runner.generate("r", runner.engine.check_request(prompt, GREEDY)):

@@ -24,15 +24,21 @@ from kvchat.inference.grammar_compiler import (
     unpack_bitmask,
 )
 from kvchat.inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
-from kvchat.inference.tokenizer_files import dev_special_tokens, load_bundled_tokenizer, load_tokenizer
+from kvchat.inference.tokenizer_files import (
+    dev_special_tokens,
+    load_bundled_tokenizer,
+    load_tokenizer,
+)
 from kvchat.inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
 from kvchat_testing.tokenizers import write_hf_tokenizer
 
 CPU = torch.device("cpu")
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -46,8 +52,7 @@ def dev_tokenizer() -> TiktokenTokenizer:
 @pytest.fixture(scope="module")
 def compiler(dev_tokenizer: TiktokenTokenizer) -> GrammarCompiler:
     # 8 rows of padding past the tokenizer, as checkpoints pad their vocab.
-    return GrammarCompiler(dev_tokenizer, dev_tokenizer.vocab_size + 8,
-                           dev_tokenizer.eos_token_ids)
+    return GrammarCompiler(dev_tokenizer, dev_tokenizer.vocab_size + 8, dev_tokenizer.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +65,16 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return tokenizer
 
 
-def accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar: Grammar,
-            text: str) -> tuple[bool, bool]:
+def accepts(
+    compiler: GrammarCompiler, tokenizer: Tokenizer, grammar: Grammar, text: str
+) -> tuple[bool, bool]:
     """(every token of `text` accepted, the grammar complete after them)."""
     matcher = compiler.new_matcher(grammar)
     ids = tokenizer.encode(text)
     return matcher.try_consume_tokens(ids) == len(ids), matcher.is_accepting()
 
 
-TEXTS = ["hello world", "naïve café – 東京 🙂", " leading and  double  spaces\n", "{\"a\": 1}"]
+TEXTS = ["hello world", "naïve café – 東京 🙂", " leading and  double  spaces\n", '{"a": 1}']
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -95,9 +101,14 @@ def test_json_schema_grammar_accepts_valid_and_rejects_invalid(
     grammar = json_schema_grammar(WEATHER)
     assert accepts(compiler, dev_tokenizer, grammar, '{"city": "Paris", "days": 3}') == (True, True)
     assert accepts(compiler, dev_tokenizer, grammar, '{"city": "Paris"') == (True, False)
-    for bad in ('{"city": "Paris", "days": 15}', '{"city": "Paris", "days": 3.5}',
-                '{"days": 3, "city": "Paris"}', '{"city": "Paris", "days": 3, "x": 1}',
-                '{"city": "Paris and beyond", "days": 3}', '{"city":"Paris","days":3}'):
+    for bad in (
+        '{"city": "Paris", "days": 15}',
+        '{"city": "Paris", "days": 3.5}',
+        '{"days": 3, "city": "Paris"}',
+        '{"city": "Paris", "days": 3, "x": 1}',
+        '{"city": "Paris and beyond", "days": 3}',
+        '{"city":"Paris","days":3}',
+    ):
         assert accepts(compiler, dev_tokenizer, grammar, bad)[0] is False, bad
 
 
@@ -116,8 +127,7 @@ def test_tool_call_grammar_matches_what_the_parser_reads(
 ) -> None:
     tools = [ToolSpec("get_weather", WEATHER), ToolSpec("ping", None)]
     key = "arguments" if fmt == HERMES else "parameters"
-    calls = [{"name": "get_weather", key: {"city": "Oslo", "days": 2}},
-             {"name": "ping", key: {}}]
+    calls = [{"name": "get_weather", key: {"city": "Oslo", "days": 2}}, {"name": "ping", key: {}}]
     bodies = [json.dumps(c) for c in calls]
     if fmt == HERMES:
         text = "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
@@ -131,20 +141,25 @@ def test_tool_call_grammar_matches_what_the_parser_reads(
     assert accepts(compiler, dev_tokenizer, single, first) == (True, True)
     parsed = parse_tool_calls(text, fmt, {"get_weather", "ping"})
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
-        ("get_weather", {"city": "Oslo", "days": 2}), ("ping", {})]
+        ("get_weather", {"city": "Oslo", "days": 2}),
+        ("ping", {}),
+    ]
     assert parsed.content is None
     # A name not offered, arguments off-schema: not in the grammar.
     wrong = text.replace("get_weather", "get_weathers")
     assert accepts(compiler, dev_tokenizer, parallel, wrong)[0] is False
-    assert accepts(compiler, dev_tokenizer, parallel, text.replace('"days": 2', '"days": 0'))[
-        0] is False
+    assert (
+        accepts(compiler, dev_tokenizer, parallel, text.replace('"days": 2', '"days": 0'))[0]
+        is False
+    )
 
 
 def test_tool_calls_or_json_content(
     compiler: GrammarCompiler, dev_tokenizer: TiktokenTokenizer
 ) -> None:
-    grammar = tool_call_grammar([ToolSpec("ping", None)], HERMES, parallel=False,
-                                content_schema=WEATHER)
+    grammar = tool_call_grammar(
+        [ToolSpec("ping", None)], HERMES, parallel=False, content_schema=WEATHER
+    )
     call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
     assert accepts(compiler, dev_tokenizer, grammar, call) == (True, True)
     assert accepts(compiler, dev_tokenizer, grammar, '{"city": "Rome", "days": 1}') == (True, True)
@@ -152,8 +167,9 @@ def test_tool_calls_or_json_content(
 
 
 def test_same_grammar_compiles_once(dev_tokenizer: TiktokenTokenizer) -> None:
-    compiler = GrammarCompiler(dev_tokenizer, dev_tokenizer.vocab_size,
-                               dev_tokenizer.eos_token_ids, cache_size=2)
+    compiler = GrammarCompiler(
+        dev_tokenizer, dev_tokenizer.vocab_size, dev_tokenizer.eos_token_ids, cache_size=2
+    )
     a, b, c = (json_schema_grammar({**WEATHER, "title": t}) for t in "abc")
     first = compiler.new_matcher(a)
     second = compiler.new_matcher(json_schema_grammar({**WEATHER, "title": "a"}))  # equal
@@ -169,11 +185,14 @@ def test_same_grammar_compiles_once(dev_tokenizer: TiktokenTokenizer) -> None:
     assert compiler.num_compiled == 4
 
 
-@pytest.mark.parametrize(("schema", "feature"), [
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
-    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
-])
+@pytest.mark.parametrize(
+    ("schema", "feature"),
+    [
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ({"type": "string", "format": "no-such-format"}, "no-such-format"),
+    ],
+)
 def test_unsupported_features_are_errors_naming_them(
     compiler: GrammarCompiler, schema: dict[str, object], feature: str
 ) -> None:
@@ -186,18 +205,20 @@ def test_masks_of_a_batch_are_per_row_and_padding_is_never_allowed(
     compiler: GrammarCompiler, dev_tokenizer: TiktokenTokenizer
 ) -> None:
     schema_matcher = compiler.new_matcher(json_schema_grammar(WEATHER))
-    call_matcher = compiler.new_matcher(tool_call_grammar([ToolSpec("ping", None)], HERMES,
-                                                          parallel=False))
+    call_matcher = compiler.new_matcher(
+        tool_call_grammar([ToolSpec("ping", None)], HERMES, parallel=False)
+    )
     rows = [(0, schema_matcher), (2, call_matcher)]  # row 1 is unconstrained
     allowed = compiler.allowed_tokens(rows, 3, CPU)
     assert allowed.shape == (3, compiler.vocab_size) and allowed.dtype == torch.bool
     assert bool(allowed[1].all())
-    assert not allowed[[0, 2], dev_tokenizer.vocab_size:].any()
+    assert not allowed[[0, 2], dev_tokenizer.vocab_size :].any()
     first = {dev_tokenizer.decode([int(i)]) for i in allowed[0].nonzero().flatten()}
     assert '{"' in first and first <= {"{", '{"'}  # not '{}': both properties are required
     third = {dev_tokenizer.decode([int(i)]) for i in allowed[2].nonzero().flatten()}
-    assert third and all("<tool_call>\n".startswith(t) or t.startswith("<tool_call>")
-                         for t in third)
+    assert third and all(
+        "<tool_call>\n".startswith(t) or t.startswith("<tool_call>") for t in third
+    )
     # The bit-unpacking agrees with llguidance's own bitmask, bit for bit; the accelerator's
     # (torch) unpacking agrees with the CPU's (numpy).
     rng = random.Random(0)
@@ -212,18 +233,25 @@ def test_masks_of_a_batch_are_per_row_and_padding_is_never_allowed(
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
-def test_a_token_check_gives_exactly_the_masks_answer(
-    compiler: GrammarCompiler, fmt: str
-) -> None:
+def test_a_token_check_gives_exactly_the_masks_answer(compiler: GrammarCompiler, fmt: str) -> None:
     """allows() (what the sampler checks draws with) against the mask, along random walks
     through a tool call and a JSON schema: forced text (the tag, the name, the keys: the mask
     then allows only the forced text's own first token, not other tokenizations of it),
     bounded strings, numbers, the end-of-sequence token, special tokens and padding ids."""
     rng = random.Random(4)
-    grammars = [tool_call_grammar([ToolSpec("get_weather", WEATHER)], fmt, parallel=True),
-                json_schema_grammar({"type": "object", "properties": {
+    grammars = [
+        tool_call_grammar([ToolSpec("get_weather", WEATHER)], fmt, parallel=True),
+        json_schema_grammar(
+            {
+                "type": "object",
+                "properties": {
                     "note": {"type": "string", "maxLength": 6},
-                    "n": {"type": "number", "minimum": 0}}, "required": ["note", "n"]})]
+                    "n": {"type": "number", "minimum": 0},
+                },
+                "required": ["note", "n"],
+            }
+        ),
+    ]
     vocab, eos = compiler.vocab_size, compiler.eos_token_ids
     checked = forced = 0
     for grammar in grammars:
@@ -233,8 +261,12 @@ def test_a_token_check_gives_exactly_the_masks_answer(
                 break
             allowed = compiler.allowed_tokens([(0, matcher)], 1, CPU)[0]
             some_allowed = allowed.nonzero().flatten()[:300].tolist()
-            ids = sorted(set(range(rng.randrange(5), vocab, 5)) | set(eos)
-                         | set(range(vocab - 12, vocab)) | set(some_allowed))
+            ids = sorted(
+                set(range(rng.randrange(5), vocab, 5))
+                | set(eos)
+                | set(range(vocab - 12, vocab))
+                | set(some_allowed)
+            )
             for token in ids:
                 assert compiler.allows(matcher, token) == bool(allowed[token]), token
             checked += len(ids)
@@ -254,7 +286,7 @@ def test_the_logit_mask_is_0_where_allowed_and_minus_inf_elsewhere(
     assert bool((mask[0] == 0).all()) and bool((mask[2] == 0).all())
     assert torch.equal(mask == 0, allowed) and torch.equal(mask == float("-inf"), ~allowed)
     # Every bit of a word, the sign bit and a partial last word included.
-    words = torch.tensor([[-1, 0, -2**31, 1 | (1 << 30)]], dtype=torch.int32)
+    words = torch.tensor([[-1, 0, -(2**31), 1 | (1 << 30)]], dtype=torch.int32)
     offsets = logit_mask_from_bitmask(words, 4 * 32 - 3, CPU)
     expected = [True] * 32 + [False] * 32 + [False] * 31 + [True] + [True] + [False] * 29
     assert (offsets[0] == 0).tolist() == expected[: 4 * 32 - 3]
@@ -296,8 +328,13 @@ def test_an_accepting_grammar_allows_end_of_sequence(
 
 def test_hf_tokenizer_constrains_too(hf_tokenizer: Tokenizer) -> None:
     compiler = GrammarCompiler(hf_tokenizer, hf_tokenizer.vocab_size, hf_tokenizer.eos_token_ids)
-    grammar = json_schema_grammar({"type": "object", "properties": {
-        "word": {"type": "string", "enum": ["héllo", "fox"]}}, "required": ["word"]})
+    grammar = json_schema_grammar(
+        {
+            "type": "object",
+            "properties": {"word": {"type": "string", "enum": ["héllo", "fox"]}},
+            "required": ["word"],
+        }
+    )
     assert accepts(compiler, hf_tokenizer, grammar, '{"word": "héllo"}') == (True, True)
     assert accepts(compiler, hf_tokenizer, grammar, '{"word": "hello"}')[0] is False
 
@@ -310,10 +347,12 @@ def test_no_eos_is_refused(dev_tokenizer: TiktokenTokenizer) -> None:
 def test_after_one_parallel_call_end_of_sequence_or_another_call(
     compiler: GrammarCompiler, dev_tokenizer: TiktokenTokenizer
 ) -> None:
-    matcher = compiler.new_matcher(tool_call_grammar([ToolSpec("ping", None)], HERMES,
-                                                     parallel=True))
-    assert matcher.consume_tokens(dev_tokenizer.encode(
-        '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'))
+    matcher = compiler.new_matcher(
+        tool_call_grammar([ToolSpec("ping", None)], HERMES, parallel=True)
+    )
+    assert matcher.consume_tokens(
+        dev_tokenizer.encode('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+    )
     assert matcher.is_accepting() and not matcher.is_stopped()
     allowed = set(compiler.allowed_tokens([(0, matcher)], 1, CPU)[0].nonzero().flatten().tolist())
     assert set(dev_tokenizer.eos_token_ids) <= allowed
@@ -322,7 +361,7 @@ def test_after_one_parallel_call_end_of_sequence_or_another_call(
 
 
 def test_unpacking_covers_every_bit_including_the_sign_bit() -> None:
-    words = torch.tensor([[-1, 0, -2**31, 1 | (1 << 30)]], dtype=torch.int32)
+    words = torch.tensor([[-1, 0, -(2**31), 1 | (1 << 30)]], dtype=torch.int32)
     bits = unpack_bitmask(words, 4 * 32 - 3)
     expected = [True] * 32 + [False] * 32 + [False] * 31 + [True] + [True] + [False] * 29
     assert bits[0].tolist() == expected[: 4 * 32 - 3]

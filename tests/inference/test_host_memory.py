@@ -39,8 +39,12 @@ print(min(windows))
 
 
 def faults_per_step(model: Path, mode: str) -> float:
-    out = subprocess.run([sys.executable, "-P", "-c", DECODE, str(model), mode], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", DECODE, str(model), mode],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,8 +82,10 @@ def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
 
     from kvchat.inference.host_memory import HUGE_PAGE, HugePageArena
 
-    tensors = [torch.randn(n, 96).to(dtype) for n, dtype in
-               [(4096, torch.float32), (3, torch.bfloat16), (9000, torch.float16)]]
+    tensors = [
+        torch.randn(n, 96).to(dtype)
+        for n, dtype in [(4096, torch.float32), (3, torch.bfloat16), (9000, torch.float16)]
+    ]
     arena = HugePageArena(sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors))
     before = _anon_huge_kib() if platform.system() == "Linux" else 0
     placed = [arena.place(t) for t in tensors]

@@ -46,8 +46,9 @@ def tolerance(dtype: torch.dtype, ref: torch.Tensor) -> float:
     return {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype] * scale
 
 
-def operands(out_f: int, in_f: int, rows: int, dtype: torch.dtype, bias: bool, seed: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def operands(
+    out_f: int, in_f: int, rows: int, dtype: torch.dtype, bias: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g).to(dtype)
     x = torch.randn(rows, in_f, generator=g).to(dtype)
@@ -66,8 +67,7 @@ def test_every_path_matches_f_linear(dtype: torch.dtype, shape: tuple[int, int])
     out_f, in_f = shape
     for path in paths_for(dtype):
         fn = PATH_FNS[path]
-        rows_list = ([1, 2, 3, 4, 5, GEMV_MAX_ROWS] if path.startswith("gemv")
-                     else [1, 4, 17, 97])
+        rows_list = [1, 2, 3, 4, 5, GEMV_MAX_ROWS] if path.startswith("gemv") else [1, 4, 17, 97]
         for rows in rows_list:
             for bias in (False, True):
                 x, w, b = operands(out_f, in_f, rows, dtype, bias, seed=rows + out_f + in_f)
@@ -149,21 +149,28 @@ class _no_error:
 
 def test_a_tied_head_stays_plain_and_shares_the_tensor() -> None:
     w = torch.randn(64, 32)
-    lin = Linear(w, None, fixed_plan(torch.float32, CPU, PREPACKED) if
-                 torch.float32 in onednn_dtypes() else fixed_plan(torch.float32, CPU, "torch"),
-                 is_head=True)
+    lin = Linear(
+        w,
+        None,
+        fixed_plan(torch.float32, CPU, PREPACKED)
+        if torch.float32 in onednn_dtypes()
+        else fixed_plan(torch.float32, CPU, "torch"),
+        is_head=True,
+    )
     assert not lin.is_prepacked and lin.weight is w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_measured_plan_names_real_paths_and_its_choice_is_the_fastest(dtype: torch.dtype
-                                                                       ) -> None:
+def test_measured_plan_names_real_paths_and_its_choice_is_the_fastest(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    layers = [torch.randn(n, k, generator=g).to(dtype)
-              for n, k in [(96, 64), (64, 64), (256, 64), (64, 128)] * 2]
+    layers = [
+        torch.randn(n, k, generator=g).to(dtype)
+        for n, k in [(96, 64), (64, 64), (256, 64), (64, 128)] * 2
+    ]
     plan = measure_plan(layers, dtype)
     assert plan.reason == "measured" and plan.probe_bytes == sum(
-        w.numel() * w.element_size() for w in layers)
+        w.numel() * w.element_size() for w in layers
+    )
     assert plan.prefill_path in PATH_FNS
     if dtype not in onednn_dtypes() and load_widen_gemm() is not None:
         # no native half GEMM here: kvchat's widening GEMM is a measured prefill candidate
@@ -175,8 +182,11 @@ def test_measured_plan_names_real_paths_and_its_choice_is_the_fastest(dtype: tor
         for r, path in table:
             assert path in PATH_FNS and r in plan.probe_ms[path]
     # the head's single-row path is the fastest plain path the probe measured
-    plain = {n: v[1] for n, v in plan.probe_ms.items()
-             if n in ("gemv", "gemv-prefetch", "torch", "onednn")}
+    plain = {
+        n: v[1]
+        for n, v in plan.probe_ms.items()
+        if n in ("gemv", "gemv-prefetch", "torch", "onednn")
+    }
     assert plan.head_decode_paths[0][1] == min(plain, key=plain.__getitem__)
     lin = Linear(layers[0], None, plan)
     x = torch.randn(3, 64, generator=g).to(dtype)

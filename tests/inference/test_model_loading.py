@@ -33,12 +33,28 @@ def test_head_dim_is_derived_or_taken_as_given() -> None:
 
 
 def test_transformers_4_and_5_rope_layouts_parse_alike() -> None:
-    v4 = {**BASE, "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    v5 = {**BASE, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    v4 = {
+        **BASE,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    v5 = {
+        **BASE,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     assert ModelConfig.from_hf_dict(v4).rope == ModelConfig.from_hf_dict(v5).rope
     legacy = {**BASE, "rope_scaling": {"type": "linear", "factor": 4.0}}
     assert ModelConfig.from_hf_dict(legacy).rope.factor == 4.0
@@ -47,8 +63,14 @@ def test_transformers_4_and_5_rope_layouts_parse_alike() -> None:
 def test_sliding_windows_per_model_type() -> None:
     mistral = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": 32})
     assert mistral.sliding_windows == (32, 32)
-    qwen_v5 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "sliding_window": 16,
-                                        "layer_types": ["full_attention", "sliding_attention"]})
+    qwen_v5 = ModelConfig.from_hf_dict(
+        {
+            **BASE,
+            "model_type": "qwen2",
+            "sliding_window": 16,
+            "layer_types": ["full_attention", "sliding_attention"],
+        }
+    )
     assert qwen_v5.sliding_windows == (None, 16)
     qwen_off = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "sliding_window": 16})
     assert qwen_off.sliding_windows == (None, None)

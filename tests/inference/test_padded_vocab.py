@@ -40,8 +40,15 @@ def write_gappy_tokenizer_json(model_dir: Path) -> None:
     for i, content in enumerate(HF_SPECIALS):
         data["model"]["vocab"][content] = 400 + i
     data["added_tokens"] = [
-        {"id": 400 + i, "content": content, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": 400 + i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, content in enumerate(HF_SPECIALS)
     ]
     (model_dir / "tokenizer.json").write_text(json.dumps(data))
@@ -89,18 +96,33 @@ def hf_greedy(model: Any, prompt: list[int], suppress: list[int]) -> list[int]:
 
 
 def engine_for(path: Path) -> Engine:
-    return Engine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-        cache=CacheConfig(block_size=16, num_blocks_override=32),
-    ))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=16, num_blocks_override=32),
+        )
+    )
 
 
 CASES = [
     # (id, model_type, padded vocab_size, tokenizer writer, overrides)
-    ("llama-cl100k-padded-100352", "llama", 100352, write_dev_tokenizer,
-     dict(hidden_size=64, intermediate_size=128, head_dim=32, tie_word_embeddings=True)),
-    ("qwen2-tokenizer-json-gaps-512", "qwen2", 512, write_gappy_tokenizer_json,
-     dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)),
+    (
+        "llama-cl100k-padded-100352",
+        "llama",
+        100352,
+        write_dev_tokenizer,
+        dict(hidden_size=64, intermediate_size=128, head_dim=32, tie_word_embeddings=True),
+    ),
+    (
+        "qwen2-tokenizer-json-gaps-512",
+        "qwen2",
+        512,
+        write_gappy_tokenizer_json,
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2),
+    ),
 ]
 
 
@@ -155,10 +177,27 @@ def test_kvchat_generate_on_a_padded_dev_model(tmp_path: Path) -> None:
     _, model_type, vocab_size, write_tokenizer, overrides = CASES[0]
     make_padded_model(tmp_path, model_type, vocab_size, write_tokenizer, **overrides)
     result = subprocess.run(
-        [sys.executable, "-P", "-m", "kvchat.app.cli", "generate", "--model", str(tmp_path), "--prompt",
-         "Hello there", "--chat", "--max-tokens", "12", "--temperature", "0", "--ignore-eos",
-         "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvchat.app.cli",
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt",
+            "Hello there",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

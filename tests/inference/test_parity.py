@@ -31,26 +31,46 @@ CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
     (
         "llama-gqa-tied-d64",
         "llama",
-        dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             tie_word_embeddings=True),
+        dict(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
         16,
         512,
     ),
     (
         "llama-rope-llama3-d128",
         "llama",
-        dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-             rope_theta=500000.0,
-             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                               high_freq_factor=4.0, original_max_position_embeddings=64)),
+        dict(
+            hidden_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
         8,
         512,
     ),
     (
         "llama-rope-linear-d64-chunked",
         "llama",
-        dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-             rope_scaling=dict(rope_type="linear", factor=2.0)),
+        dict(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=64,
+            rope_scaling=dict(rope_type="linear", factor=2.0),
+        ),
         32,
         12,  # the 27-token prompt is prefilled in three chunks
     ),
@@ -64,18 +84,22 @@ CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
     (
         "mistral-window-d128",
         "mistral",
-        dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-             sliding_window=20),
+        dict(
+            hidden_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            sliding_window=20,
+        ),
         16,
         512,
     ),
 ]
 
 
-
-
-def make_engine(path: Path, block_size: int, budget: int, backend: str = "torch",
-                linear_path: str = "auto") -> Engine:
+def make_engine(
+    path: Path, block_size: int, budget: int, backend: str = "torch", linear_path: str = "auto"
+) -> Engine:
     return Engine(
         EngineConfig(
             model=str(path),
@@ -109,7 +133,7 @@ def check_parity(engine: Engine, hf_model: Any, prompt: list[int]) -> None:
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
 
     for step, ours in enumerate(recorder.logits):
         theirs = hf_logits[len(prompt) - 1 + step]
@@ -127,8 +151,9 @@ def test_logits_and_greedy_tokens_match_transformers(case: Any, tmp_path: Path) 
     check_parity(engine, hf_model, prompt)
 
 
-@pytest.mark.parametrize("linear_path",
-                         ["gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"])
+@pytest.mark.parametrize(
+    "linear_path", ["gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"]
+)
 def test_every_linear_path_matches_transformers(linear_path: str, tmp_path: Path) -> None:
     """Whatever path the start-up probe picks on a CPU, the logits stay within float32
     rounding of transformers' and the greedy tokens are the same; two sequences decode
@@ -137,9 +162,15 @@ def test_every_linear_path_matches_transformers(linear_path: str, tmp_path: Path
         pytest.skip("needs a C++ compiler")
     if linear_path.startswith("onednn") and torch.float32 not in onednn_dtypes():
         pytest.skip("needs oneDNN")
-    hf_model = build_hf_model(tmp_path, "qwen2", seed=11, hidden_size=256,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              tie_word_embeddings=True)
+    hf_model = build_hf_model(
+        tmp_path,
+        "qwen2",
+        seed=11,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     engine = make_engine(tmp_path, 16, 512, linear_path=linear_path)
     assert engine.model.linear_plan.decode_path == linear_path
     gen = torch.Generator().manual_seed(12)
@@ -153,11 +184,26 @@ def test_every_linear_path_matches_transformers(linear_path: str, tmp_path: Path
 
 TRITON_CASES = [
     # (id, model_type, overrides, block_size, budget): prefill in chunks and decode, GQA 2.
-    ("llama-gqa-d64-triton", "llama",
-     dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64), 16, 16),
-    ("mistral-window-d64-triton", "mistral",
-     dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-          sliding_window=20), 8, 512),
+    (
+        "llama-gqa-d64-triton",
+        "llama",
+        dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64),
+        16,
+        16,
+    ),
+    (
+        "mistral-window-d64-triton",
+        "mistral",
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            sliding_window=20,
+        ),
+        8,
+        512,
+    ),
 ]
 
 
@@ -182,17 +228,30 @@ def test_triton_backend_matches_transformers_and_the_torch_path(case: Any, tmp_p
 def test_quantized_cache_greedy_tokens_agree_between_backends(
     kv_cache_dtype: str, tmp_path: Path
 ) -> None:
-    build_hf_model(tmp_path, "llama", seed=6, hidden_size=128, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=64)
+    build_hf_model(
+        tmp_path,
+        "llama",
+        seed=6,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
     prompt = torch.randint(0, 512, (21,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path), dtype="float32", device="cpu", attention_backend=backend,
-            cache=CacheConfig(block_size=16, num_blocks_override=16,
-                              kv_cache_dtype=kv_cache_dtype),
-        ))
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path),
+                dtype="float32",
+                device="cpu",
+                attention_backend=backend,
+                cache=CacheConfig(
+                    block_size=16, num_blocks_override=16, kv_cache_dtype=kv_cache_dtype
+                ),
+            )
+        )
         recorder = LogitsRecorder(engine.sampler)
         engine.sampler = recorder
         outs[backend] = (engine.generate([prompt], params)[0].output_token_ids, recorder.logits)

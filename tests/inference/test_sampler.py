@@ -26,12 +26,21 @@ def logits_with_mass_on(tokens: dict[int, float]) -> torch.Tensor:
     return logits
 
 
-def draw(sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
-         mask: torch.Tensor | None = None, rows: int = ROWS) -> torch.Tensor:
+def draw(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    mask: torch.Tensor | None = None,
+    rows: int = ROWS,
+) -> torch.Tensor:
     """Token counts [VOCAB] over `rows` draws of the shared generator."""
     batch = logits.expand(rows, -1).contiguous()
-    out = sampler(batch, [params] * rows, [None] * rows,
-                  logit_mask=None if mask is None else mask.expand(rows, -1).contiguous())
+    out = sampler(
+        batch,
+        [params] * rows,
+        [None] * rows,
+        logit_mask=None if mask is None else mask.expand(rows, -1).contiguous(),
+    )
     return torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB)
 
 
@@ -74,13 +83,18 @@ def test_a_logit_mask_and_top_k_leave_only_their_tokens() -> None:
 
 def test_invalid_ids_are_never_drawn_even_when_they_would_dominate() -> None:
     invalid = torch.zeros(VOCAB, dtype=torch.bool)
-    invalid[VOCAB - 50:] = True
+    invalid[VOCAB - 50 :] = True
     logits = logits_with_mass_on({VOCAB - 1: 20.0, VOCAB - 30: 20.0, 7: 0.0})
-    counts = draw(Sampler(seed=4, invalid_token_mask=invalid), logits,
-                  SamplingParams(temperature=1.0), rows=2_000)
-    assert int(counts[VOCAB - 50:].sum()) == 0
+    counts = draw(
+        Sampler(seed=4, invalid_token_mask=invalid),
+        logits,
+        SamplingParams(temperature=1.0),
+        rows=2_000,
+    )
+    assert int(counts[VOCAB - 50 :].sum()) == 0
     greedy = Sampler(invalid_token_mask=invalid)(
-        logits.unsqueeze(0), [SamplingParams(temperature=0.0)], [None])
+        logits.unsqueeze(0), [SamplingParams(temperature=0.0)], [None]
+    )
     assert greedy.token_ids == [7]
 
 
@@ -117,10 +131,12 @@ def test_a_seeded_row_draws_the_same_alone_and_batched() -> None:
     for step in range(30):
         row = logits[step % 4]
         alone.append(sampler(row.unsqueeze(0), [seeded], [g_alone]).token_ids[0])
-        batch = torch.stack([logits[(step + 1) % 4], row, logits[(step + 2) % 4],
-                             logits[(step + 3) % 4]])
-        out = sampler(batch, [others[0], seeded, others[1], others[2]],
-                      [None, g_batched, None, None])
+        batch = torch.stack(
+            [logits[(step + 1) % 4], row, logits[(step + 2) % 4], logits[(step + 3) % 4]]
+        )
+        out = sampler(
+            batch, [others[0], seeded, others[1], others[2]], [None, g_batched, None, None]
+        )
         batched.append(out.token_ids[1])
     assert alone == batched
     assert len(set(alone)) > 10  # really random draws, not one token
@@ -128,8 +144,9 @@ def test_a_seeded_row_draws_the_same_alone_and_batched() -> None:
 
 def test_nan_logits_give_ids_in_range_not_an_indexing_error() -> None:
     # A broken checkpoint's NaNs must not take the engine thread down with an index error.
-    out = Sampler(seed=7)(torch.full((3, VOCAB), float("nan")),
-                          [SamplingParams(temperature=1.0)] * 3, [None] * 3)
+    out = Sampler(seed=7)(
+        torch.full((3, VOCAB), float("nan")), [SamplingParams(temperature=1.0)] * 3, [None] * 3
+    )
     assert all(0 <= t < VOCAB for t in out.token_ids)
 
 
@@ -137,8 +154,9 @@ class AllowedSets:
     """Each constrained row's grammar as a fixed set of allowed tokens (the sampler's
     RowGrammars), recording the rows whose masks the sampler asked for."""
 
-    def __init__(self, allowed: list[set[int] | None], mask_first: frozenset[int] = frozenset()
-                 ) -> None:
+    def __init__(
+        self, allowed: list[set[int] | None], mask_first: frozenset[int] = frozenset()
+    ) -> None:
         self.allowed = allowed
         self.rows = [i for i, a in enumerate(allowed) if a is not None]
         self.mask_first = mask_first
@@ -181,9 +199,12 @@ def test_checked_draws_follow_the_masked_softmax(case: str) -> None:
     allowed = CHECKED_CASES[case]
     logits = logits_with_mass_on(HEAVY)
     grammar = AllowedSets([allowed] * ROWS)
-    out = Sampler(seed=8)(logits.expand(ROWS, -1).contiguous(),
-                          [SamplingParams(temperature=0.7)] * ROWS, [None] * ROWS,
-                          grammar=grammar)
+    out = Sampler(seed=8)(
+        logits.expand(ROWS, -1).contiguous(),
+        [SamplingParams(temperature=0.7)] * ROWS,
+        [None] * ROWS,
+        grammar=grammar,
+    )
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB)
     assert_matches(counts.double(), (logits.double() / 0.7 + mask_of(allowed)).softmax(-1))
     # Masks were computed for exactly the rows reported as fallen back, and how many did
@@ -197,8 +218,12 @@ def test_checked_draws_follow_the_masked_softmax(case: str) -> None:
 def test_checked_greedy_rows_take_the_argmax_or_the_masked_argmax() -> None:
     logits = logits_with_mass_on(HEAVY)  # argmax 0 (VOCAB - 1 ties it, later)
     grammar = AllowedSets([None, {0, 1500}, {1500, 7}])
-    out = Sampler()(logits.expand(3, -1).contiguous(), [SamplingParams(temperature=0.0)] * 3,
-                    [None] * 3, grammar=grammar)
+    out = Sampler()(
+        logits.expand(3, -1).contiguous(),
+        [SamplingParams(temperature=0.0)] * 3,
+        [None] * 3,
+        grammar=grammar,
+    )
     assert out.token_ids == [0, 0, 1500]
     assert out.fell_back == (2,) and grammar.masked == [2]
 
@@ -207,8 +232,12 @@ def test_top_k_logprobs_and_chosen_rows_get_their_mask_first() -> None:
     logits = logits_with_mass_on(HEAVY)
     allowed = {0, _BLOCK - 1, 1500, 9}
     grammar = AllowedSets([allowed, allowed, None, {7}], mask_first=frozenset({3}))
-    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(logprobs=True, seed=3),
-              SamplingParams(temperature=1.0, logprobs=True), SamplingParams(seed=4)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(logprobs=True, seed=3),
+        SamplingParams(temperature=1.0, logprobs=True),
+        SamplingParams(seed=4),
+    ]
     generators = [None, torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
     batch = logits.expand(4, -1).contiguous()
     sampler = Sampler(seed=9)

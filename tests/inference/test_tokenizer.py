@@ -68,8 +68,6 @@ def write_llama3_ranks(model_dir: Path) -> None:
     (model_dir / "tokenizer.model").write_text("\n".join(lines) + "\n")
 
 
-
-
 def push_all(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
     detokenizer = tokenizer.new_detokenizer()
     return [detokenizer.push(token_id) for token_id in token_ids] + [detokenizer.flush()]

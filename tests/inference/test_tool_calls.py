@@ -22,8 +22,8 @@ from kvchat.inference.tool_calls import (
     new_tool_call_id,
     parse_tool_calls,
 )
-
 from kvchat_testing.chat_templates import TEMPLATES
+
 ID = re.compile(r"call_[A-Za-z0-9_-]{24}")
 NAMES = frozenset({"get_weather", "search", "run_code"})
 

@@ -15,23 +15,31 @@ from kvchat.inference.sampling_params import SamplingParams
 from kvchat.inference.scheduler import SchedulerConfig
 from kvchat.memory.config import CacheConfig, SessionBudget
 from kvchat.memory.kv_cache_manager import cdiv
-from kvchat_testing.hf_models import build_hf_model
 from kvchat_testing.engines import random_prompt
+from kvchat_testing.hf_models import build_hf_model
 
 BLOCK = 16
 BUDGET = 64  # max_kv_tokens: 4 blocks
 
 
 def make_engine(path: Path, backend: str = "torch") -> Engine:
-    return Engine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", attention_backend=backend,
-        cache=CacheConfig(block_size=BLOCK, num_blocks_override=64),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
-    ))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            cache=CacheConfig(block_size=BLOCK, num_blocks_override=64),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        )
+    )
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams, str | None]],
-        watch: str | None = None) -> tuple[dict[str, RequestOutput], int]:
+def run(
+    engine: Engine,
+    requests: dict[str, tuple[list[int], SamplingParams, str | None]],
+    watch: str | None = None,
+) -> tuple[dict[str, RequestOutput], int]:
     """Run requests together; returns finals and the most blocks `watch` ever held."""
     for rid, (prompt, params, session) in requests.items():
         engine.add_request(rid, prompt, params, session_id=session)
@@ -109,8 +117,16 @@ def test_triton_kernels_agree_on_the_window(tiny_llama: tuple[Path, Any]) -> Non
 
 
 def test_a_model_with_its_own_sliding_window_keeps_it(tmp_path: Path) -> None:
-    build_hf_model(tmp_path, "mistral", seed=2, hidden_size=128, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=64, sliding_window=24)
+    build_hf_model(
+        tmp_path,
+        "mistral",
+        seed=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=24,
+    )
     prompt = random_prompt(20, seed=6)
     budgeted = make_engine(tmp_path)
     budgeted.set_session_budget("conv", SessionBudget(max_kv_tokens=BUDGET))

@@ -61,9 +61,12 @@ class PagedKV:
 
     def storage(self) -> dict[str, torch.Tensor | None]:
         """Caches as the kernels take them."""
-        return dict(key_cache=self.key_cache, value_cache=self.value_cache,
-                    key_scale_cache=self.key_scale_cache,
-                    value_scale_cache=self.value_scale_cache)
+        return dict(
+            key_cache=self.key_cache,
+            value_cache=self.value_cache,
+            key_scale_cache=self.key_scale_cache,
+            value_scale_cache=self.value_scale_cache,
+        )
 
     def storage_f64(self) -> dict[str, torch.Tensor | None]:
         """The same stored values in float64 (the ref dequantizes in float64)."""
@@ -77,8 +80,12 @@ class PagedKV:
 
     def full_f64(self) -> dict[str, torch.Tensor | None]:
         """The unquantized values in float64."""
-        return dict(key_cache=self.key_full, value_cache=self.value_full,
-                    key_scale_cache=None, value_scale_cache=None)
+        return dict(
+            key_cache=self.key_full,
+            value_cache=self.value_full,
+            key_scale_cache=None,
+            value_scale_cache=None,
+        )
 
 
 def build_paged_kv(
@@ -103,15 +110,16 @@ def build_paged_kv(
     block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
     next_id = 0
     for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = ids[next_id:next_id + n]
+        block_tables[i, :n] = ids[next_id : next_id + n]
         next_id += n
     if shared_prefix_blocks:
         block_tables[1, :shared_prefix_blocks] = block_tables[0, :shared_prefix_blocks]
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Per-token magnitudes vary so the per-token quantization scales differ.
-    key = torch.randn(shape, generator=gen) * torch.exp(0.5 * torch.randn(shape[:3] + (1,),
-                                                                          generator=gen))
+    key = torch.randn(shape, generator=gen) * torch.exp(
+        0.5 * torch.randn(shape[:3] + (1,), generator=gen)
+    )
     value = torch.randn(shape, generator=gen)
     if is_quantized(cache_dtype):
         key_cache = torch.empty(shape, dtype=cache_dtype)
@@ -119,14 +127,36 @@ def build_paged_kv(
         key_scale = torch.empty(shape[:3], dtype=torch.float32)
         value_scale = torch.empty(shape[:3], dtype=torch.float32)
         slots = torch.arange(num_blocks * block_size)
-        write_kv_cache_ref(key.view(-1, num_kv_heads, head_dim),
-                           value.view(-1, num_kv_heads, head_dim),
-                           key_cache, value_cache, slots, key_scale, value_scale)
-        return PagedKV(key_cache, value_cache, key_scale, value_scale, key.double(),
-                       value.double(), block_tables, torch.tensor(seq_lens, dtype=torch.int32))
+        write_kv_cache_ref(
+            key.view(-1, num_kv_heads, head_dim),
+            value.view(-1, num_kv_heads, head_dim),
+            key_cache,
+            value_cache,
+            slots,
+            key_scale,
+            value_scale,
+        )
+        return PagedKV(
+            key_cache,
+            value_cache,
+            key_scale,
+            value_scale,
+            key.double(),
+            value.double(),
+            block_tables,
+            torch.tensor(seq_lens, dtype=torch.int32),
+        )
     key_cache, value_cache = key.to(cache_dtype), value.to(cache_dtype)
-    return PagedKV(key_cache, value_cache, None, None, key_cache.double(), value_cache.double(),
-                   block_tables, torch.tensor(seq_lens, dtype=torch.int32))
+    return PagedKV(
+        key_cache,
+        value_cache,
+        None,
+        None,
+        key_cache.double(),
+        value_cache.double(),
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+    )
 
 
 def drop_blocks_outside_window(

@@ -38,8 +38,10 @@ class WriteCase:
 
     @property
     def id(self) -> str:
-        return (f"{self.cache}-d{self.head_dim}-h{self.num_kv_heads}-bs{self.block_size}"
-                f"-{self.key_dtype}")
+        return (
+            f"{self.cache}-d{self.head_dim}-h{self.num_kv_heads}-bs{self.block_size}"
+            f"-{self.key_dtype}"
+        )
 
 
 CASES = [
@@ -59,8 +61,14 @@ CASES = [
 class _Pool:
     """Poisoned caches (and scale caches) for one case, plus a copy for the reference."""
 
-    def __init__(self, cache_dtype: torch.dtype, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        cache_dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         poison = _poison_value(cache_dtype)
         self.tensors = [torch.full(shape, poison).to(cache_dtype) for _ in range(2)]
@@ -113,8 +121,9 @@ def test_int8_rounds_half_to_even_like_torch() -> None:
     key = torch.nn.functional.pad(row, (0, 6)).view(1, 1, 16)
     cache = torch.full((1, 8, 1, 16), -128, dtype=torch.int8)
     scales = torch.full((1, 8, 1), float("nan"))
-    write_kv_cache(key, key.clone(), cache, cache.clone(), torch.tensor([3]), scales,
-                   scales.clone())
+    write_kv_cache(
+        key, key.clone(), cache, cache.clone(), torch.tensor([3]), scales, scales.clone()
+    )
     expected = torch.tensor([127, 2, -4, 0, 0, 2, 126, -2, 3, 0], dtype=torch.int8)
     assert torch.equal(cache[0, 3, 0, :10], expected)
     assert scales[0, 3, 0].item() == 1.0
@@ -123,13 +132,32 @@ def test_int8_rounds_half_to_even_like_torch() -> None:
 def test_fp8_rounds_to_nearest_even_like_torch() -> None:
     # amax 448 -> scale 1. Ties and carries into the next binade (1.97 -> 2, 15.9 -> 16),
     # the subnormal range (multiples of 2**-9) and values next to the maximum.
-    row = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 1.97, 15.9, 2.0**-10, 3 * 2.0**-10,
-                        0.0137, 440.0, -433.0, 0.0, -1.97, 7.5 * 2.0**-9, 2.0**-6, 0.9999])
+    row = torch.tensor(
+        [
+            448.0,
+            1.0625,
+            1.1875,
+            17.0,
+            1.97,
+            15.9,
+            2.0**-10,
+            3 * 2.0**-10,
+            0.0137,
+            440.0,
+            -433.0,
+            0.0,
+            -1.97,
+            7.5 * 2.0**-9,
+            2.0**-6,
+            0.9999,
+        ]
+    )
     key = row.view(1, 1, 16)
     cache = torch.full((1, 8, 1, 16), float("nan")).to(torch.float8_e4m3fn)
     scales = torch.full((1, 8, 1), float("nan"))
-    write_kv_cache(key, key.clone(), cache, cache.clone(), torch.tensor([5]), scales,
-                   scales.clone())
+    write_kv_cache(
+        key, key.clone(), cache, cache.clone(), torch.tensor([5]), scales, scales.clone()
+    )
     expected = row.to(torch.float8_e4m3fn)
     assert torch.equal(_bits(cache[0, 5, 0]), _bits(expected))
     assert cache[0, 5, 0, 4].item() == 2.0 and cache[0, 5, 0, 1].item() == 1.0
@@ -141,16 +169,18 @@ def test_dequantized_values_within_quantization_step(cache: str, kv) -> None:
     2**-4 relative, and 2**-10 * scale in the subnormal range."""
     gen = kv.generator(f"roundtrip-{cache}")
     cache_dtype = kv.CACHE_DTYPES[cache]
-    key = torch.randn(40, 2, 64, generator=gen) * torch.exp(2 * torch.randn(40, 2, 1,
-                                                                            generator=gen))
+    key = torch.randn(40, 2, 64, generator=gen) * torch.exp(
+        2 * torch.randn(40, 2, 1, generator=gen)
+    )
     caches = [torch.empty(5, 8, 2, 64, dtype=cache_dtype) for _ in range(2)]
     scales = [torch.empty(5, 8, 2) for _ in range(2)]
     write_kv_cache(key, key.clone(), caches[0], caches[1], torch.arange(40), *scales)
     codes = caches[0].view(40, 2, 64).float()
     scale = scales[0].view(40, 2, 1)
     qmax = INT8_MAX if cache == "int8" else FP8_E4M3_MAX
-    torch.testing.assert_close(scale, (key.abs().amax(-1, keepdim=True) / qmax)
-                               .clamp_min(MIN_SCALE), rtol=0, atol=0)
+    torch.testing.assert_close(
+        scale, (key.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE), rtol=0, atol=0
+    )
     err = (codes * scale - key).abs()
     if cache == "int8":
         bound = 0.5 * scale * (1 + 1e-6)
@@ -165,8 +195,8 @@ def test_strided_inputs_from_a_fused_qkv_tensor(kv) -> None:
     num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 64
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    key = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
     assert not key.is_contiguous()
     slots = torch.randperm(32, generator=gen)[:num_tokens]
     for dtype in (torch.float32, torch.int8):
@@ -182,8 +212,13 @@ def test_strided_inputs_from_a_fused_qkv_tensor(kv) -> None:
 
 def test_no_tokens_and_all_padding_write_nothing() -> None:
     cache = torch.full((2, 16, 1, 64), float("nan"))
-    write_kv_cache(torch.empty(0, 1, 64), torch.empty(0, 1, 64), cache, cache.clone(),
-                   torch.empty(0, dtype=torch.int64))
+    write_kv_cache(
+        torch.empty(0, 1, 64),
+        torch.empty(0, 1, 64),
+        cache,
+        cache.clone(),
+        torch.empty(0, dtype=torch.int64),
+    )
     key = torch.randn(3, 1, 64)
     write_kv_cache(key, key, cache, cache.clone(), torch.full((3,), -1, dtype=torch.int64))
     assert bool(cache.isnan().all())
@@ -195,17 +230,29 @@ def test_no_tokens_and_all_padding_write_nothing() -> None:
         (lambda a: a.update(key=a["key"][:, :, :32]), "key must be"),
         (lambda a: a.update(value=a["value"].half()), "key and value"),
         (lambda a: a.update(slot_mapping=a["slot_mapping"][:2]), "slot_mapping"),
-        (lambda a: a.update(key_cache=a["key_cache"].half(),
-                            value_cache=a["value_cache"].half()), "unquantized"),
-        (lambda a: a.update(key_cache=a["key_cache"].to(torch.int8),
-                            value_cache=a["value_cache"].to(torch.int8)), "scale_cache"),
+        (
+            lambda a: a.update(
+                key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()
+            ),
+            "unquantized",
+        ),
+        (
+            lambda a: a.update(
+                key_cache=a["key_cache"].to(torch.int8), value_cache=a["value_cache"].to(torch.int8)
+            ),
+            "scale_cache",
+        ),
         (lambda a: a.update(value_cache=a["value_cache"][:1]), "value_cache"),
     ],
 )
 def test_write_rejects_bad_arguments(change, message: str) -> None:
-    args = dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64),
-                key_cache=torch.zeros(2, 16, 2, 64), value_cache=torch.zeros(2, 16, 2, 64),
-                slot_mapping=torch.tensor([0, 5, 17]))
+    args = dict(
+        key=torch.randn(3, 2, 64),
+        value=torch.randn(3, 2, 64),
+        key_cache=torch.zeros(2, 16, 2, 64),
+        value_cache=torch.zeros(2, 16, 2, 64),
+        slot_mapping=torch.tensor([0, 5, 17]),
+    )
     change(args)
     with pytest.raises(ValueError, match=message):
         write_kv_cache(**args)

@@ -36,29 +36,43 @@ def lens_for(block_size: int, shared: int) -> list[int]:
 
 @pytest.mark.parametrize("vectorized", [True, False], ids=["vector", "plain"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-g{c[2]}-bs{c[3]}-s{c[4]}")
-def test_cpu_kernel_matches_reference(case: tuple[torch.dtype, int, int, int, int],
-                                      vectorized: bool, kv) -> None:
+def test_cpu_kernel_matches_reference(
+    case: tuple[torch.dtype, int, int, int, int], vectorized: bool, kv
+) -> None:
     dtype, head_dim, group, block_size, shared = case
     gen = kv.generator(str(case))
     lens = lens_for(block_size, shared)
     num_kv_heads = 2
-    paged = kv.build_paged_kv(gen, lens, num_kv_heads, head_dim, block_size, dtype,
-                              shared_prefix_blocks=shared)
+    paged = kv.build_paged_kv(
+        gen, lens, num_kv_heads, head_dim, block_size, dtype, shared_prefix_blocks=shared
+    )
     query = kv.random_query(gen, (len(lens), num_kv_heads * group, head_dim), dtype)
     scale = head_dim**-0.5
     storage = paged.storage()
     out = torch.full_like(query, float("nan"))  # poison: an unwritten element fails
-    torch.ops.kvchat_cpu.decode_attention(query, storage["key_cache"], storage["value_cache"],
-                                          paged.block_tables, paged.seq_lens, scale, out,
-                                          vectorized)
-    ref = paged_decode_attention_ref(query.double(), block_tables=paged.block_tables,
-                                     seq_lens=paged.seq_lens, scale=scale,
-                                     **paged.storage_f64())
+    torch.ops.kvchat_cpu.decode_attention(
+        query,
+        storage["key_cache"],
+        storage["value_cache"],
+        paged.block_tables,
+        paged.seq_lens,
+        scale,
+        out,
+        vectorized,
+    )
+    ref = paged_decode_attention_ref(
+        query.double(),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=scale,
+        **paged.storage_f64(),
+    )
     tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
     assert kv.max_rel_err(out, ref) <= tol
     # and the reference on the cache's own values (what the engine ran before): same result
-    same = paged_decode_attention_ref(query, block_tables=paged.block_tables,
-                                      seq_lens=paged.seq_lens, scale=scale, **storage)
+    same = paged_decode_attention_ref(
+        query, block_tables=paged.block_tables, seq_lens=paged.seq_lens, scale=scale, **storage
+    )
     assert kv.max_rel_err(out, same.double()) <= tol
 
 
@@ -73,11 +87,22 @@ def test_vector_path_on_long_contexts_and_peaked_scores(query_scale: float, kv) 
     query = kv.random_query(gen, (len(lens), 6, 64), torch.float32) * query_scale
     storage = paged.storage()
     out = torch.full_like(query, float("nan"))
-    torch.ops.kvchat_cpu.decode_attention(query, storage["key_cache"], storage["value_cache"],
-                                          paged.block_tables, paged.seq_lens, 0.125, out)
-    ref = paged_decode_attention_ref(query.double(), block_tables=paged.block_tables,
-                                     seq_lens=paged.seq_lens, scale=0.125,
-                                     **paged.storage_f64())
+    torch.ops.kvchat_cpu.decode_attention(
+        query,
+        storage["key_cache"],
+        storage["value_cache"],
+        paged.block_tables,
+        paged.seq_lens,
+        0.125,
+        out,
+    )
+    ref = paged_decode_attention_ref(
+        query.double(),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        **paged.storage_f64(),
+    )
     assert kv.max_rel_err(out, ref) <= FP32_TOL
 
 
@@ -87,8 +112,14 @@ def test_step_decode_takes_the_kernel_only_where_it_applies(kv) -> None:
     paged = kv.build_paged_kv(gen, lens, 2, 64, 16, torch.float32)
     query = kv.random_query(gen, (3, 4, 64), torch.float32)
     storage = paged.storage()
-    args = (query, storage["key_cache"], storage["value_cache"], paged.block_tables,
-            paged.seq_lens, 0.125)
+    args = (
+        query,
+        storage["key_cache"],
+        storage["value_cache"],
+        paged.block_tables,
+        paged.seq_lens,
+        0.125,
+    )
     fast, slow = StepDecode(), StepDecode(use_cpu_kernel=False)
     for window in (dict(), dict(sliding_window=12, num_sink_tokens=2)):
         a = fast(*args, **window)
@@ -106,11 +137,23 @@ def test_cpu_kernel_checks_its_arguments(kv) -> None:
     storage = paged.storage()
     query = kv.random_query(gen, (1, 4, 64), torch.float32)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        torch.ops.kvchat_cpu.decode_attention(query.bfloat16(), storage["key_cache"],
-                                              storage["value_cache"], paged.block_tables,
-                                              paged.seq_lens, 0.125, torch.empty_like(query))
+        torch.ops.kvchat_cpu.decode_attention(
+            query.bfloat16(),
+            storage["key_cache"],
+            storage["value_cache"],
+            paged.block_tables,
+            paged.seq_lens,
+            0.125,
+            torch.empty_like(query),
+        )
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         q3 = kv.random_query(gen, (1, 3, 64), torch.float32)
-        torch.ops.kvchat_cpu.decode_attention(q3, storage["key_cache"], storage["value_cache"],
-                                              paged.block_tables, paged.seq_lens, 0.125,
-                                              torch.empty_like(q3))
+        torch.ops.kvchat_cpu.decode_attention(
+            q3,
+            storage["key_cache"],
+            storage["value_cache"],
+            paged.block_tables,
+            paged.seq_lens,
+            0.125,
+            torch.empty_like(q3),
+        )

@@ -23,10 +23,12 @@ def tol(dtype: torch.dtype) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (5, 6, 2, 32),
-                                                            (17, 2, 1, 128), (3, 8, 8, 16)])
-def test_rotary_cache_write_matches_the_torch_path(dtype: torch.dtype, tokens: int, heads: int,
-                                                   kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (5, 6, 2, 32), (17, 2, 1, 128), (3, 8, 8, 16)]
+)
+def test_rotary_cache_write_matches_the_torch_path(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
     g = torch.Generator().manual_seed(tokens * 100 + heads)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 6.28
@@ -36,14 +38,14 @@ def test_rotary_cache_write_matches_the_torch_path(dtype: torch.dtype, tokens: i
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     if tokens > 2:
         slots[1] = -1  # a padding token: computed for q, never cached
-    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-              for _ in range(4)]
+    caches = [
+        torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(4)
+    ]
     q = rotary_cache_write_cpu(qkv, cos, ssin, caches[0], caches[1], slots, heads, kv_heads)
     assert q is not None and q.shape == (tokens, heads, head_dim)
     # the torch path
-    qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos,
-                      ssin)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, ssin)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     write_kv_cache_ref(qk[:, heads:], v, caches[2], caches[3], slots)
     t = tol(dtype)
     torch.testing.assert_close(q.float(), qk[:, :heads].float(), rtol=t, atol=t)
@@ -65,12 +67,14 @@ def test_rotary_cache_write_declines_a_quantized_cache() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
-    gate_up = (torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(rows)) * 4
-               ).to(dtype)
+    gate_up = (torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(rows)) * 4).to(
+        dtype
+    )
     gate, up = gate_up.chunk(2, dim=-1)
     t = tol(dtype)
-    torch.testing.assert_close(silu_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=t,
-                               atol=t)
+    torch.testing.assert_close(
+        silu_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=t, atol=t
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -75,8 +75,7 @@ CASES = [
     DecodeCase("float32", 128, 8, 16, window=40, sinks=4, num_splits=4, block_n=16),
     DecodeCase("float32", 64, 8, 32, num_splits=1, shared_prefix_blocks=2),
     DecodeCase("float32", 128, 4, 16, num_splits=8),  # more splits than key tiles
-    DecodeCase("float32", 80, 1, 16, window=16, sinks=3, drop_outside_window=True,
-               num_splits=2),
+    DecodeCase("float32", 80, 1, 16, window=16, sinks=3, drop_outside_window=True, num_splits=2),
     DecodeCase("float32", 32, 4, 32, window=50, sinks=1, shared_prefix_blocks=1),
     DecodeCase("bfloat16", 128, 4, 16, num_splits=2),
     DecodeCase("bfloat16", 80, 1, 32, window=40, block_n=32),
@@ -102,12 +101,20 @@ def test_decode_matches_reference(case: DecodeCase, kv) -> None:
     gen = kv.generator(case.id)
     cache_dtype = kv.CACHE_DTYPES[case.cache]
     lens = _lens(case)
-    paged = kv.build_paged_kv(gen, lens, case.num_kv_heads, case.head_dim, case.block_size,
-                              cache_dtype, shared_prefix_blocks=case.shared_prefix_blocks)
+    paged = kv.build_paged_kv(
+        gen,
+        lens,
+        case.num_kv_heads,
+        case.head_dim,
+        case.block_size,
+        cache_dtype,
+        shared_prefix_blocks=case.shared_prefix_blocks,
+    )
     if case.drop_outside_window:
         assert case.window is not None
-        dropped = kv.drop_blocks_outside_window(paged, [n - 1 for n in lens], case.window,
-                                                case.sinks)
+        dropped = kv.drop_blocks_outside_window(
+            paged, [n - 1 for n in lens], case.window, case.sinks
+        )
         assert dropped > 0, "the case should free some blocks"
     num_heads = case.num_kv_heads * case.group
     query_dtype = kv.query_dtype_for(cache_dtype, kv.CACHE_DTYPES.get(case.query or ""))
@@ -118,24 +125,39 @@ def test_decode_matches_reference(case: DecodeCase, kv) -> None:
 
     out = torch.full_like(query, float("nan"))  # poison: an unwritten element fails
     if case.block_n is None:
-        result = paged_decode_attention(query, scale=scale, out=out, num_splits=case.num_splits,
-                                        **tables, **paged.storage(), **window)
+        result = paged_decode_attention(
+            query,
+            scale=scale,
+            out=out,
+            num_splits=case.num_splits,
+            **tables,
+            **paged.storage(),
+            **window,
+        )
     else:
         config = DecodeConfig(block_n=case.block_n)
         result = paged_decode_attention_with_config(
-            query, scale=scale, config=config, out=out, num_splits=case.num_splits, **tables,
-            **paged.storage(), **window,
+            query,
+            scale=scale,
+            config=config,
+            out=out,
+            num_splits=case.num_splits,
+            **tables,
+            **paged.storage(),
+            **window,
         )
     assert result is out
 
-    ref = paged_decode_attention_ref(query.double(), scale=scale, **tables,
-                                     **paged.storage_f64(), **window)
+    ref = paged_decode_attention_ref(
+        query.double(), scale=scale, **tables, **paged.storage_f64(), **window
+    )
     tol = FP32_TOL if query_dtype == torch.float32 else BF16_TOL
     assert kv.max_rel_err(out, ref) <= tol
 
     if case.cache in QUANT_VS_FULL:
-        full = paged_decode_attention_ref(query.double(), scale=scale, **tables,
-                                          **paged.full_f64(), **window)
+        full = paged_decode_attention_ref(
+            query.double(), scale=scale, **tables, **paged.full_f64(), **window
+        )
         l2_bound, max_bound = QUANT_VS_FULL[case.cache]
         assert kv.rel_l2_err(out, full) <= l2_bound
         assert kv.max_rel_err(out, full) <= max_bound
@@ -148,12 +170,21 @@ def test_decode_fp8_cache_bf16_query_any_magnitude(kv, magnitude: float) -> None
     gen = kv.generator(f"fp8-bf16-{magnitude}")
     paged = kv.build_paged_kv(gen, [1, 40, 100], 2, 64, 16, torch.float8_e4m3fn)
     query = (kv.random_query(gen, (3, 8, 64), torch.float32) * magnitude).to(torch.bfloat16)
-    out = paged_decode_attention(query, block_tables=paged.block_tables,
-                                 seq_lens=paged.seq_lens, scale=0.125, num_splits=2,
-                                 **paged.storage())
-    ref = paged_decode_attention_ref(query.double(), block_tables=paged.block_tables,
-                                     seq_lens=paged.seq_lens, scale=0.125,
-                                     **paged.storage_f64())
+    out = paged_decode_attention(
+        query,
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        num_splits=2,
+        **paged.storage(),
+    )
+    ref = paged_decode_attention_ref(
+        query.double(),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        **paged.storage_f64(),
+    )
     assert kv.max_rel_err(out, ref) <= BF16_TOL
 
 
@@ -164,20 +195,36 @@ def test_decode_empty_context_gives_zero_and_others_unaffected(kv) -> None:
     paged = kv.build_paged_kv(gen, [0, 17, 40], 2, 64, 16, torch.float32)
     query = kv.random_query(gen, (3, 4, 64), torch.float32)
     out = torch.full_like(query, float("nan"))
-    paged_decode_attention(query, block_tables=paged.block_tables, seq_lens=paged.seq_lens,
-                           scale=0.125, out=out, num_splits=2, **paged.storage())
+    paged_decode_attention(
+        query,
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        out=out,
+        num_splits=2,
+        **paged.storage(),
+    )
     assert torch.equal(out[0], torch.zeros_like(out[0]))
-    ref = paged_decode_attention_ref(query[1:].double(), block_tables=paged.block_tables[1:],
-                                     seq_lens=paged.seq_lens[1:], scale=0.125,
-                                     **paged.storage_f64())
+    ref = paged_decode_attention_ref(
+        query[1:].double(),
+        block_tables=paged.block_tables[1:],
+        seq_lens=paged.seq_lens[1:],
+        scale=0.125,
+        **paged.storage_f64(),
+    )
     assert kv.max_rel_err(out[1:], ref) <= FP32_TOL
 
 
 def test_decode_empty_batch_returns_out(kv) -> None:
     paged = kv.build_paged_kv(kv.generator("empty-batch"), [5], 1, 64, 16, torch.float32)
     query = torch.empty(0, 2, 64)
-    out = paged_decode_attention(query, block_tables=paged.block_tables[:0],
-                                 seq_lens=paged.seq_lens[:0], scale=0.125, **paged.storage())
+    out = paged_decode_attention(
+        query,
+        block_tables=paged.block_tables[:0],
+        seq_lens=paged.seq_lens[:0],
+        scale=0.125,
+        **paged.storage(),
+    )
     assert out.shape == (0, 2, 64)
 
 
@@ -192,7 +239,10 @@ def test_decode_empty_batch_returns_out(kv) -> None:
     ],
 )
 def test_default_num_splits_fills_the_device(
-    monkeypatch: pytest.MonkeyPatch, num_seqs: int, num_kv_heads: int, max_keys: int,
+    monkeypatch: pytest.MonkeyPatch,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_keys: int,
     expected: int,
 ) -> None:
     monkeypatch.setattr(decode_module, "_sm_count", lambda device: 132)
@@ -202,8 +252,13 @@ def test_default_num_splits_fills_the_device(
 
 def _valid_args(kv) -> dict:
     paged = kv.build_paged_kv(kv.generator("valid-args"), [5, 9], 2, 64, 16, torch.float32)
-    return dict(query=torch.randn(2, 4, 64), block_tables=paged.block_tables,
-                seq_lens=paged.seq_lens, scale=0.125, **paged.storage())
+    return dict(
+        query=torch.randn(2, 4, 64),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        **paged.storage(),
+    )
 
 
 @pytest.mark.parametrize(
@@ -213,10 +268,18 @@ def _valid_args(kv) -> dict:
         (lambda a: a.update(query=a["query"].double()), "query must be"),
         (lambda a: a.update(query=a["query"][..., :32]), "head_dim"),
         (lambda a: a.update(value_cache=a["value_cache"].half()), "value_cache"),
-        (lambda a: a.update(key_cache=a["key_cache"].half(),
-                            value_cache=a["value_cache"].half()), "query dtype"),
-        (lambda a: a.update(key_cache=a["key_cache"].to(torch.int8),
-                            value_cache=a["value_cache"].to(torch.int8)), "scale_cache"),
+        (
+            lambda a: a.update(
+                key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()
+            ),
+            "query dtype",
+        ),
+        (
+            lambda a: a.update(
+                key_cache=a["key_cache"].to(torch.int8), value_cache=a["value_cache"].to(torch.int8)
+            ),
+            "scale_cache",
+        ),
         (lambda a: a.update(block_tables=a["block_tables"].float()), "block_tables"),
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "sequences"),
         (lambda a: a.update(sliding_window=0), "sliding_window"),

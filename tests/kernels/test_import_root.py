@@ -24,9 +24,9 @@ print(get_attention_ops.__module__)
 
 
 def test_both_kernels_packages_in_this_process() -> None:
-    import kernels
     import transformers.integrations.hub_kernels  # noqa: F401
 
+    import kernels
     import kvchat.kernels
     from kvchat.kernels import get_attention_ops
 
@@ -38,8 +38,9 @@ def test_both_kernels_packages_in_this_process() -> None:
 @pytest.mark.parametrize("where", ["root", "elsewhere"])
 def test_both_kernels_packages_in_a_new_process(where: str, tmp_path: Path) -> None:
     cwd = REPO if where == "root" else tmp_path
-    proc = subprocess.run([sys.executable, "-P", "-c", PROBE], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", PROBE], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     hub, ours, module = proc.stdout.split()
     assert "site-packages" in hub and not Path(hub).resolve().is_relative_to(REPO / "kernels")
@@ -50,7 +51,8 @@ def test_both_kernels_packages_in_a_new_process(where: str, tmp_path: Path) -> N
 def test_the_console_script_imports_the_namespace(tmp_path: Path) -> None:
     """The installed `kvchat` command, started outside the checkout, finds kvchat's kernels."""
     kvchat = Path(sys.executable).with_name("kvchat")
-    proc = subprocess.run([str(kvchat), "--help"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [str(kvchat), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "serve" in proc.stdout and "init-model" in proc.stdout

@@ -83,8 +83,15 @@ CASES = [
 def _batch(case: PrefillCase) -> tuple[list[int], list[int]]:
     """(seq_lens, new-token counts) of the batch."""
     bs = case.block_size
-    pairs = [(1, 1), (bs - 1, bs - 1), (bs, 3), (bs + 1, bs + 1), (3 * bs + 5, 2 * bs),
-             (5 * bs, 1), (2 * bs, 0)]
+    pairs = [
+        (1, 1),
+        (bs - 1, bs - 1),
+        (bs, 3),
+        (bs + 1, bs + 1),
+        (3 * bs + 5, 2 * bs),
+        (5 * bs, 1),
+        (2 * bs, 0),
+    ]
     if case.shared_prefix_blocks:  # sequences 0 and 1 need cached prefixes to share
         pairs = [pairs[4], pairs[5]] + pairs[:4] + pairs[6:]
     return [n for n, _ in pairs], [q for _, q in pairs]
@@ -95,43 +102,52 @@ def test_prefill_matches_reference(case: PrefillCase, kv) -> None:
     gen = kv.generator(case.id)
     cache_dtype = kv.CACHE_DTYPES[case.cache]
     seq_lens, q_lens = _batch(case)
-    paged = kv.build_paged_kv(gen, seq_lens, case.num_kv_heads, case.head_dim,
-                              case.block_size, cache_dtype,
-                              shared_prefix_blocks=case.shared_prefix_blocks)
+    paged = kv.build_paged_kv(
+        gen,
+        seq_lens,
+        case.num_kv_heads,
+        case.head_dim,
+        case.block_size,
+        cache_dtype,
+        shared_prefix_blocks=case.shared_prefix_blocks,
+    )
     if case.drop_outside_window:
         assert case.window is not None
         first_pos = [n - q for n, q in zip(seq_lens, q_lens)]
         assert kv.drop_blocks_outside_window(paged, first_pos, case.window, case.sinks) > 0
-    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                   dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     num_heads = case.num_kv_heads * case.group
     query_dtype = kv.query_dtype_for(cache_dtype, kv.CACHE_DTYPES.get(case.query or ""))
     query = kv.random_query(gen, (sum(q_lens), num_heads, case.head_dim), query_dtype)
     scale = case.head_dim**-0.5
     window = dict(sliding_window=case.window, num_sink_tokens=case.sinks)
-    batch = dict(block_tables=paged.block_tables, seq_lens=paged.seq_lens,
-                 query_start_loc=query_start_loc)
+    batch = dict(
+        block_tables=paged.block_tables, seq_lens=paged.seq_lens, query_start_loc=query_start_loc
+    )
 
     out = torch.full_like(query, float("nan"))
     if case.block_m is None:
-        result = paged_prefill_attention(query, scale=scale, out=out, **batch,
-                                         **paged.storage(), **window)
+        result = paged_prefill_attention(
+            query, scale=scale, out=out, **batch, **paged.storage(), **window
+        )
     else:
         assert case.block_n is not None
         config = PrefillConfig(block_m=case.block_m, block_n=case.block_n)
-        result = paged_prefill_attention_with_config(query, scale=scale, config=config,
-                                                     out=out, **batch, **paged.storage(),
-                                                     **window)
+        result = paged_prefill_attention_with_config(
+            query, scale=scale, config=config, out=out, **batch, **paged.storage(), **window
+        )
     assert result is out
 
-    ref = paged_prefill_attention_ref(query.double(), scale=scale, **batch,
-                                      **paged.storage_f64(), **window)
+    ref = paged_prefill_attention_ref(
+        query.double(), scale=scale, **batch, **paged.storage_f64(), **window
+    )
     tol = FP32_TOL if query_dtype == torch.float32 else BF16_TOL
     assert kv.max_rel_err(out, ref) <= tol
 
     if case.cache in QUANT_VS_FULL:
-        full = paged_prefill_attention_ref(query.double(), scale=scale, **batch,
-                                           **paged.full_f64(), **window)
+        full = paged_prefill_attention_ref(
+            query.double(), scale=scale, **batch, **paged.full_f64(), **window
+        )
         l2_bound, max_bound = QUANT_VS_FULL[case.cache]
         assert kv.rel_l2_err(out, full) <= l2_bound
         assert kv.max_rel_err(out, full) <= max_bound
@@ -145,22 +161,27 @@ def test_prefill_long_prompt_spans_many_query_tiles(kv) -> None:
     query_start_loc = torch.tensor([0, 150, 153], dtype=torch.int32)
     query = kv.random_query(gen, (153, 2, 64), torch.float32)
     out = torch.full_like(query, float("nan"))
-    batch = dict(block_tables=paged.block_tables, seq_lens=paged.seq_lens,
-                 query_start_loc=query_start_loc)
-    paged_prefill_attention_with_config(query, scale=0.125, config=PrefillConfig(32, 32),
-                                        out=out, **batch, **paged.storage())
-    ref = paged_prefill_attention_ref(query.double(), scale=0.125, **batch,
-                                      **paged.storage_f64())
+    batch = dict(
+        block_tables=paged.block_tables, seq_lens=paged.seq_lens, query_start_loc=query_start_loc
+    )
+    paged_prefill_attention_with_config(
+        query, scale=0.125, config=PrefillConfig(32, 32), out=out, **batch, **paged.storage()
+    )
+    ref = paged_prefill_attention_ref(query.double(), scale=0.125, **batch, **paged.storage_f64())
     assert kv.max_rel_err(out, ref) <= FP32_TOL
 
 
 def test_prefill_no_new_tokens_is_a_no_op(kv) -> None:
     paged = kv.build_paged_kv(kv.generator("no-tokens"), [5, 9], 1, 64, 16, torch.float32)
     query = torch.empty(0, 1, 64)
-    out = paged_prefill_attention(query, block_tables=paged.block_tables,
-                                  seq_lens=paged.seq_lens,
-                                  query_start_loc=torch.zeros(3, dtype=torch.int32),
-                                  scale=0.125, **paged.storage())
+    out = paged_prefill_attention(
+        query,
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        query_start_loc=torch.zeros(3, dtype=torch.int32),
+        scale=0.125,
+        **paged.storage(),
+    )
     assert out.shape == (0, 1, 64)
 
 
@@ -175,10 +196,14 @@ def test_prefill_no_new_tokens_is_a_no_op(kv) -> None:
 )
 def test_prefill_rejects_bad_arguments(kv, change, message: str) -> None:
     paged = kv.build_paged_kv(kv.generator("bad-args"), [5, 9], 2, 64, 16, torch.float32)
-    args = dict(query=torch.randn(14, 4, 64), block_tables=paged.block_tables,
-                seq_lens=paged.seq_lens,
-                query_start_loc=torch.tensor([0, 5, 14], dtype=torch.int32), scale=0.125,
-                **paged.storage())
+    args = dict(
+        query=torch.randn(14, 4, 64),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        query_start_loc=torch.tensor([0, 5, 14], dtype=torch.int32),
+        scale=0.125,
+        **paged.storage(),
+    )
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(**args)

@@ -24,8 +24,9 @@ def test_the_arithmetic_modules_import_without_torch() -> None:
         "kvchat.memory.config; print(sorted(m for m in sys.modules "
         "if m.split('.')[0] == 'torch' or m.startswith('kvchat.kernels')))"
     )
-    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -36,9 +37,14 @@ def test_spec_bytes_match_the_allocated_tensors(
     kv_cache_dtype: str, model_dtype: torch.dtype
 ) -> None:
     rng = random.Random(f"{kv_cache_dtype}-{model_dtype}")
-    spec = KVCacheSpec(num_layers=rng.randint(1, 3), num_kv_heads=rng.randint(1, 4),
-                       head_dim=rng.choice([2, 8, 16]), block_size=rng.choice([1, 4, 16]),
-                       model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype)
+    spec = KVCacheSpec(
+        num_layers=rng.randint(1, 3),
+        num_kv_heads=rng.randint(1, 4),
+        head_dim=rng.choice([2, 8, 16]),
+        block_size=rng.choice([1, 4, 16]),
+        model_dtype=model_dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     num_blocks = rng.randint(1, 5)
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
     allocated = cache.kv.numel() * cache.kv.element_size()
@@ -66,12 +72,11 @@ def no_measure() -> DeviceMemory:
 
 
 def test_an_override_wins_over_bytes_and_measurement() -> None:
-    cache = CacheConfig(num_blocks_override=7, kv_cache_bytes=10 * PER_BLOCK,
-                        host_cache_bytes=3 * PER_BLOCK + 1)
-    layout = plan_kv_layout(cache, PER_BLOCK, no_measure)
-    assert (layout.num_blocks, layout.num_host_blocks, layout.bytes_per_block) == (
-        7, 3, PER_BLOCK
+    cache = CacheConfig(
+        num_blocks_override=7, kv_cache_bytes=10 * PER_BLOCK, host_cache_bytes=3 * PER_BLOCK + 1
     )
+    layout = plan_kv_layout(cache, PER_BLOCK, no_measure)
+    assert (layout.num_blocks, layout.num_host_blocks, layout.bytes_per_block) == (7, 3, PER_BLOCK)
 
 
 @pytest.mark.parametrize("extra", [0, 1, PER_BLOCK - 1])
@@ -81,8 +86,9 @@ def test_kv_cache_bytes_hold_whole_blocks_only(extra: int) -> None:
 
 
 def test_a_measured_accelerator_gives_what_the_peak_leaves() -> None:
-    measured = DeviceMemory(total_bytes=1000 * PER_BLOCK, peak_bytes=100 * PER_BLOCK + 5,
-                            non_torch_bytes=50 * PER_BLOCK)
+    measured = DeviceMemory(
+        total_bytes=1000 * PER_BLOCK, peak_bytes=100 * PER_BLOCK + 5, non_torch_bytes=50 * PER_BLOCK
+    )
     cache = CacheConfig(gpu_memory_utilization=0.5)
     layout = plan_kv_layout(cache, PER_BLOCK, lambda: measured)
     # 500 blocks' worth, less the peak (100 blocks and 5 bytes) and the rest: 349 whole blocks.
@@ -96,6 +102,7 @@ def test_without_a_measurement_the_cpu_default_applies() -> None:
 
 
 def test_a_budget_below_one_block_is_reported_as_such() -> None:
-    measured = DeviceMemory(total_bytes=10 * PER_BLOCK, peak_bytes=10 * PER_BLOCK,
-                            non_torch_bytes=0)
+    measured = DeviceMemory(
+        total_bytes=10 * PER_BLOCK, peak_bytes=10 * PER_BLOCK, non_torch_bytes=0
+    )
     assert plan_kv_layout(CacheConfig(), PER_BLOCK, lambda: measured).num_blocks < 1

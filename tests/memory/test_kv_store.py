@@ -64,8 +64,16 @@ def test_a_truncated_or_foreign_file_is_skipped_and_removed(tmp_path: Path) -> N
     path.write_bytes(data[: len(data) // 2])  # a write the kernel never finished
     # A file of another shape (another model's blocks under a wrong name).
     alien = KVStore(tmp_path / "alien", "fp", 1 << 20, (2, 2, 4, 2, 4), None)
-    alien.put([BlockData(foreign.block_hash, foreign.token_ids,
-                         torch.zeros((2, 2, 4, 2, 4), dtype=torch.uint8), None)])
+    alien.put(
+        [
+            BlockData(
+                foreign.block_hash,
+                foreign.token_ids,
+                torch.zeros((2, 2, 4, 2, 4), dtype=torch.uint8),
+                None,
+            )
+        ]
+    )
     alien.close()
     name = foreign.block_hash.hex() + ".safetensors"
     (store.dir / name).write_bytes((alien.dir / name).read_bytes())
@@ -149,8 +157,9 @@ def test_a_restarted_engine_loads_the_conversation_and_computes_only_the_new_tok
     second.close_kv_store()
 
 
-def test_a_store_of_another_kv_dtype_is_not_used(tiny_llama: tuple[Path, Any],
-                                                 tmp_path: Path) -> None:
+def test_a_store_of_another_kv_dtype_is_not_used(
+    tiny_llama: tuple[Path, Any], tmp_path: Path
+) -> None:
     path, _ = tiny_llama
     first = stored_engine(path, tmp_path)
     p1 = random_prompt(3 * BLOCK, seed=41)

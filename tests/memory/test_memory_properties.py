@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvchat.memory.block_pool import BlockPool
 from kvchat.memory.config import CacheConfig, SessionBudget
 from kvchat.memory.kv_cache import KVCache
-from kvchat.memory.kv_spec import KVCacheSpec
 from kvchat.memory.kv_cache_manager import KVCacheManager, KVState, cdiv
+from kvchat.memory.kv_spec import KVCacheSpec
 from kvchat.memory.sessions import SessionState, SessionStore
 from kvchat.memory.stats import CacheStats
 
@@ -36,13 +36,15 @@ class MemoryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         config = CacheConfig(block_size=BLOCK, watermark_low=0.2, watermark_high=0.4)
-        spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BLOCK,
-                           model_dtype=torch.float32)
+        spec = KVCacheSpec(
+            num_layers=1, num_kv_heads=1, head_dim=2, block_size=BLOCK, model_dtype=torch.float32
+        )
         self.kv = KVCache(spec, NUM_BLOCKS, torch.device("cpu"), HOST_BLOCKS)
         self.pool = BlockPool(NUM_BLOCKS)
         self.host = BlockPool(HOST_BLOCKS)
-        self.manager = KVCacheManager(self.pool, self.kv, BLOCK, enable_prefix_caching=True,
-                                      host_pool=self.host)
+        self.manager = KVCacheManager(
+            self.pool, self.kv, BLOCK, enable_prefix_caching=True, host_pool=self.host
+        )
         self.stats = CacheStats()
         self.sessions = SessionStore(config, self.manager, self.stats)
         self.turns = 0
@@ -78,8 +80,16 @@ class MemoryMachine(RuleBasedStateMachine):
         generate=st.integers(0, 6),
         abort=st.booleans(),
     )
-    def turn(self, session: str | None, salt: str | None, extend: bool, keep: int,
-             new: list[int], generate: int, abort: bool) -> None:
+    def turn(
+        self,
+        session: str | None,
+        salt: str | None,
+        extend: bool,
+        keep: int,
+        new: list[int],
+        generate: int,
+        abort: bool,
+    ) -> None:
         """A request: often the session's history (cut at `keep`) plus new tokens."""
         history: list[int] = []
         if session is not None and extend:

@@ -37,10 +37,21 @@ def test_published_bytes_per_token_in_bf16(
 
 
 def test_blocks_and_sessions_that_fit_with_the_arithmetic() -> None:
-    result = runner.invoke(app, [
-        "memory", "plan", "--config", str(CONFIGS / "llama-3-8b.json"), "--memory", "80GiB",
-        "--utilization", "0.9", "--context-tokens", "8192",
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "memory",
+            "plan",
+            "--config",
+            str(CONFIGS / "llama-3-8b.json"),
+            "--memory",
+            "80GiB",
+            "--utilization",
+            "0.9",
+            "--context-tokens",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     weights = 8_030_261_248 * 2
     usable = int(80 * 2**30 * 0.9) - weights
@@ -55,8 +66,10 @@ def test_blocks_and_sessions_that_fit_with_the_arithmetic() -> None:
 
 
 def test_quantized_cache_counts_its_scales() -> None:
-    result = runner.invoke(app, ["memory", "plan", "--config", str(CONFIGS / "llama-3-8b.json"),
-                                 "--kv-cache-dtype", "fp8"])
+    result = runner.invoke(
+        app,
+        ["memory", "plan", "--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "fp8"],
+    )
     assert result.exit_code == 0, result.output
     # 65,536 B of fp8 values + 2 x 32 x 8 x 4 B of scales.
     assert "-> 67,584 B per token" in result.stdout
@@ -65,10 +78,12 @@ def test_quantized_cache_counts_its_scales() -> None:
 
 
 def test_plan_math_matches_a_direct_computation() -> None:
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16,
-                       model_dtype=torch.float32)
-    plan = MemoryPlan(spec, weight_bytes=1000, memory_bytes=10**6, utilization=0.5,
-                      context_tokens=100)
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, model_dtype=torch.float32
+    )
+    plan = MemoryPlan(
+        spec, weight_bytes=1000, memory_bytes=10**6, utilization=0.5, context_tokens=100
+    )
     assert spec.bytes_per_token == 2 * 2 * 2 * 64 * 4
     assert plan.usable_bytes == 499_000
     assert plan.num_blocks == 499_000 // (2048 * 16)
@@ -89,8 +104,10 @@ def test_model_dir_works_like_its_config(tmp_path: Path) -> None:
         ([], "exactly one of --model or --config"),
         (["--config", "/nope.json"], "does not exist"),
         (["--config", str(CONFIGS / "llama-3-8b.json"), "--memory", "lots"], "cannot read 'lots'"),
-        (["--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "int4"],
-         "kv_cache_dtype"),
+        (
+            ["--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "int4"],
+            "kv_cache_dtype",
+        ),
         (["--config", str(CONFIGS / "llama-3-8b.json"), "--block-size", "12"], "power of two"),
         (["--config", str(CONFIGS / "llama-3-8b.json"), "--utilization", "1.5"], "utilization"),
     ],

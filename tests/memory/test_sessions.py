@@ -8,8 +8,8 @@ import torch
 from kvchat.memory.block_pool import BlockPool
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_cache import KVCache
-from kvchat.memory.kv_spec import KVCacheSpec
 from kvchat.memory.kv_cache_manager import KVCacheManager, KVState
+from kvchat.memory.kv_spec import KVCacheSpec
 from kvchat.memory.sessions import SessionState, SessionStore
 from kvchat.memory.stats import CacheStats
 

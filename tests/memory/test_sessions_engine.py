@@ -11,19 +11,17 @@ from kvchat.inference.sampling_params import SamplingParams
 from kvchat.memory.config import SessionBudget
 from kvchat.memory.sessions import SessionState
 from kvchat_testing.engines import random_prompt
-from kvchat_testing.session_engines import BLOCK, ForwardCounter, GREEDY, NEW, cold, make_engine, turn
-
-
-
-
-
-
-
-
+from kvchat_testing.session_engines import (
+    BLOCK,
+    GREEDY,
+    NEW,
+    ForwardCounter,
+    cold,
+    make_engine,
+    turn,
+)
 
 KV_DTYPES = ["auto", "int8", "fp8"]
-
-
 
 
 def test_turn_two_prefills_only_the_new_tokens(tiny_llama: tuple[Path, Any]) -> None:
@@ -162,8 +160,13 @@ def test_offloaded_session_restores_by_copy_with_identical_tokens(
 ) -> None:
     path, _ = tiny_llama
     # No prefix cache: freed device blocks cannot be found again, so the restore must copy.
-    engine = make_engine(path, num_blocks=24, host_blocks=32, enable_prefix_caching=False,
-                         kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(
+        path,
+        num_blocks=24,
+        host_blocks=32,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     counter = ForwardCounter(engine)
     p1 = random_prompt(3 * BLOCK + 2, seed=61)
     o1 = turn(engine, "t1", p1, session="conv").output_token_ids or []
@@ -234,7 +237,8 @@ PREEMPTION_CASES = [(0, "auto"), *((64, d) for d in KV_DTYPES)]
 
 
 @pytest.mark.parametrize(
-    ("host_blocks", "kv_cache_dtype"), PREEMPTION_CASES,
+    ("host_blocks", "kv_cache_dtype"),
+    PREEMPTION_CASES,
     ids=[f"{'swap' if h else 'recompute'}-{d}" for h, d in PREEMPTION_CASES],
 )
 def test_pool_too_small_for_the_batch_preempts_and_finishes_correctly(
@@ -244,11 +248,14 @@ def test_pool_too_small_for_the_batch_preempts_and_finishes_correctly(
     prompts = [random_prompt(40 + 3 * i, seed=90 + i) for i in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     solo_engine = make_engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
-    solo = [turn(solo_engine, f"solo{i}", p, params=params).output_token_ids
-            for i, p in enumerate(prompts)]
+    solo = [
+        turn(solo_engine, f"solo{i}", p, params=params).output_token_ids
+        for i, p in enumerate(prompts)
+    ]
     # Each request needs 6 blocks at its end; 4 of them need 24; the pool has 12.
-    engine = make_engine(path, num_blocks=12, host_blocks=host_blocks,
-                         kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(
+        path, num_blocks=12, host_blocks=host_blocks, kv_cache_dtype=kv_cache_dtype
+    )
     outs = engine.generate(prompts, params)
     assert [o.output_token_ids for o in outs] == solo
     preemptions = engine.stats.preemptions_swap + engine.stats.preemptions_recompute
@@ -267,8 +274,13 @@ def test_idle_sessions_are_evicted_before_running_requests_suffer(
     path, _ = tiny_llama
     engine = make_engine(path, num_blocks=16, enable_prefix_caching=False)
     for i in range(3):  # three idle sessions of 4 blocks each pin 12 of 16 blocks
-        turn(engine, f"idle{i}", random_prompt(3 * BLOCK + 3, seed=100 + i), session=f"idle{i}",
-             params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        turn(
+            engine,
+            f"idle{i}",
+            random_prompt(3 * BLOCK + 3, seed=100 + i),
+            session=f"idle{i}",
+            params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        )
     assert engine.sessions.num_resident == 3
     big = random_prompt(10 * BLOCK, seed=110)
     out = turn(engine, "big", big)

@@ -21,13 +21,20 @@ def create(service: Service, key: str | None = None, **fields: Any) -> dict[str,
     return r.json()  # type: ignore[no-any-return]
 
 
-def say(service: Service, conv_id: str, content: str | None, key: str | None = None,
-        headers: dict[str, str] | None = None, **fields: Any) -> Any:
+def say(
+    service: Service,
+    conv_id: str,
+    content: str | None,
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+    **fields: Any,
+) -> Any:
     body = {**REPLY, **fields}
     if content is not None:
         body["content"] = content
-    return service.post(f"/v1/conversations/{conv_id}/messages", body, key=key,
-                        headers=headers or {})
+    return service.post(
+        f"/v1/conversations/{conv_id}/messages", body, key=key, headers=headers or {}
+    )
 
 
 def branch(service: Service, conv_id: str, **params: Any) -> list[dict[str, Any]]:
@@ -37,8 +44,9 @@ def branch(service: Service, conv_id: str, **params: Any) -> list[dict[str, Any]
 
 
 def test_crud_and_pagination_newest_first(service: Service) -> None:
-    made = [create(service, title=f"c{i}", metadata={"i": i, "note": "héllo"})["id"]
-            for i in range(45)]
+    made = [
+        create(service, title=f"c{i}", metadata={"i": i, "note": "héllo"})["id"] for i in range(45)
+    ]
     seen: list[str] = []
     cursor = None
     while True:
@@ -53,8 +61,11 @@ def test_crud_and_pagination_newest_first(service: Service) -> None:
     assert mine == list(reversed(made))  # newest first, no gaps, no repeats
     conv = service.get(f"/v1/conversations/{made[0]}").json()
     assert conv["metadata"] == {"i": 0, "note": "héllo"}
-    patched = service.client.patch(f"/v1/conversations/{made[0]}", headers=service.headers(),
-                                   json={"title": "renamed", "max_context_tokens": 900}).json()
+    patched = service.client.patch(
+        f"/v1/conversations/{made[0]}",
+        headers=service.headers(),
+        json={"title": "renamed", "max_context_tokens": 900},
+    ).json()
     assert patched["title"] == "renamed" and patched["max_context_tokens"] == 900
     r = service.client.delete(f"/v1/conversations/{made[0]}", headers=service.headers())
     assert r.json()["deleted"] is True
@@ -66,15 +77,19 @@ def test_crud_and_pagination_newest_first(service: Service) -> None:
 def test_another_owners_conversation_is_not_found(service: Service) -> None:
     conv = create(service, title="mine")
     for method, path in (("GET", ""), ("GET", "/messages"), ("DELETE", ""), ("PATCH", "")):
-        r = service.client.request(method, f"/v1/conversations/{conv['id']}{path}",
-                                   headers=service.headers(service.other_key), json={})
+        r = service.client.request(
+            method,
+            f"/v1/conversations/{conv['id']}{path}",
+            headers=service.headers(service.other_key),
+            json={},
+        )
         assert r.status_code == 404, (method, path, r.text)
     r = say(service, conv["id"], "hi", key=service.other_key)
     assert r.status_code == 404
     missing = service.get("/v1/conversations/conv_missing")
     assert missing.status_code == 404 and missing.json()["error"] == say(
-        service, "conv_missing", "hi").json()["error"] | {
-            "message": missing.json()["error"]["message"]}
+        service, "conv_missing", "hi"
+    ).json()["error"] | {"message": missing.json()["error"]["message"]}
     theirs = create(service, key=service.other_key)
     assert service.get(f"/v1/conversations/{theirs['id']}").status_code == 404
 
@@ -90,8 +105,9 @@ def test_five_turns_reuse_everything_before(service: Service) -> None:
         usage = message["usage"]
         assert message["timings"]["ttft_ms"] > 0 and message["timings"]["total_ms"] > 0
         if previous is not None:
-            assert usage["cached_tokens"] >= previous["prompt_tokens"] + previous[
-                "completion_tokens"]
+            assert (
+                usage["cached_tokens"] >= previous["prompt_tokens"] + previous["completion_tokens"]
+            )
         previous = usage
     stored = branch(service, conv["id"])
     assert [m["role"] for m in stored] == ["user", "assistant"] * 5
@@ -101,9 +117,12 @@ def test_five_turns_reuse_everything_before(service: Service) -> None:
 
 def test_streamed_turn_events_and_the_stored_message(service: Service) -> None:
     conv = create(service)
-    with service.client.stream("POST", f"/v1/conversations/{conv['id']}/messages",
-                               headers=service.headers(),
-                               json={"content": "Stream please", "stream": True, **REPLY}) as r:
+    with service.client.stream(
+        "POST",
+        f"/v1/conversations/{conv['id']}/messages",
+        headers=service.headers(),
+        json={"content": "Stream please", "stream": True, **REPLY},
+    ) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     types = [e["type"] for e in events]
@@ -144,8 +163,10 @@ def test_edit_an_earlier_message_branches_and_reuses_the_shared_prefix(service: 
 def test_regenerate_adds_a_sibling_reply(service: Service) -> None:
     conv = create(service)
     reply = say(service, conv["id"], "Say something.").json()
-    again = service.post(f"/v1/conversations/{conv['id']}/regenerate",
-                         {"temperature": 1.0, "seed": 3, "max_tokens": 6}).json()
+    again = service.post(
+        f"/v1/conversations/{conv['id']}/regenerate",
+        {"temperature": 1.0, "seed": 3, "max_tokens": 6},
+    ).json()
     assert again["parent_id"] == reply["parent_id"] and again["id"] != reply["id"]
     assert again["siblings"] == [reply["id"], again["id"]]
     # The prompt is the same as the first reply's: all of it but the last token is reused.
@@ -173,8 +194,9 @@ def test_a_second_concurrent_turn_is_busy(service: Service) -> None:
 
     def long_turn() -> None:
         started.set()
-        results["long"] = say(service, conv["id"], "Go on and on", max_tokens=400,
-                              temperature=1.0, ignore_eos=True)
+        results["long"] = say(
+            service, conv["id"], "Go on and on", max_tokens=400, temperature=1.0, ignore_eos=True
+        )
 
     thread = threading.Thread(target=long_turn)
     thread.start()
@@ -197,8 +219,15 @@ def test_a_second_concurrent_turn_is_busy(service: Service) -> None:
 
 
 def test_tool_result_turns(service: Service) -> None:
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
     conv = create(service)
     say(service, conv["id"], "Look it up", tools=tools)
     orphan = say(service, conv["id"], "result", role="tool", tool_call_id="call_x", tools=tools)
@@ -268,8 +297,7 @@ def test_a_turn_past_its_kv_budget_counts_as_a_window_turn(service: Service) -> 
 
 @pytest.mark.parametrize("policy", ["drop", "summarize"])
 def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy: str) -> None:
-    conv = create(service, max_context_tokens=200, history_policy=policy,
-                  max_summary_tokens=16)
+    conv = create(service, max_context_tokens=200, history_policy=policy, max_summary_tokens=16)
     cached = []
     for turn in range(12):
         r = say(service, conv["id"], f"Message {turn}: " + "words to fill the budget " * 3)
@@ -284,8 +312,9 @@ def test_history_is_trimmed_to_the_conversation_budget(service: Service, policy:
 
 
 def patch(service: Service, conv_id: str, body: dict[str, Any], key: str | None = None) -> Any:
-    return service.client.patch(f"/v1/conversations/{conv_id}", headers=service.headers(key),
-                                json=body)
+    return service.client.patch(
+        f"/v1/conversations/{conv_id}", headers=service.headers(key), json=body
+    )
 
 
 def listed(service: Service, conv_id: str) -> dict[str, Any]:
@@ -314,8 +343,10 @@ def test_settings_are_checked_together_with_what_is_stored(service: Service) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "low_watermark"
     assert service.get(f"/v1/conversations/{conv['id']}").json()["title"] is None
     # Back to the default is checked too: the default high_watermark (0.8) is under 0.85.
-    assert patch(service, conv["id"], {"low_watermark": 0.85, "high_watermark": 0.9}
-                 ).status_code == 200
+    assert (
+        patch(service, conv["id"], {"low_watermark": 0.85, "high_watermark": 0.9}).status_code
+        == 200
+    )
     r = patch(service, conv["id"], {"high_watermark": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "high_watermark"
     assert "high_watermark 0.8: the server default" in r.json()["error"]["message"]
@@ -327,20 +358,24 @@ def test_settings_are_checked_together_with_what_is_stored(service: Service) -> 
     assert create(service, low_watermark=0.9, high_watermark=0.95)["low_watermark"] == 0.9
 
 
-@pytest.mark.parametrize("stored, param", [
-    ({"low_watermark": 0.6, "high_watermark": 0.3}, "high_watermark"),
-    ({"max_context_tokens": 5}, "max_context_tokens"),
-    ({"max_kv_tokens": -1}, "max_kv_tokens"),
-    ({"history_policy": "forget"}, "history_policy"),
-    ({"max_tool_result_tokens": 3}, "max_tool_result_tokens"),
-])
+@pytest.mark.parametrize(
+    "stored, param",
+    [
+        ({"low_watermark": 0.6, "high_watermark": 0.3}, "high_watermark"),
+        ({"max_context_tokens": 5}, "max_context_tokens"),
+        ({"max_kv_tokens": -1}, "max_kv_tokens"),
+        ({"history_policy": "forget"}, "history_policy"),
+        ({"max_tool_result_tokens": 3}, "max_tool_result_tokens"),
+    ],
+)
 def test_a_stored_row_the_checks_refuse_still_lists_and_its_turn_says_why(
     service: Service, stored: dict[str, Any], param: str
 ) -> None:
     conv = create(service, title="written by hand")
     # As a row from before settings were checked together (or edited by hand) holds them.
     service.client.portal.call(
-        lambda: service.state.store.update_conversation("alice", conv["id"], **stored))
+        lambda: service.state.store.update_conversation("alice", conv["id"], **stored)
+    )
     got = service.get(f"/v1/conversations/{conv['id']}")
     assert got.status_code == 200, got.text
     assert {k: got.json()[k] for k in stored} == stored
@@ -357,13 +392,13 @@ def test_a_stored_row_the_checks_refuse_still_lists_and_its_turn_says_why(
     assert say(service, conv["id"], "Hello again.").status_code == 200
 
 
-def test_another_owners_conversation_never_tells_whether_a_message_exists(
-    service: Service
-) -> None:
+def test_another_owners_conversation_never_tells_whether_a_message_exists(service: Service) -> None:
     conv = create(service)
     reply = say(service, conv["id"], "Hi").json()
-    answers = [patch(service, conv["id"], {"current_leaf_id": leaf}, key=service.other_key)
-               for leaf in (reply["id"], "msg_missing")]
+    answers = [
+        patch(service, conv["id"], {"current_leaf_id": leaf}, key=service.other_key)
+        for leaf in (reply["id"], "msg_missing")
+    ]
     assert [a.status_code for a in answers] == [404, 404]
     assert answers[0].json() == answers[1].json()
     assert answers[0].json()["error"]["param"] is None
@@ -381,8 +416,9 @@ def test_a_summary_for_a_conversation_deleted_meanwhile_ends_quietly(
     import logging
 
     state = service.state
-    conv = create(service, max_context_tokens=200, history_policy="summarize",
-                  max_summary_tokens=8)["id"]
+    conv = create(
+        service, max_context_tokens=200, history_policy="summarize", max_summary_tokens=8
+    )["id"]
     real = state.store.add_summary
     reached = threading.Event()
     proceed = asyncio.Event()
@@ -422,8 +458,9 @@ LONG_REPLY = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}
 
 
 def sse_events(response: Any) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in response.text.splitlines()
-            if line.startswith("data: ")]
+    return [
+        json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")
+    ]
 
 
 def test_a_delete_racing_a_turn_never_hangs_or_fails(service: Service) -> None:
@@ -434,8 +471,11 @@ def test_a_delete_racing_a_turn_never_hangs_or_fails(service: Service) -> None:
     for attempt in range(12):
         conv = create(service)["id"]
         answers: dict[str, Any] = {}
-        posting = threading.Thread(target=lambda c=conv, out=answers: out.update(
-            post=say(service, c, "Race me", **LONG_REPLY)))
+        posting = threading.Thread(
+            target=lambda c=conv, out=answers: out.update(
+                post=say(service, c, "Race me", **LONG_REPLY)
+            )
+        )
         posting.start()
         threading.Event().wait((attempt % 6) * 0.004)
         deleted = service.client.delete(f"/v1/conversations/{conv}", headers=service.headers())
@@ -452,7 +492,8 @@ def test_a_delete_racing_a_turn_never_hangs_or_fails(service: Service) -> None:
         assert service.get(f"/v1/conversations/{conv}").status_code == 404
         assert service.state.turns.running(conv) is None
         holder = service.client.portal.call(
-            lambda c=conv: service.state.coord.lock_holder(f"turn:{c}"))
+            lambda c=conv: service.state.coord.lock_holder(f"turn:{c}")
+        )
         assert holder is None
     assert set(outcomes) <= {200, 404}
 
@@ -464,8 +505,11 @@ def test_a_conversation_deleted_under_a_turn_ends_it_with_one_404(service: Servi
     conv = create(service)["id"]
     state, portal = service.state, service.client.portal
     answers: dict[str, Any] = {}
-    posting = threading.Thread(target=lambda: answers.update(post=say(
-        service, conv, "Delete me", stream=True, **LONG_REPLY)))
+    posting = threading.Thread(
+        target=lambda: answers.update(
+            post=say(service, conv, "Delete me", stream=True, **LONG_REPLY)
+        )
+    )
     posting.start()
     deadline = threading.Event()
     for _ in range(6000):
@@ -527,8 +571,7 @@ def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service)
     conv = create(service, max_context_tokens=256, history_policy="summarize")["id"]
     store = service.state.store
     for turn in range(40):
-        r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3,
-                max_tokens=8)
+        r = say(service, conv, f"Message {turn}: " + "words to fill the budget " * 3, max_tokens=8)
         assert r.status_code == 200, r.text
         settle_background(service)
         made = service.client.portal.call(store.latest_summary, conv)
@@ -545,8 +588,9 @@ def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service)
     assert made is not None and made.num_tokens <= 256 // 4
     # The owner lowers the budget to 64: that summary no longer fits beside a turn, so the
     # turn goes on without it (later summaries are made to the new share, 16 tokens).
-    r = service.client.patch(f"/v1/conversations/{conv}", json={"max_context_tokens": 64},
-                             headers=service.headers())
+    r = service.client.patch(
+        f"/v1/conversations/{conv}", json={"max_context_tokens": 64}, headers=service.headers()
+    )
     assert r.status_code == 200, r.text
     for turn in range(3):
         r = say(service, conv, f"Lowered {turn}", max_tokens=4)

@@ -20,8 +20,9 @@ from playwright.sync_api import Browser, Page, WebSocketRoute, expect, sync_play
 
 from kvchat_testing.service import Server
 
-ARTIFACTS = Path(os.environ.get("KVCHAT_TEST_ARTIFACTS",
-                                Path(tempfile.gettempdir()) / "kvchat-artifacts"))
+ARTIFACTS = Path(
+    os.environ.get("KVCHAT_TEST_ARTIFACTS", Path(tempfile.gettempdir()) / "kvchat-artifacts")
+)
 # Waits go through locators and `expect` (Playwright's string predicates are eval'd in the
 # page, which its Content-Security-Policy forbids, as it should).
 expect.set_options(timeout=60_000)
@@ -29,8 +30,11 @@ expect.set_options(timeout=60_000)
 
 def chromium_path() -> str:
     """Debian's chromium (the binary behind its /usr/bin/chromium wrapper script)."""
-    for candidate in ("/usr/lib/chromium/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser")):
+    for candidate in (
+        "/usr/lib/chromium/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+    ):
         if candidate and Path(candidate).exists():
             return str(candidate)
     raise RuntimeError("chromium is not installed (apt-get install chromium; .ci/run does)")
@@ -47,7 +51,8 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def browser() -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
-            executable_path=chromium_path(), headless=True,
+            executable_path=chromium_path(),
+            headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
         )
         yield browser
@@ -103,8 +108,9 @@ def tab(browser: Browser, server: Server) -> Iterator[Tab]:
     page.on("dialog", dialog)
     yield tab
     context.close()
-    assert not [e for e in tab.errors if "Content Security Policy" in e or "uncaught" in e], \
+    assert not [e for e in tab.errors if "Content Security Policy" in e or "uncaught" in e], (
         tab.errors
+    )
     assert tab.dialogs == []
 
 
@@ -152,8 +158,10 @@ def test_chat_streams_stops_caches_edits_switches_branches_and_reloads(
     assert first_reply["status"] == "cancelled"
     assert 5 <= first_reply["usage"]["completion_tokens"] < 2000
     stats = tab.last_assistant().locator(".stats")
-    assert int(stats.get_attribute("data-completion-tokens") or 0) == \
-        first_reply["usage"]["completion_tokens"]
+    assert (
+        int(stats.get_attribute("data-completion-tokens") or 0)
+        == first_reply["usage"]["completion_tokens"]
+    )
     assert page.locator("#send").is_visible() and not page.locator("#stop").is_visible()
 
     # A second message: its prompt is served from the conversation's pinned KV.
@@ -168,10 +176,13 @@ def test_chat_streams_stops_caches_edits_switches_branches_and_reloads(
     assert cached > 0
     assert cached == second["usage"]["cached_tokens"]
     assert float(stats.get_attribute("data-ttft-ms") or 0) == pytest.approx(
-        second["timings"]["ttft_ms"])
+        second["timings"]["ttft_ms"]
+    )
     assert "cached" in (stats.text_content() or "") and "tok/s" in (stats.text_content() or "")
-    assert page.locator(".message.user").nth(1).locator(".body").text_content() == \
-        "And a **second** question"  # a user's message is text, not markdown
+    assert (
+        page.locator(".message.user").nth(1).locator(".body").text_content()
+        == "And a **second** question"
+    )  # a user's message is text, not markdown
 
     # Edit the first message: a new branch; ‹ › switch between the two.
     first_user = page.locator(".message.user").first
@@ -217,17 +228,22 @@ def test_chat_streams_stops_caches_edits_switches_branches_and_reloads(
     page.reload()
     page.wait_for_selector(f"#conversations li[data-id='{conv}']")
     expect(page.locator(".message")).to_have_count(2)
-    assert page.locator(".message.user").first.locator(".body").text_content() == \
-        "An edited first message"
-    assert page.locator(f"#conversations li[data-id='{conv}'] .open").text_content() == \
-        "Caches, renamed"
+    assert (
+        page.locator(".message.user").first.locator(".body").text_content()
+        == "An edited first message"
+    )
+    assert (
+        page.locator(f"#conversations li[data-id='{conv}'] .open").text_content()
+        == "Caches, renamed"
+    )
 
     # The page put its key in the WebSocket's URL; the server's log has it redacted.
     # (Only the first-start announcement shows the key.)
     assert any("/ws?access_token=[redacted]" in line for line in server.output)
     assert server.key is not None
     assert [line for line in server.output if server.key in line] == [
-        line for line in server.output if "created an admin API key" in line]
+        line for line in server.output if "created an admin API key" in line
+    ]
 
 
 def test_a_dropped_socket_reconnects_and_resumes_without_gaps(tab: Tab, server: Server) -> None:
@@ -287,8 +303,9 @@ def test_a_dropped_socket_reconnects_and_resumes_without_gaps(tab: Tab, server: 
 
 
 def test_conversation_list_pages_newest_first_and_deletes(tab: Tab, server: Server) -> None:
-    made = [api(server, "POST", "/v1/conversations", {"title": f"paged {i}"})["id"]
-            for i in range(21)]
+    made = [
+        api(server, "POST", "/v1/conversations", {"title": f"paged {i}"})["id"] for i in range(21)
+    ]
     page = tab.page
     page.goto(server.url)
     page.fill("#key-input", "kvc-not-a-key")
@@ -318,17 +335,24 @@ def test_markup_in_a_reply_is_shown_as_text_and_runs_nothing(tab: Tab, server: S
     """The reply's text is put into the conversation through a real API path (useChat's
     endpoint stores a history it is given), since a random-weight model cannot be told what
     to write."""
-    hostile = ('<script>window.__xss = 1; alert("script")</script>\n\n'
-               '<img src="x" onerror="window.__xss = 2; alert(\'img\')">\n\n'
-               '[a link](javascript:window.__xss=3) and **bold** text')
+    hostile = (
+        '<script>window.__xss = 1; alert("script")</script>\n\n'
+        '<img src="x" onerror="window.__xss = 2; alert(\'img\')">\n\n'
+        "[a link](javascript:window.__xss=3) and **bold** text"
+    )
     title = '<img src=x onerror="window.__xss = 4">'
-    body = {"id": "xss-chat", "max_tokens": 2, "messages": [
-        {"id": "u1", "role": "user", "parts": [{"type": "text", "text": title}]},
-        {"id": "a1", "role": "assistant", "parts": [{"type": "text", "text": hostile}]},
-        {"id": "u2", "role": "user", "parts": [{"type": "text", "text": "next"}]},
-    ]}
-    with httpx.stream("POST", f"{server.url}/v1/ui/chat", json=body, headers=server.headers(),
-                      timeout=120) as r:
+    body = {
+        "id": "xss-chat",
+        "max_tokens": 2,
+        "messages": [
+            {"id": "u1", "role": "user", "parts": [{"type": "text", "text": title}]},
+            {"id": "a1", "role": "assistant", "parts": [{"type": "text", "text": hostile}]},
+            {"id": "u2", "role": "user", "parts": [{"type": "text", "text": "next"}]},
+        ],
+    }
+    with httpx.stream(
+        "POST", f"{server.url}/v1/ui/chat", json=body, headers=server.headers(), timeout=120
+    ) as r:
         assert r.status_code == 200
         assert "data: [DONE]" in list(r.iter_lines())
     page_of = api(server, "GET", "/v1/conversations?limit=100")["data"]
@@ -357,8 +381,12 @@ def test_operator_view_shows_tunes_and_evicts_sessions(tab: Tab, server: Server)
     for words in (3, 40):
         conv = api(server, "POST", "/v1/conversations", {"title": f"{words} words"})["id"]
         for turn in range(2):
-            api(server, "POST", f"/v1/conversations/{conv}/messages",
-                {"content": " ".join(["word"] * words) + f" {turn}", "max_tokens": 4})
+            api(
+                server,
+                "POST",
+                f"/v1/conversations/{conv}/messages",
+                {"content": " ".join(["word"] * words) + f" {turn}", "max_tokens": 4},
+            )
         convs.append(conv)
     small, large = convs
     page = tab.page
@@ -368,8 +396,10 @@ def test_operator_view_shows_tunes_and_evicts_sessions(tab: Tab, server: Server)
     page.wait_for_selector(f"#sessions tr[data-id='{large}']")
     sessions = {s["conversation_id"]: s for s in api(server, "GET", "/v1/admin/memory")["sessions"]}
     assert row.get_attribute("data-state") == sessions[small]["state"] == "resident"
-    assert int((row.locator(".tokens").text_content() or "").replace(",", "")) == \
-        sessions[small]["tokens"]
+    assert (
+        int((row.locator(".tokens").text_content() or "").replace(",", ""))
+        == sessions[small]["tokens"]
+    )
     assert page.locator("#gpu-bar .seg.pinned").get_attribute("data-blocks") not in (None, "0")
 
     # The live charts: a turn while the page watches shows up in TTFT and prefix hits.
@@ -404,7 +434,8 @@ def test_operator_view_shows_tunes_and_evicts_sessions(tab: Tab, server: Server)
     page.click("#editor-save")
     page.wait_for_selector("#editor-message.error")
     assert "low_watermark must not exceed high_watermark" in (
-        page.locator("#editor-message").text_content() or "")
+        page.locator("#editor-message").text_content() or ""
+    )
     settings = api(server, "GET", f"/v1/admin/sessions/{small}")["settings"]
     assert settings["high_watermark"] is None and settings["max_kv_tokens"] == 4096
 

@@ -1,4 +1,5 @@
-"""`kvchat db` and `kvchat keys` (kvchat.app.cli.db), in real processes and through typer's runner."""
+"""`kvchat db` and `kvchat keys` (kvchat.app.cli.db), in real processes and through typer's
+runner."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 from sqlalchemy.engine import URL
 from typer.testing import CliRunner
 
-from kvchat.app.store.schema import head_revision
 from kvchat.app.cli.db import db_app, keys_app
 from kvchat.app.store import Store, default_database_url
+from kvchat.app.store.schema import head_revision
 
 runner = CliRunner()
 
@@ -25,14 +26,18 @@ def cli(*args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess
     if data_dir is not None:
         env["KVCHAT_DATA_DIR"] = str(data_dir)
     return subprocess.run(
-        [sys.executable, "-P", "-m", "kvchat.app.cli.db", *args], capture_output=True, text=True, env=env,
+        [sys.executable, "-P", "-m", "kvchat.app.cli.db", *args],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=120,
     )
 
 
 def test_keys_create_prints_the_key_once_then_list_and_revoke(tmp_path: Path) -> None:
-    proc = cli("keys", "create", "--name", "ci", "--owner", "acme", "--admin",
-               data_dir=tmp_path / "data")
+    proc = cli(
+        "keys", "create", "--name", "ci", "--owner", "acme", "--admin", data_dir=tmp_path / "data"
+    )
     assert proc.returncode == 0, proc.stderr
     key = proc.stdout.strip()
     assert proc.stdout == key + "\n" and key.startswith("kvc-") and len(key) == 47
@@ -60,9 +65,14 @@ def test_keys_create_prints_the_key_once_then_list_and_revoke(tmp_path: Path) ->
     assert missing.exit_code == 2 and missing.stderr.startswith("error: no key")
 
 
-@pytest.mark.parametrize("url", [
-    "not-a-url://::", "mysql://root:hunter2@db/kvchat", "postgresql://u:hunter2@127.0.0.1:1/x",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "not-a-url://::",
+        "mysql://root:hunter2@db/kvchat",
+        "postgresql://u:hunter2@127.0.0.1:1/x",
+    ],
+)
 def test_a_bad_or_unreachable_database_is_one_error_line_and_exit_2(url: str) -> None:
     result = runner.invoke(keys_app, ["list", "--database-url", url])
     assert result.exit_code == 2, result.output

@@ -57,11 +57,11 @@ async def wait_until(check: Any, timeout: float = 10.0) -> None:
 
 @pytest.mark.anyio
 async def test_locks_are_owned_fenced_and_released_by_their_token(coord: Coordinator) -> None:
-    taken, a = await coord.lock_acquire("turn:c1", ME, "a", 5, purpose="turn",
-                                        data={"message_id": "m1"})
+    taken, a = await coord.lock_acquire(
+        "turn:c1", ME, "a", 5, purpose="turn", data={"message_id": "m1"}
+    )
     assert taken and a.token == "a" and a.purpose == "turn" and a.data == {"message_id": "m1"}
-    assert (a.owner, a.host, a.pid, a.instance) == (ME.replica_id, ME.host, ME.pid,
-                                                    ME.instance)
+    assert (a.owner, a.host, a.pid, a.instance) == (ME.replica_id, ME.host, ME.pid, ME.instance)
     taken, holder = await coord.lock_acquire("turn:c1", ME, "b", 5, purpose="delete")
     assert not taken and holder == a  # b is told who holds it
     assert not await coord.lock_release("turn:c1", "b")  # not b's: still held
@@ -73,8 +73,9 @@ async def test_locks_are_owned_fenced_and_released_by_their_token(coord: Coordin
     taken, b = await coord.lock_acquire("turn:c1", ME, "b", 5, purpose="turn")
     assert taken and b.fence > a.fence  # fences only grow
     # a floor (the fence the store saw last) lifts the next fence above it
-    taken, c = await coord.lock_acquire("turn:c2", ME, "c", 5, purpose="turn",
-                                        fence_floor=b.fence + 1000)
+    taken, c = await coord.lock_acquire(
+        "turn:c2", ME, "c", 5, purpose="turn", fence_floor=b.fence + 1000
+    )
     assert taken and c.fence == b.fence + 1001
     assert sorted(k for k, _ in await coord.lock_scan("turn:")) == ["turn:c1", "turn:c2"]
     assert [k for k, _ in await coord.lock_scan("turn:c2")] == ["turn:c2"]
@@ -140,7 +141,8 @@ async def test_held_locks_are_renewed_and_dead_holders_taken_over(coord: Coordin
     await asyncio.sleep(1.0)  # > 3 TTLs: only the renewals keep it
     assert (await coord.lock_holder("turn:c")) == held.holder and not lost
     other = await Locks(coord, ProcessIdentity("replica-other"), ttl=5).acquire(
-        "turn:c", purpose="turn")
+        "turn:c", purpose="turn"
+    )
     assert other == held.holder  # a live holder keeps it
     await held.release()
     assert await coord.lock_holder("turn:c") is None

@@ -77,7 +77,8 @@ async def replicas(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator
     """Three started coordinators sharing one Redis prefix (three replicas), or one
     in-process coordinator."""
     coordinators: list[Coordinator] = (
-        [LocalCoordinator()] if request.param == "local"
+        [LocalCoordinator()]
+        if request.param == "local"
         else [RedisCoordinator(REDIS, prefix=prefix) for _ in range(3)]
     )
     for coordinator in coordinators:
@@ -97,7 +98,8 @@ async def pinned(
     """A started coordinator whose rate windows follow a pinned clock."""
     clock = PinnedClock()
     coordinator: Coordinator = (
-        LocalCoordinator(rate_clock=clock) if request.param == "local"
+        LocalCoordinator(rate_clock=clock)
+        if request.param == "local"
         else RedisCoordinator(REDIS, prefix=prefix, clock=clock)
     )
     await started(coordinator)
@@ -173,8 +175,13 @@ async def test_tokens_counted_after_the_fact(pinned: tuple[Coordinator, PinnedCl
     over = await coord.rate_check("tokens:k", 400, 2.0, 0)
     # 500 > 400: refused, even as a look. In window 1 one more token fits once 101 of the 500
     # slid out; the look would pass once 100 did.
-    assert decided(over) == (False, 400, 0, approx(2.0 * (0.75 + 101 / 500)),
-                             approx(2.0 * (0.75 + 100 / 500)))
+    assert decided(over) == (
+        False,
+        400,
+        0,
+        approx(2.0 * (0.75 + 101 / 500)),
+        approx(2.0 * (0.75 + 100 / 500)),
+    )
     clock.at(W0 + 3000)  # window 1, halfway: 250 weigh
     await coord.rate_add("tokens:k", 2.0, 50)
     assert decided(await coord.rate_check("tokens:k", 400, 2.0, 0)) == (True, 400, 100, 0.0, 0.0)
@@ -190,7 +197,12 @@ async def test_a_clock_that_steps_back_never_forgets_what_was_counted(
     assert (await coord.rate_check("requests:k", 4, 2.0, 4)).remaining == 0
     clock.at(W0 + 1500)  # back into window 0: counted as at the start of window 1
     assert decided(await coord.rate_check("requests:k", 4, 2.0, 1)) == (
-        False, 4, 0, approx(2.5), approx(2.5))
+        False,
+        4,
+        0,
+        approx(2.5),
+        approx(2.5),
+    )
 
 
 @pytest.mark.anyio
@@ -302,11 +314,17 @@ def burst(clients: list[TestClient], key: str, body: dict[str, Any], n: int) -> 
     async def send(app: Any, count: int) -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvchat") as client:
-            return await asyncio.gather(*(
-                client.post("/v1/chat/completions", json=body,
-                            headers={"Authorization": f"Bearer {key}"}, timeout=120)
-                for _ in range(count)
-            ))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=body,
+                        headers={"Authorization": f"Bearer {key}"},
+                        timeout=120,
+                    )
+                    for _ in range(count)
+                )
+            )
 
     share = n // len(clients)
     with ThreadPoolExecutor(len(clients)) as pool:
@@ -334,8 +352,11 @@ def test_a_burst_through_the_service_answers_429_past_the_limit(
         clients = [stack.enter_context(TestClient(app())) for _ in range(2 if redis_url else 1)]
         state = clients[0].app.state.kvchat
         _, key = clients[0].portal.call(state.store.create_key, "limited")
-        body = {"model": str(state.runtime.model_name), "max_tokens": 1,
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": str(state.runtime.model_name),
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         responses = burst(clients, key, body, 30)
 
     served = [r for r in responses if r.status_code != 429]

@@ -46,8 +46,10 @@ def test_compose_runs_haproxy_two_replicas_sharing_a_kv_volume_postgres_and_redi
         assert int(env["KVCHAT_KV_STORE_BYTES"]) > 0
         assert env["KVCHAT_REPLICA_ID"] == name  # HAProxy's server name
         assert env["KVCHAT_REDIS_URL"].startswith("redis://redis:")
-        assert env["KVCHAT_DATABASE_URL"].startswith("postgresql://") and "@postgres:" in env[
-            "KVCHAT_DATABASE_URL"]
+        assert (
+            env["KVCHAT_DATABASE_URL"].startswith("postgresql://")
+            and "@postgres:" in env["KVCHAT_DATABASE_URL"]
+        )
         assert env["KVCHAT_KEYLESS_SESSIONS"] == "true"
         assert int(env["KVCHAT_DRAIN_PROBES"]) == config.drain_probes
         assert float(env["KVCHAT_DRAIN_GRACE"]) >= config.drain_grace
@@ -67,9 +69,11 @@ def test_compose_runs_haproxy_two_replicas_sharing_a_kv_volume_postgres_and_redi
 def test_deploy_haproxy_cfg_is_the_template_rendered_and_haproxy_accepts_it() -> None:
     path = REPO / "deploy" / "haproxy.cfg"
     assert path.read_text() == HAProxyConfig.compose().render(), (
-        "deploy/haproxy.cfg is stale: run `python -m app.fleet`")
-    check = subprocess.run([haproxy_binary(), "-c", "-f", str(path)], capture_output=True,
-                           text=True, timeout=60)
+        "deploy/haproxy.cfg is stale: run `python -m app.fleet`"
+    )
+    check = subprocess.run(
+        [haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60
+    )
     # app1 and app2 resolve only inside compose's network: HAProxy starts without them.
     assert check.returncode == 0, check.stderr
     assert "could not resolve address 'app1'" in check.stderr
@@ -81,8 +85,9 @@ def test_every_rendering_is_a_configuration_haproxy_accepts(
     num_replicas: int, balance: str, tmp_path: Path
 ) -> None:
     config = HAProxyConfig(
-        servers=tuple(ReplicaAddress(f"app{i + 1}", f"127.0.0.1:{9000 + i}")
-                      for i in range(num_replicas)),
+        servers=tuple(
+            ReplicaAddress(f"app{i + 1}", f"127.0.0.1:{9000 + i}") for i in range(num_replicas)
+        ),
         balance=balance,  # type: ignore[arg-type]
     )
     text = config.render()
@@ -90,19 +95,23 @@ def test_every_rendering_is_a_configuration_haproxy_accepts(
     assert ("hash-type consistent" in text) == (balance == "affinity")
     path = tmp_path / "haproxy.cfg"
     path.write_text(text)
-    check = subprocess.run([haproxy_binary(), "-c", "-f", str(path)], capture_output=True,
-                           text=True, timeout=60)
+    check = subprocess.run(
+        [haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0 and "Configuration file is valid" in check.stdout, check.stderr
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"servers": ()}, "at least one replica"),
-    ({"servers": (ReplicaAddress("a", "h:1"), ReplicaAddress("a", "h:2"))}, "unique"),
-    ({"balance": "random"}, "balance must be one of"),
-    ({"check_interval_ms": 5}, "check_interval_ms"),
-    ({"fall": 0}, "fall and rise"),
-    ({"bufsize": 1024}, "bufsize"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"servers": ()}, "at least one replica"),
+        ({"servers": (ReplicaAddress("a", "h:1"), ReplicaAddress("a", "h:2"))}, "unique"),
+        ({"balance": "random"}, "balance must be one of"),
+        ({"check_interval_ms": 5}, "check_interval_ms"),
+        ({"fall": 0}, "fall and rise"),
+        ({"bufsize": 1024}, "bufsize"),
+    ],
+)
 def test_bad_configurations_are_refused(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HAProxyConfig(**{"servers": (ReplicaAddress("a", "h:1"),), **fields})
@@ -115,27 +124,37 @@ def test_bad_replica_addresses_are_refused(name: str, address: str) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-P", "-m", "kvchat.app.cli", "fleet", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvchat.app.cli", "fleet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("--replicas", "0", "--replicas must be >= 1"),
-    ("--database-url", "sqlite+aiosqlite:///x.db", "Postgres"),
-    ("--balance", "random", "--balance must be one of"),
-    ("--model", "/nonexistent", "no model at"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--replicas", "0", "--replicas must be >= 1"),
+        ("--database-url", "sqlite+aiosqlite:///x.db", "Postgres"),
+        ("--balance", "random", "--balance must be one of"),
+        ("--model", "/nonexistent", "no model at"),
+    ],
+)
 def test_kvchat_fleet_refuses_what_cannot_run(
     dev_model: Path, option: str, value: str, message: str
 ) -> None:
     """One `error:` line and exit code 2, before any process starts."""
-    options = {"--model": str(dev_model), "--database-url": "postgresql://u@h/d",
-               "--redis-url": REDIS, option: value}
+    options = {
+        "--model": str(dev_model),
+        "--database-url": "postgresql://u@h/d",
+        "--redis-url": REDIS,
+        option: value,
+    }
     result = cli(*[x for pair in options.items() for x in pair])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], (
-        result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
 def listening(port: int) -> bool:
@@ -153,11 +172,33 @@ def test_kvchat_fleet_starts_a_fleet_an_openai_client_chats_through(
     url = postgres_url(name).set(drivername="postgresql").render_as_string(hide_password=False)
     port, stats = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvchat.app.cli", "fleet", "--model", str(dev_model), "--replicas", "2",
-         "--database-url", url, "--redis-url", REDIS, "--redis-prefix",
-         f"kvchat-test-{secrets.token_hex(5)}:", "--port", str(port), "--stats-port",
-         str(stats), "--run-dir", str(tmp_path / "fleet"), "--create-database"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvchat.app.cli",
+            "fleet",
+            "--model",
+            str(dev_model),
+            "--replicas",
+            "2",
+            "--database-url",
+            url,
+            "--redis-url",
+            REDIS,
+            "--redis-prefix",
+            f"kvchat-test-{secrets.token_hex(5)}:",
+            "--port",
+            str(port),
+            "--stats-port",
+            str(stats),
+            "--run-dir",
+            str(tmp_path / "fleet"),
+            "--create-database",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "KVCHAT_KV_CACHE_BYTES": str(64 * 2**20), "OMP_NUM_THREADS": "1"},
     )
     lines: list[str] = []
@@ -186,10 +227,13 @@ def test_kvchat_fleet_starts_a_fleet_an_openai_client_chats_through(
         served = set()
         for _ in range(3):
             raw = client.chat.completions.with_raw_response.create(
-                model="dev", messages=messages, max_tokens=4, temperature=0)
+                model="dev", messages=messages, max_tokens=4, temperature=0
+            )
             served.add(raw.headers["x-kvchat-replica"])
-            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content},
-                         {"role": "user", "content": "More"}]
+            messages += [
+                {"role": "assistant", "content": raw.parse().choices[0].message.content},
+                {"role": "user", "content": "More"},
+            ]
         assert len(served) == 1 and served <= {"app1", "app2"}
 
         process.send_signal(signal.SIGINT)

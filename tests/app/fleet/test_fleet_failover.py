@@ -27,23 +27,33 @@ BLOCK = 16  # the replicas' KV block size (the default)
 
 
 def sdk(fleet: Fleet) -> OpenAI:
-    return OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.admin_key, max_retries=MAX_RETRIES,
-                  timeout=120)
+    return OpenAI(
+        base_url=f"{fleet.url}/v1", api_key=fleet.admin_key, max_retries=MAX_RETRIES, timeout=120
+    )
 
 
 def post_turn(client: OpenAI, conv: str, body: dict[str, Any], idempotency_key: str) -> Any:
     """A conversations-API turn through the openai client's generic POST (its retries)."""
-    return client.post(f"/conversations/{conv}/messages", cast_to=object, body=body,
-                       options={"headers": {"Idempotency-Key": idempotency_key}})
+    return client.post(
+        f"/conversations/{conv}/messages",
+        cast_to=object,
+        body=body,
+        options={"headers": {"Idempotency-Key": idempotency_key}},
+    )
 
 
-def stream_turn(client: OpenAI, conv: str, body: dict[str, Any],
-                idempotency_key: str) -> openai.Stream[object]:
+def stream_turn(
+    client: OpenAI, conv: str, body: dict[str, Any], idempotency_key: str
+) -> openai.Stream[object]:
     """A streamed conversations-API turn through the openai client's generic POST."""
     return client.post(  # type: ignore[call-overload, no-any-return]
-        f"/conversations/{conv}/messages", cast_to=object, body=body, stream=True,
+        f"/conversations/{conv}/messages",
+        cast_to=object,
+        body=body,
+        stream=True,
         stream_cls=openai.Stream[object],
-        options={"headers": {"Idempotency-Key": idempotency_key}})
+        options={"headers": {"Idempotency-Key": idempotency_key}},
+    )
 
 
 def test_sigkill_mid_reply_the_retry_is_answered_by_another_replica(fleet: Fleet) -> None:
@@ -54,8 +64,14 @@ def test_sigkill_mid_reply_the_retry_is_answered_by_another_replica(fleet: Fleet
     acked = [proxy.turn(conv, f"An acknowledged turn {i}") for i in (1, 2)]
     holder = acked[0].replica
     assert {s.replica for s in acked} == {holder}
-    body = {"content": "A reply that will be cut", "max_tokens": 60, "temperature": 1.0,
-            "seed": 5, "ignore_eos": True, "stream": True}
+    body = {
+        "content": "A reply that will be cut",
+        "max_tokens": 60,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start: dict[str, Any] | None = None
     deltas = 0
     with pytest.raises((httpx.HTTPError, openai.APIError)):  # the stream is cut
@@ -86,11 +102,17 @@ def test_sigkill_mid_reply_the_retry_is_answered_by_another_replica(fleet: Fleet
 
     tree = proxy.messages(conv, all="true")
     user = [m for m in tree if m["role"] == "user"]
-    assert [m["content"] for m in user] == ["An acknowledged turn 1", "An acknowledged turn 2",
-                                            "A reply that will be cut"]  # stored once
+    assert [m["content"] for m in user] == [
+        "An acknowledged turn 1",
+        "An acknowledged turn 2",
+        "A reply that will be cut",
+    ]  # stored once
     for served, reply in zip(acked, [m for m in tree if m["role"] == "assistant"]):
         assert (reply["id"], reply["content"], reply["status"]) == (
-            served.body["id"], served.body["content"], "complete")
+            served.body["id"],
+            served.body["content"],
+            "complete",
+        )
     cut = next(m for m in tree if m["id"] == start["message_id"])
     assert cut["status"] == "interrupted" and cut["parent_id"] == user[-1]["id"]
     rerun = next(m for m in tree if m["id"] == events[0]["message_id"])
@@ -127,19 +149,25 @@ def conversation_client(fleet: Fleet, stop: threading.Event) -> Callable[[ChatCl
                 conv = new_conversation(client)  # keep prompts short
             content = f"{me.name} turn {me.turns}"
             try:
-                reply = post_turn(client, conv, {"content": content, "max_tokens": 4,
-                                                 "temperature": 0}, f"{me.name}-{me.turns}")
+                reply = post_turn(
+                    client,
+                    conv,
+                    {"content": content, "max_tokens": 4, "temperature": 0},
+                    f"{me.name}-{me.turns}",
+                )
                 assert reply["status"] == "complete", reply
                 me.answered.append((conv, content, reply["content"]))
                 me.conversation, me.last_usage = conv, reply["usage"]
             except Exception as e:
                 me.failures.append(f"{content}: {e!r}")
             me.turns += 1
+
     return run
 
 
-def stateless_client(fleet: Fleet, stop: threading.Event,
-                     session: str | None) -> Callable[[ChatClient], None]:
+def stateless_client(
+    fleet: Fleet, stop: threading.Event, session: str | None
+) -> Callable[[ChatClient], None]:
     def run(me: ChatClient) -> None:
         client = sdk(fleet)
         headers = {"X-Session-Id": session} if session else {}
@@ -150,23 +178,31 @@ def stateless_client(fleet: Fleet, stop: threading.Event,
             messages.append({"role": "user", "content": f"{me.name} turn {me.turns}"})
             try:
                 completion = client.chat.completions.create(
-                    model="dev", messages=messages, max_tokens=4, temperature=0,
-                    extra_headers=headers)
-                messages.append({"role": "assistant",
-                                 "content": completion.choices[0].message.content})
+                    model="dev",
+                    messages=messages,
+                    max_tokens=4,
+                    temperature=0,
+                    extra_headers=headers,
+                )
+                messages.append(
+                    {"role": "assistant", "content": completion.choices[0].message.content}
+                )
             except Exception as e:
                 me.failures.append(f"turn {me.turns}: {e!r}")
                 messages.pop()
             me.turns += 1
+
     return run
 
 
 def test_a_rolling_restart_fails_no_request_and_loses_no_message(fleet: Fleet) -> None:
     stop = threading.Event()
     clients = [ChatClient(f"conv{i}", conversation_client(fleet, stop)) for i in range(3)]
-    clients += [ChatClient("keyless0", stateless_client(fleet, stop, None)),
-                ChatClient("keyless1", stateless_client(fleet, stop, None)),
-                ChatClient("session0", stateless_client(fleet, stop, "rolling-0"))]
+    clients += [
+        ChatClient("keyless0", stateless_client(fleet, stop, None)),
+        ChatClient("keyless1", stateless_client(fleet, stop, None)),
+        ChatClient("session0", stateless_client(fleet, stop, "rolling-0")),
+    ]
     errors: list[BaseException] = []
 
     def guarded(client: ChatClient) -> None:
@@ -193,7 +229,7 @@ def test_a_rolling_restart_fails_no_request_and_loses_no_message(fleet: Fleet) -
     assert not errors, errors
     assert all(code in (0, -signal.SIGTERM) for code in codes.values()), codes
     for name in fleet.names:
-        log = logs[name].read_bytes()[logged[name]:].decode(errors="replace")
+        log = logs[name].read_bytes()[logged[name] :].decode(errors="replace")
         assert "draining: /readyz answers 503" in log, name
         # Each replica drained its turns before it stopped, and none of them, starting
         # again, took a reply another replica was generating for a dead one's.
@@ -208,24 +244,30 @@ def test_a_rolling_restart_fails_no_request_and_loses_no_message(fleet: Fleet) -
         for conv, user, reply in client.answered:
             if conv not in stored:
                 messages = proxy.messages(conv)
-                assert [m["role"] for m in messages] == ["user", "assistant"] * (
-                    len(messages) // 2)
+                assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2)
                 assert all(m["status"] == "complete" for m in messages)
-                stored[conv] = [(u["content"], r["content"]) for u, r in
-                                zip(messages[::2], messages[1::2])]
+                stored[conv] = [
+                    (u["content"], r["content"]) for u, r in zip(messages[::2], messages[1::2])
+                ]
             assert (user, reply) in stored[conv]
         answered = [(u, r) for conv, u, r in client.answered]
-        assert [pair for conv in dict.fromkeys(c for c, _, _ in client.answered)
-                for pair in stored[conv]] == answered
+        assert [
+            pair
+            for conv in dict.fromkeys(c for c, _, _ in client.answered)
+            for pair in stored[conv]
+        ] == answered
 
     # Every replica restarted, and none recomputes a conversation: the next turn of each
     # reuses its whole history but the partial last block (from memory or from the KV store).
     after = sdk(fleet)
     for me in clients[:3]:
         assert me.conversation is not None
-        reply = post_turn(after, me.conversation, {"content": "After the restarts",
-                                                    "max_tokens": 4, "temperature": 0},
-                          f"{me.name}-after")
+        reply = post_turn(
+            after,
+            me.conversation,
+            {"content": "After the restarts", "max_tokens": 4, "temperature": 0},
+            f"{me.name}-after",
+        )
         history = me.last_usage["prompt_tokens"] + me.last_usage["completion_tokens"]
         assert reply["usage"]["cached_tokens"] >= history // BLOCK * BLOCK, (me.name, reply)
 
@@ -237,14 +279,16 @@ def test_a_restarted_replica_loads_its_conversations_from_the_kv_store(fleet: Fl
     assert fleet.admin_key is not None
     proxy = Api(fleet.url, fleet.admin_key)
     conv = proxy.new_conversation()
-    turns = [proxy.turn(conv, f"A turn before the restart, number {i}", max_tokens=8)
-             for i in (1, 2, 3)]
+    turns = [
+        proxy.turn(conv, f"A turn before the restart, number {i}", max_tokens=8) for i in (1, 2, 3)
+    ]
     holder = turns[0].replica
     assert {t.replica for t in turns} == {holder}
     assert fleet.restart(holder, signal.SIGTERM) in (0, -signal.SIGTERM)
     direct = Api(fleet.replica(holder).url, fleet.admin_key)
-    loaded_before = metric(direct.http.get("/metrics").text,
-                           'kvchat:cached_tokens_total{source="kv_store"}')
+    loaded_before = metric(
+        direct.http.get("/metrics").text, 'kvchat:cached_tokens_total{source="kv_store"}'
+    )
     after = proxy.turn(conv, "The first turn after the restart", max_tokens=8)
     assert after.replica == holder  # the ring is the same: it comes back to its replica
     history = turns[-1].usage["prompt_tokens"] + turns[-1].usage["completion_tokens"]
@@ -252,6 +296,8 @@ def test_a_restarted_replica_loads_its_conversations_from_the_kv_store(fleet: Fl
     assert after.usage["cached_tokens"] >= stored
     computed = after.usage["prompt_tokens"] - after.usage["cached_tokens"]
     assert computed <= after.usage["prompt_tokens"] - stored
-    loaded = metric(direct.http.get("/metrics").text,
-                    'kvchat:cached_tokens_total{source="kv_store"}') - loaded_before
+    loaded = (
+        metric(direct.http.get("/metrics").text, 'kvchat:cached_tokens_total{source="kv_store"}')
+        - loaded_before
+    )
     assert loaded == after.usage["cached_tokens"]  # all of it from the store: memory was new

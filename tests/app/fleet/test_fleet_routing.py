@@ -29,9 +29,18 @@ from kvchat_testing.service import postgres_database
 @pytest.fixture(scope="module")
 def fleet(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Three replicas behind HAProxy, KV store off."""
-    with postgres_database() as url, Fleet(fleet_config(
-            dev_model, url, tmp_path_factory.mktemp("fleet"), num_replicas=3,
-            replica_env={"KVCHAT_KV_STORE_BYTES": "0"})) as running:
+    with (
+        postgres_database() as url,
+        Fleet(
+            fleet_config(
+                dev_model,
+                url,
+                tmp_path_factory.mktemp("fleet"),
+                num_replicas=3,
+                replica_env={"KVCHAT_KV_STORE_BYTES": "0"},
+            )
+        ) as running,
+    ):
         assert running.admin_key is not None
         yield running
 
@@ -51,20 +60,24 @@ def test_a_conversations_ten_turns_are_served_by_one_replica_reusing_its_history
     assert len({s.replica for s in served}) == 1, [s.replica for s in served]
     for previous, now in itertools.pairwise(served):
         # The whole history before the new message came from the replica's pinned KV.
-        assert now.usage["cached_tokens"] >= (previous.usage["prompt_tokens"]
-                                              + previous.usage["completion_tokens"])
+        assert now.usage["cached_tokens"] >= (
+            previous.usage["prompt_tokens"] + previous.usage["completion_tokens"]
+        )
 
 
 def test_a_keyless_client_resending_its_history_stays_on_one_replica(fleet: Fleet) -> None:
     """The openai client with no session header: HAProxy routes each call by the
     conversation's opening, the replica runs it in the session that opening names."""
     client = OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.admin_key, max_retries=0)
-    messages: list[Any] = [{"role": "system", "content": "A system prompt shared by all."},
-                           {"role": "user", "content": "Hello from a keyless client."}]
+    messages: list[Any] = [
+        {"role": "system", "content": "A system prompt shared by all."},
+        {"role": "user", "content": "Hello from a keyless client."},
+    ]
     replicas, previous = [], None
     for i in range(10):
         raw = client.chat.completions.with_raw_response.create(
-            model="dev", messages=messages, max_tokens=6, temperature=0)
+            model="dev", messages=messages, max_tokens=6, temperature=0
+        )
         completion = raw.parse()
         assert raw.headers["x-kvchat-route"] == "opening"
         replicas.append(raw.headers["x-kvchat-replica"])
@@ -72,10 +85,13 @@ def test_a_keyless_client_resending_its_history_stays_on_one_replica(fleet: Flee
         assert usage is not None and usage.prompt_tokens_details is not None
         if previous is not None:
             assert usage.prompt_tokens_details.cached_tokens == (
-                previous.prompt_tokens + previous.completion_tokens)
+                previous.prompt_tokens + previous.completion_tokens
+            )
         previous = usage
-        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
-                     {"role": "user", "content": f"And then {i}?"}]
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": f"And then {i}?"},
+        ]
     assert len(set(replicas)) == 1, replicas
 
 
@@ -88,9 +104,12 @@ def test_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
     for round_ in range(2):
         for user in range(20):
             raw = client.chat.completions.with_raw_response.create(
-                model="dev", max_tokens=2, temperature=0,
+                model="dev",
+                max_tokens=2,
+                temperature=0,
                 messages=[{"role": "user", "content": f"User {user}, round {round_}."}],
-                extra_headers={"X-Session-Id": f"user-{user}"})
+                extra_headers={"X-Session-Id": f"user-{user}"},
+            )
             assert raw.headers["x-kvchat-route"] == "header"
             by_session.setdefault(f"user-{user}", set()).add(raw.headers["x-kvchat-replica"])
     assert all(len(replicas) == 1 for replicas in by_session.values()), by_session
@@ -103,7 +122,8 @@ def test_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
         conv = proxy.new_conversation()
         for j in range(2):
             by_conversation.setdefault(conv, set()).add(
-                proxy.turn(conv, f"Conversation {i}, turn {j}", max_tokens=2).replica)
+                proxy.turn(conv, f"Conversation {i}, turn {j}", max_tokens=2).replica
+            )
     assert all(len(replicas) == 1 for replicas in by_conversation.values())
     assert len({next(iter(r)) for r in by_conversation.values()}) > 1
 
@@ -144,15 +164,27 @@ def test_a_websocket_through_haproxy_streams_stops_and_resumes(fleet: Fleet) -> 
     with connect(ws_url(fleet, conv), additional_headers=auth) as ws:
         assert ws.response is not None
         replica = ws.response.headers["x-kvchat-replica"]
-        ws.send(json.dumps({"type": "message", "content": "Stream to me", "max_tokens": 5,
-                            "temperature": 0}))
+        ws.send(
+            json.dumps(
+                {"type": "message", "content": "Stream to me", "max_tokens": 5, "temperature": 0}
+            )
+        )
         frames = frames_until(ws, "done")
         assert frames[0]["type"] == "start" and frames[-1]["status"] == "complete"
         streamed = "".join(f["text"] for f in frames if f["type"] == "delta")
         assert streamed == proxy.messages(conv)[-1]["content"]
         # Stop a long reply.
-        ws.send(json.dumps({"type": "message", "content": "Go on and on", "max_tokens": 3000,
-                            "temperature": 1.0, "ignore_eos": True}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "message",
+                    "content": "Go on and on",
+                    "max_tokens": 3000,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                }
+            )
+        )
         frames_until(ws, "delta")
         ws.send(json.dumps({"type": "stop"}))
         done = frames_until(ws, "done")[-1]
@@ -160,8 +192,18 @@ def test_a_websocket_through_haproxy_streams_stops_and_resumes(fleet: Fleet) -> 
     # A drop mid-reply, and a resume on a new socket: the rest, no gap, no repeat.
     seen = ""
     with connect(ws_url(fleet, conv), additional_headers=auth) as ws:
-        ws.send(json.dumps({"type": "message", "content": "A long answer", "max_tokens": 40,
-                            "temperature": 1.0, "seed": 3, "ignore_eos": True}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "message",
+                    "content": "A long answer",
+                    "max_tokens": 40,
+                    "temperature": 1.0,
+                    "seed": 3,
+                    "ignore_eos": True,
+                }
+            )
+        )
         start = json.loads(ws.recv(timeout=120))
         assert start["type"] == "start"
         while len(seen) < 5:
@@ -171,8 +213,9 @@ def test_a_websocket_through_haproxy_streams_stops_and_resumes(fleet: Fleet) -> 
                 seen += frame["text"]
     with connect(ws_url(fleet, conv), additional_headers=auth) as ws:
         assert ws.response is not None and ws.response.headers["x-kvchat-replica"] == replica
-        ws.send(json.dumps({"type": "resume", "message_id": start["message_id"],
-                            "offset": len(seen)}))
+        ws.send(
+            json.dumps({"type": "resume", "message_id": start["message_id"], "offset": len(seen)})
+        )
         rest = frames_until(ws, "done")
     text = seen + "".join(f["text"] for f in rest if f["type"] == "delta")
     reply = proxy.messages(conv)[-1]
@@ -188,12 +231,18 @@ def test_a_stale_pinned_copy_is_reused_only_where_the_token_ids_agree(fleet: Fle
     a_name, b_name, c_name = fleet.names
     a, b, c = api(fleet, a_name), api(fleet, b_name), api(fleet, c_name)
     conv = a.new_conversation()
+
     def session(replica: Api, holder: str) -> dict[str, Any]:
         """The replica's view of the session once the last turn has pinned it and leased it
         to `holder`."""
-        return wait_for(lambda: (s := replica.http.get(f"/v1/admin/sessions/{conv}").json())
-                        ["lease_holder"] == holder and (s["engine"] or {}).get("state")
-                        == "resident" and s)
+        return wait_for(
+            lambda: (
+                (s := replica.http.get(f"/v1/admin/sessions/{conv}").json())["lease_holder"]
+                == holder
+                and (s["engine"] or {}).get("state") == "resident"
+                and s
+            )
+        )
 
     def moves(replica: Api) -> float:
         return metric(replica.http.get("/metrics").text, "kvchat:session_moves_total")
@@ -206,8 +255,9 @@ def test_a_stale_pinned_copy_is_reused_only_where_the_token_ids_agree(fleet: Fle
     fourth = b.turn(conv, "Stale test 4: now on B")
     assert fourth.replica == b_name and fourth.usage["cached_tokens"] == 0  # B recomputes
     fifth = b.turn(conv, "Stale test 5: still on B")
-    assert fifth.usage["cached_tokens"] >= (fourth.usage["prompt_tokens"]
-                                            + fourth.usage["completion_tokens"])
+    assert fifth.usage["cached_tokens"] >= (
+        fourth.usage["prompt_tokens"] + fourth.usage["completion_tokens"]
+    )
     session(b, b_name)
     assert moves(b) == b_moves + 1  # the lease came from A once
 
@@ -221,8 +271,9 @@ def test_a_stale_pinned_copy_is_reused_only_where_the_token_ids_agree(fleet: Fle
 
     # C has never seen the conversation: it recomputes the sixth prompt from the stored
     # history and must produce the same greedy reply.
-    r = c.http.post(f"/v1/conversations/{conv}/regenerate",
-                    json={"max_tokens": 6, "temperature": 0})
+    r = c.http.post(
+        f"/v1/conversations/{conv}/regenerate", json={"max_tokens": 6, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     fresh = r.json()
     assert fresh["usage"]["cached_tokens"] == 0

@@ -73,7 +73,8 @@ async def test_exit_hooks_run_in_order_and_a_failing_one_does_not_stop_the_next(
 
 @pytest.mark.anyio
 async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_awaited(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import asyncio
 
     from kvchat.app.ops.drain import bounded_close
@@ -94,8 +95,7 @@ async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_
         await asyncio.sleep(0)
 
     assert await bounded_close("a quick close", quick(), timeout=5.0)
-    assert not await bounded_close("closing the coordinator", close_the_coordinator(),
-                                   timeout=0.05)
+    assert not await bounded_close("closing the coordinator", close_the_coordinator(), timeout=0.05)
     assert cancelled.is_set()
     [record] = [r for r in caplog.records if "did not finish" in r.getMessage()]
     message = record.getMessage()
@@ -107,13 +107,17 @@ async def test_a_close_that_never_finishes_is_cancelled_and_logged_with_what_it_
 
 @pytest.mark.anyio
 async def test_a_close_that_fails_is_logged_and_the_exit_goes_on(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from kvchat.app.ops.drain import bounded_close
 
     async def broken() -> None:
         raise ConnectionError("Redis went away")
 
     assert await bounded_close("closing the coordinator", broken())
-    assert any("exit: closing the coordinator failed" in r.getMessage()
-               and r.exc_info and "Redis went away" in str(r.exc_info[1])
-               for r in caplog.records)
+    assert any(
+        "exit: closing the coordinator failed" in r.getMessage()
+        and r.exc_info
+        and "Redis went away" in str(r.exc_info[1])
+        for r in caplog.records
+    )

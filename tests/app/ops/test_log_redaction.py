@@ -75,8 +75,11 @@ def test_every_encoding_of_a_secret_name_is_redacted(
     key, other = new_key(), new_key()
     raw = filled(query, key, other)
     assert (QueryParams(raw).get("access_token") == key) is reads_as_access_token
-    for line in (f"/v1/conversations/c/ws?{raw}", f'"GET /v1/models?{raw} HTTP/1.1" 401',
-                 f'"WebSocket /v1/conversations/c/ws?{raw}" [accepted]'):
+    for line in (
+        f"/v1/conversations/c/ws?{raw}",
+        f'"GET /v1/models?{raw} HTTP/1.1" 401',
+        f'"WebSocket /v1/conversations/c/ws?{raw}" [accepted]',
+    ):
         expected = line.replace(raw, redacted(query))
         assert redact(line) == expected
         assert redact(expected) == expected  # redacting twice (logger, then handler) is one
@@ -84,28 +87,47 @@ def test_every_encoding_of_a_secret_name_is_redacted(
 
 def test_the_literal_names_stay_redacted_and_lookalikes_stay() -> None:
     key = new_key()
-    assert redact(f"/v1/conversations/c/ws?access_token={key}&x=1") == \
-        "/v1/conversations/c/ws?access_token=[redacted]&x=1"
+    assert (
+        redact(f"/v1/conversations/c/ws?access_token={key}&x=1")
+        == "/v1/conversations/c/ws?access_token=[redacted]&x=1"
+    )
     assert redact(f'GET /x?API_KEY={key} HTTP/1.1"') == 'GET /x?API_KEY=[redacted] HTTP/1.1"'
     assert redact(f"/x?next=/y?access_token={key}") == "/x?next=/y?access_token=[redacted]"
     assert redact(f"/x?access_token='{key}") == "/x?access_token=[redacted]"
     assert redact(f"/x?access_token={key}?x=1&y=2") == "/x?access_token=[redacted]&y=2"
-    for kept in ("/x?monkey_access_token=keep&turkey=1", "/x?x-access_token=k&access_tokens=k",
-                 "/x?access+token=k&apikey=k&api_keys=k&token=k", "/x?access_token=&api_key",
-                 "no secrets here", "100% = done"):
+    for kept in (
+        "/x?monkey_access_token=keep&turkey=1",
+        "/x?x-access_token=k&access_tokens=k",
+        "/x?access+token=k&apikey=k&api_keys=k&token=k",
+        "/x?access_token=&api_key",
+        "no secrets here",
+        "100% = done",
+    ):
         assert redact(kept) == kept
 
 
 def test_other_parameters_are_kept_byte_for_byte() -> None:
     key = new_key()
-    line = (f"/ws?a=%2F%20+b&access%5Ftoken={key}&c=%E2%9C%93&d&e=&f=a=b&%C3%A9=%zz&"
-            "g=%2525&h=x;y")
+    line = f"/ws?a=%2F%20+b&access%5Ftoken={key}&c=%E2%9C%93&d&e=&f=a=b&%C3%A9=%zz&g=%2525&h=x;y"
     assert redact(line) == line.replace(key, REDACTED)
 
 
 SECRET_NAMES = ("access_token", "api_key")
-OTHER_NAMES = ("x", "q", "next", "monkey_access_token", "access_tokens", "x-access_token",
-               "api_keys", "apikey", "access-token", "access token", "token", "key", "é")
+OTHER_NAMES = (
+    "x",
+    "q",
+    "next",
+    "monkey_access_token",
+    "access_tokens",
+    "x-access_token",
+    "api_keys",
+    "apikey",
+    "access-token",
+    "access token",
+    "token",
+    "key",
+    "é",
+)
 VALUE_CHARS = string.ascii_letters + string.digits + "-._~=;/:"
 
 
@@ -128,8 +150,12 @@ def random_spelling(rng: random.Random, name: str, *, any_case: bool) -> str:
 
 
 def random_value(rng: random.Random) -> str:
-    return "".join(rng.choice(VALUE_CHARS) if rng.random() < 0.8 else
-                   rng.choice(("%2F", "%20", "+", "%E2%9C%93")) for _ in range(rng.randrange(12)))
+    return "".join(
+        rng.choice(VALUE_CHARS)
+        if rng.random() < 0.8
+        else rng.choice(("%2F", "%20", "+", "%E2%9C%93"))
+        for _ in range(rng.randrange(12))
+    )
 
 
 def test_random_queries_lose_only_their_secret_values() -> None:
@@ -156,8 +182,9 @@ def test_random_queries_lose_only_their_secret_values() -> None:
         query = "&".join(raw)
         result = redact(f"/v1/models?{query}")
         assert result == f"/v1/models?{'&'.join(expected)}", f"seed {seed}: {query}"
-        assert [n for n, _ in QueryParams(result.partition("?")[2]).multi_items()] == \
-            [n for n, _ in QueryParams(query).multi_items()], f"seed {seed}: {query}"
+        assert [n for n, _ in QueryParams(result.partition("?")[2]).multi_items()] == [
+            n for n, _ in QueryParams(query).multi_items()
+        ], f"seed {seed}: {query}"
         assert not any(k in result or percent_encoded(k) in result for k in keys), seed
 
 
@@ -167,19 +194,31 @@ def record(name: str, msg: str, args: tuple[object, ...]) -> logging.LogRecord:
 
 def test_the_filter_rewrites_uvicorn_style_records() -> None:
     key = new_key()
-    accepted = record("uvicorn.error", '%s - "WebSocket %s" [accepted]',
-                      ("127.0.0.1:5000", f"/v1/conversations/c/ws?access%5Ftoken={key}"))
+    accepted = record(
+        "uvicorn.error",
+        '%s - "WebSocket %s" [accepted]',
+        ("127.0.0.1:5000", f"/v1/conversations/c/ws?access%5Ftoken={key}"),
+    )
     assert RedactSecrets().filter(accepted)
-    assert accepted.getMessage() == \
-        '127.0.0.1:5000 - "WebSocket /v1/conversations/c/ws?access%5Ftoken=[redacted]" [accepted]'
-    access = record("uvicorn.access", '%s - "%s %s HTTP/%s" %d',
-                    ("127.0.0.1:5000", "GET", f"/v1/models?%61pi_key={key}&x=%2F", "1.1", 401))
+    assert (
+        accepted.getMessage()
+        == '127.0.0.1:5000 - "WebSocket /v1/conversations/c/ws?access%5Ftoken=[redacted]" '
+        "[accepted]"
+    )
+    access = record(
+        "uvicorn.access",
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5000", "GET", f"/v1/models?%61pi_key={key}&x=%2F", "1.1", 401),
+    )
     assert RedactSecrets().filter(access)
     # uvicorn's access formatter unpacks the five arguments: the record keeps its shape
-    line = AccessFormatter('%(client_addr)s - "%(request_line)s" %(status_code)s',
-                           use_colors=False).format(access)
-    assert line == '127.0.0.1:5000 - "GET /v1/models?%61pi_key=[redacted]&x=%2F HTTP/1.1" ' \
+    line = AccessFormatter(
+        '%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False
+    ).format(access)
+    assert (
+        line == '127.0.0.1:5000 - "GET /v1/models?%61pi_key=[redacted]&x=%2F HTTP/1.1" '
         "401 Unauthorized"
+    )
 
 
 def test_a_secret_split_between_message_and_arguments_or_inside_an_object() -> None:
@@ -188,12 +227,20 @@ def test_a_secret_split_between_message_and_arguments_or_inside_an_object() -> N
     assert RedactSecrets().filter(split)
     assert split.getMessage() == "GET /x?access_token=[redacted]"
     # uvicorn.asgi at trace level logs the ASGI scope, its raw query among its bytes
-    scope = record("uvicorn.asgi", "%s - ASGI [%d] Started scope=%s",
-                   ("127.0.0.1:5000", 3, {"type": "websocket",
-                                          "query_string": f"%61ccess_token={key}".encode()}))
+    scope = record(
+        "uvicorn.asgi",
+        "%s - ASGI [%d] Started scope=%s",
+        (
+            "127.0.0.1:5000",
+            3,
+            {"type": "websocket", "query_string": f"%61ccess_token={key}".encode()},
+        ),
+    )
     assert RedactSecrets().filter(scope)
-    assert scope.getMessage() == "127.0.0.1:5000 - ASGI [3] Started scope=" \
+    assert (
+        scope.getMessage() == "127.0.0.1:5000 - ASGI [3] Started scope="
         "{'type': 'websocket', 'query_string': b'%61ccess_token=[redacted]'}"
+    )
     # websockets logs a socket's request headers at debug level, with or without a scheme
     for value in (f"Bearer {key}", key, f"bearer  {key}"):
         header = record("uvicorn.error", "< %s: %s", ("authorization", value))
@@ -239,6 +286,7 @@ def test_install_covers_handlers_of_the_named_loggers() -> None:
 # ASGI scope dumps, is refused by `kvchat serve`'s logging setup, so the unit test above covers
 # those records).
 
+
 async def create_key(data_dir: Path) -> str:
     """A key made before the server starts, so the server never prints it."""
     from kvchat.app.store import Store, default_database_url
@@ -275,8 +323,9 @@ def test_a_served_key_never_reaches_the_output(debug_server: Server) -> None:
     server = debug_server
     assert server.key is not None
     key, other = server.key, new_key()
-    conv = httpx.post(f"{server.url}/v1/conversations", json={},
-                      headers=server.headers(), timeout=30).json()["id"]
+    conv = httpx.post(
+        f"{server.url}/v1/conversations", json={}, headers=server.headers(), timeout=30
+    ).json()["id"]
     ws_base = f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws"
 
     async def sockets() -> list[int | None]:
@@ -298,7 +347,7 @@ def test_a_served_key_never_reaches_the_output(debug_server: Server) -> None:
         assert time.monotonic() < deadline, "".join(server.output[-50:])
         time.sleep(0.05)
     output = "".join(server.output)
-    for secret in (key, percent_encoded(key), other, key[len("kvc-"):]):
+    for secret in (key, percent_encoded(key), other, key[len("kvc-") :]):
         leaks = [line for line in server.output if secret in line]
         assert not leaks
     for query, _ in ENCODINGS:  # each request was logged, redacted, by each kind of line

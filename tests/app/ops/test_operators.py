@@ -66,8 +66,11 @@ def test_engine_view_names_the_cpu_and_the_measured_linear_paths(ops: Service) -
     assert linear["reason"] == "measured"
     # every chosen path was measured, and the single-row one is the fastest the layout holds
     rows1 = linear["probe_ms"][linear["decode_paths"][0]["path"]]["1"]
-    held = ["onednn-prepacked"] if linear["weights"] == "onednn-prepacked" else [
-        n for n in ("gemv", "gemv-prefetch", "torch", "onednn") if n in linear["probe_ms"]]
+    held = (
+        ["onednn-prepacked"]
+        if linear["weights"] == "onednn-prepacked"
+        else [n for n in ("gemv", "gemv-prefetch", "torch", "onednn") if n in linear["probe_ms"]]
+    )
     assert rows1 == min(linear["probe_ms"][n]["1"] for n in held)
     assert linear["prefill_path"] in ("torch", "onednn", "upcast", "widen", "onednn-prepacked")
     assert linear == ops.state.runtime.engine.model.linear_plan.as_dict()
@@ -231,8 +234,7 @@ def test_metrics_parse_and_move_as_the_workload_predicts(ops: Service) -> None:
 
 
 def admin_key(service: Service) -> str:
-    _, key = service.client.portal.call(
-        lambda: service.state.store.create_key("ops", admin=True))
+    _, key = service.client.portal.call(lambda: service.state.store.create_key("ops", admin=True))
     return key  # type: ignore[no-any-return]
 
 
@@ -260,7 +262,8 @@ def test_put_checks_settings_with_what_the_conversation_stores(service: Service)
     # A row that holds them anyway (from before this check, or by hand): every view reads it,
     # the admin one says why a turn is refused, the turn says so too, and PUT repairs it.
     service.client.portal.call(
-        lambda: service.state.store.update_conversation("alice", conv, high_watermark=0.3))
+        lambda: service.state.store.update_conversation("alice", conv, high_watermark=0.3)
+    )
     view = service.get(path, key=admin)
     assert view.status_code == 200, view.text
     assert view.json()["settings"]["high_watermark"] == 0.3
@@ -293,8 +296,9 @@ def test_defaults_a_conversation_no_longer_fits_refuse_its_next_turn(service: Se
         assert view["error"]["param"] == "low_watermark"
         messages = service.get(f"/v1/conversations/{conv}/messages").json()["data"]
         assert messages == []
-        patched = service.client.patch(f"/v1/conversations/{conv}", headers=service.headers(),
-                                       json={"high_watermark": 0.9})
+        patched = service.client.patch(
+            f"/v1/conversations/{conv}", headers=service.headers(), json={"high_watermark": 0.9}
+        )
         assert patched.status_code == 200, patched.text
         assert turn(service, conv, "Hi")["status"] == "complete"
     finally:
@@ -306,16 +310,19 @@ def stateless_id(owner: str, header: str) -> str:
     return "sess_" + hashlib.sha256(f"{owner}\0{header}".encode()).hexdigest()[:32]
 
 
-def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(
-    service: Service
-) -> None:
+def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(service: Service) -> None:
     admin = admin_key(service)
-    body = {"model": service.model, "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "user", "content": "An agent's history, long enough for a few blocks. " * 3}]}
+    body = {
+        "model": service.model,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [
+            {"role": "user", "content": "An agent's history, long enough for a few blocks. " * 3}
+        ],
+    }
 
     def call(key: str | None = None) -> None:
-        r = service.post("/v1/chat/completions", body, key=key,
-                         headers={"X-Session-Id": "agent-7"})
+        r = service.post("/v1/chat/completions", body, key=key, headers={"X-Session-Id": "agent-7"})
         assert r.status_code == 200, r.text
 
     call()
@@ -329,13 +336,18 @@ def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(
     (listed,) = [s for s in memory.json()["sessions"] if s["session_id"] == session_id]
     assert listed["kind"] == "stateless" and listed["conversation_id"] is None
     assert listed["tokens"] == view["engine"]["tokens"]
-    assert all(s["kind"] == "conversation" and s["conversation_id"] == s["session_id"]
-               for s in memory.json()["sessions"] if s["session_id"] != session_id
-               and not s["session_id"].startswith("sess_"))
+    assert all(
+        s["kind"] == "conversation" and s["conversation_id"] == s["session_id"]
+        for s in memory.json()["sessions"]
+        if s["session_id"] != session_id and not s["session_id"].startswith("sess_")
+    )
     # Evict: to the host pool, then dropped.
     moved = service.post(f"{path}/evict?offload=true", {}, key=admin).json()
     assert (moved["session_id"], moved["before"], moved["state"]) == (
-        session_id, "resident", "offloaded")
+        session_id,
+        "resident",
+        "offloaded",
+    )
     dropped = service.post(f"{path}/evict?offload=false", {}, key=admin).json()
     assert (dropped["before"], dropped["state"]) == ("offloaded", "empty")
     # A budget applies to its engine session from its next call; history settings do not.

@@ -58,10 +58,13 @@ async def store(database: URL) -> AsyncIterator[Store]:
 async def execute(url: URL, sql: str, **params: Any) -> list[dict[str, Any]]:
     """Run raw SQL on the database at url through its own engine; rows as dicts. Datetime
     parameters are bound as the store binds them."""
-    statement = text(sql).bindparams(*(
-        bindparam(name, value, type_=UTCDateTime())
-        for name, value in params.items() if isinstance(value, datetime)
-    ))
+    statement = text(sql).bindparams(
+        *(
+            bindparam(name, value, type_=UTCDateTime())
+            for name, value in params.items()
+            if isinstance(value, datetime)
+        )
+    )
     plain = {name: value for name, value in params.items() if not isinstance(value, datetime)}
     engine = create_engine(url)
     try:

@@ -13,11 +13,19 @@ from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord, Store
 
 pytestmark = pytest.mark.anyio
 METADATA = {
-    "tag": "résumé ✓", "nul": "a\x00b", "": "", "nested": {"emoji": "🦙", "list": [1, 2.5, None]},
+    "tag": "résumé ✓",
+    "nul": "a\x00b",
+    "": "",
+    "nested": {"emoji": "🦙", "list": [1, 2.5, None]},
 }
 OVERRIDES = dict(
-    max_context_tokens=4096, max_kv_tokens=8192, history_policy="summarize",
-    high_watermark=0.75, low_watermark=0.5, max_tool_result_tokens=256, max_summary_tokens=128,
+    max_context_tokens=4096,
+    max_kv_tokens=8192,
+    history_policy="summarize",
+    high_watermark=0.75,
+    low_watermark=0.5,
+    max_tool_result_tokens=256,
+    max_summary_tokens=128,
 )
 
 
@@ -77,8 +85,12 @@ async def test_pages_are_newest_first_without_gaps_or_duplicates(
     stamps = [base + timedelta(seconds=s) for s in random.sample(range(1000), 45)]
     stamps[5:15] = [base + timedelta(seconds=500, microseconds=123)] * 10
     for conversation_id, stamp in zip(ids, stamps):
-        await run_sql(store.url, "UPDATE conversations SET created_at = :t WHERE id = :id",
-                      t=stamp, id=conversation_id)
+        await run_sql(
+            store.url,
+            "UPDATE conversations SET created_at = :t WHERE id = :id",
+            t=stamp,
+            id=conversation_id,
+        )
     expected = [i for _, i in sorted(zip(stamps, ids), reverse=True)]
 
     pages = await _all_pages(store, "alice", 20)
@@ -110,8 +122,14 @@ async def test_update_sets_fields_clears_with_none_and_bumps_updated_at(store: S
     created = await store.create_conversation("alice", title="old", max_kv_tokens=10)
     message = await store.add_message(created.id, parent_id=None, role="user", content="q")
     updated = await store.update_conversation(
-        "alice", created.id, title="new", metadata={"k": "v"}, max_kv_tokens=None,
-        history_policy="drop", trim_start_id=message.id, current_leaf_id=message.id,
+        "alice",
+        created.id,
+        title="new",
+        metadata={"k": "v"},
+        max_kv_tokens=None,
+        history_policy="drop",
+        trim_start_id=message.id,
+        current_leaf_id=message.id,
     )
     assert updated is not None
     assert (updated.title, updated.metadata, updated.max_kv_tokens) == ("new", {"k": "v"}, None)
@@ -138,20 +156,30 @@ async def test_delete_cascades_to_messages_and_summaries(
     for conversation in (doomed, kept):
         parent = None
         for i in range(4):
-            parent = (await store.add_message(
-                conversation.id, parent_id=parent, role="user" if i % 2 == 0 else "assistant",
-                content=str(i),
-            )).id
+            parent = (
+                await store.add_message(
+                    conversation.id,
+                    parent_id=parent,
+                    role="user" if i % 2 == 0 else "assistant",
+                    content=str(i),
+                )
+            ).id
         await store.add_summary(conversation.id, text="s", num_tokens=1, covers=[])
 
     assert await store.delete_conversation("alice", doomed.id) is True
     assert await store.get_conversation("alice", doomed.id) is None
     assert await store.delete_conversation("alice", doomed.id) is False
-    counts = await run_sql(store.url, """
+    counts = await run_sql(
+        store.url,
+        """
         SELECT (SELECT count(*) FROM messages WHERE conversation_id = :d) AS doomed_messages,
                (SELECT count(*) FROM summaries WHERE conversation_id = :d) AS doomed_summaries,
                (SELECT count(*) FROM messages WHERE conversation_id = :k) AS kept_messages,
                (SELECT count(*) FROM summaries WHERE conversation_id = :k) AS kept_summaries
-    """, d=doomed.id, k=kept.id)
-    assert counts == [dict(doomed_messages=0, doomed_summaries=0, kept_messages=4,
-                           kept_summaries=1)]
+    """,
+        d=doomed.id,
+        k=kept.id,
+    )
+    assert counts == [
+        dict(doomed_messages=0, doomed_summaries=0, kept_messages=4, kept_summaries=1)
+    ]

@@ -72,9 +72,7 @@ async def test_authenticate_finds_the_key_and_records_use_at_most_once_a_minute(
 
 
 @pytest.mark.parametrize("by", ["id", "name", "prefix", "key"])
-async def test_revoke_by_id_name_prefix_or_key_stops_authentication(
-    store: Store, by: str
-) -> None:
+async def test_revoke_by_id_name_prefix_or_key_stops_authentication(store: Store, by: str) -> None:
     record, key = await store.create_key("doomed")
     other, other_key = await store.create_key("kept")
     ref = {"id": record.id, "name": "doomed", "prefix": record.key_prefix, "key": key}[by]
@@ -104,4 +102,3 @@ async def test_revoke_refuses_a_name_shared_by_two_active_keys(store: Store) -> 
     revoked = await store.revoke_key("twin")  # now only one is active
     assert revoked is not None and revoked.id == second.id
     assert await store.count_keys() == 0
-

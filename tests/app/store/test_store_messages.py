@@ -14,17 +14,29 @@ from kvchat.app.store.column_types import utcnow
 
 pytestmark = pytest.mark.anyio
 TOOL_CALLS = [
-    {"id": "call_0", "type": "function",
-     "function": {"name": "weather", "arguments": '{"city": "Zürich", "unit": "°C"}'}},
+    {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Zürich", "unit": "°C"}'},
+    },
     {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}},
 ]
 
 
-async def _say(store: Store, conversation_id: str, parent: MessageRecord | None, role: str,
-               content: str, **fields: Any) -> MessageRecord:
+async def _say(
+    store: Store,
+    conversation_id: str,
+    parent: MessageRecord | None,
+    role: str,
+    content: str,
+    **fields: Any,
+) -> MessageRecord:
     return await store.add_message(
-        conversation_id, parent_id=None if parent is None else parent.id, role=role,
-        content=content, **fields,
+        conversation_id,
+        parent_id=None if parent is None else parent.id,
+        role=role,
+        content=content,
+        **fields,
     )
 
 
@@ -48,8 +60,9 @@ async def test_branch_children_and_the_moving_leaf(store: Store) -> None:
     assert await _leaf(store, c) == u2b.id
     a2b = await _say(store, c, u2b, "assistant", "6")
     # Regenerate a2b without moving the leaf (e.g. a background candidate).
-    a2c = await store.add_message(c, parent_id=u2b.id, role="assistant", content="six",
-                                  move_leaf=False)
+    a2c = await store.add_message(
+        c, parent_id=u2b.id, role="assistant", content="six", move_leaf=False
+    )
     assert await _leaf(store, c) == a2b.id
 
     assert [m.id for m in await store.branch(c, a2b.id)] == [u1.id, a1.id, u2b.id, a2b.id]
@@ -114,16 +127,33 @@ async def test_json_and_text_fields_round_trip(store: Store) -> None:
     c = (await store.create_conversation("alice")).id
     rng = random.Random(7)
     token_ids = [0, 1, 151_642, 2**31 - 1, *(rng.randrange(200_000) for _ in range(3000))]
-    u = await _say(store, c, None, "user", "weather in Zürich? 🌦 \u2028 \\n \"quoted\"")
-    a = await _say(store, c, u, "assistant", None,  # type: ignore[arg-type]
-                   tool_calls=TOOL_CALLS, token_ids=tuple(token_ids), num_tokens=3003,
-                   content_tokens=0, name="planner")
-    t = await _say(store, c, a, "tool", '{"temp": -3.5, "sky": "☁"}', tool_call_id="call_0",
-                   num_tokens=12, content_tokens=9)
+    u = await _say(store, c, None, "user", 'weather in Zürich? 🌦 \u2028 \\n "quoted"')
+    a = await _say(
+        store,
+        c,
+        u,
+        "assistant",
+        None,  # type: ignore[arg-type]
+        tool_calls=TOOL_CALLS,
+        token_ids=tuple(token_ids),
+        num_tokens=3003,
+        content_tokens=0,
+        name="planner",
+    )
+    t = await _say(
+        store,
+        c,
+        a,
+        "tool",
+        '{"temp": -3.5, "sky": "☁"}',
+        tool_call_id="call_0",
+        num_tokens=12,
+        content_tokens=9,
+    )
     nul = await _say(store, c, t, "assistant", "a\x00b")
 
     stored = {m.id: m for m in await store.messages(c)}
-    assert stored[u.id].content == "weather in Zürich? 🌦 \u2028 \\n \"quoted\""
+    assert stored[u.id].content == 'weather in Zürich? 🌦 \u2028 \\n "quoted"'
     assert stored[a.id].tool_calls == TOOL_CALLS and stored[a.id].content is None
     assert stored[a.id].token_ids == tuple(token_ids) and stored[a.id].name == "planner"
     assert (stored[a.id].num_tokens, stored[a.id].content_tokens) == (3003, 0)
@@ -141,9 +171,18 @@ async def test_update_message_finishes_a_generating_reply(store: Store) -> None:
     assert (a.status, a.content, a.token_ids) == ("generating", None, None)
 
     done = await store.update_message(
-        a.id, status="complete", content="1 2 3", token_ids=[16, 220, 17, 220, 18],
-        finish_reason="stop", prompt_tokens=12, completion_tokens=5, cached_tokens=8,
-        ttft_ms=12.5, total_ms=80.25, num_tokens=9, content_tokens=5,
+        a.id,
+        status="complete",
+        content="1 2 3",
+        token_ids=[16, 220, 17, 220, 18],
+        finish_reason="stop",
+        prompt_tokens=12,
+        completion_tokens=5,
+        cached_tokens=8,
+        ttft_ms=12.5,
+        total_ms=80.25,
+        num_tokens=9,
+        content_tokens=5,
     )
     assert (done.status, done.content) == ("complete", "1 2 3")
     assert done.token_ids == (16, 220, 17, 220, 18)
@@ -169,9 +208,16 @@ async def test_mark_interrupted_turns_every_generating_message_interrupted(
     for owner in ("alice", "bob"):
         c = (await store.create_conversation(owner)).id
         u = await _say(store, c, None, "user", "q")
-        ids.append((c, (await store.add_message(
-            c, parent_id=u.id, role="assistant", content="partial", status="generating"
-        )).id))
+        ids.append(
+            (
+                c,
+                (
+                    await store.add_message(
+                        c, parent_id=u.id, role="assistant", content="partial", status="generating"
+                    )
+                ).id,
+            )
+        )
         ids.append((c, u.id))
     marked = await store.mark_interrupted()
     assert sorted(m.id for m in marked) == sorted(m for _, m in ids[::2])
@@ -190,8 +236,9 @@ async def test_latest_summary_is_the_newest(store: Store) -> None:
     c = (await store.create_conversation("alice")).id
     assert await store.latest_summary(c) is None
     first = await store.add_summary(c, text="they said hi", num_tokens=5, covers=["msg_a"])
-    second = await store.add_summary(c, text="hi, then sums — ✓", num_tokens=9,
-                                     covers=["msg_a", "msg_b", "msg_c"])
+    second = await store.add_summary(
+        c, text="hi, then sums — ✓", num_tokens=9, covers=["msg_a", "msg_b", "msg_c"]
+    )
     other = (await store.create_conversation("alice")).id
     await store.add_summary(other, text="other", num_tokens=1, covers=[])
     latest = await store.latest_summary(c)
@@ -230,12 +277,18 @@ async def test_turn_context_and_start_reply_write_a_turn_in_one_go(store: Store)
     a1 = await _say(store, c, u1, "assistant", "hi")
 
     user, reply = await store.start_reply(
-        c, parent_id=a1.id, user={"role": "user", "content": "more?", "num_tokens": 9},
+        c,
+        parent_id=a1.id,
+        user={"role": "user", "content": "more?", "num_tokens": 9},
         trim_start_id=NEW_USER,
     )
     assert user is not None and (user.parent_id, user.role, user.num_tokens) == (a1.id, "user", 9)
     assert (reply.parent_id, reply.role, reply.status, reply.content) == (
-        user.id, "assistant", "generating", None)
+        user.id,
+        "assistant",
+        "generating",
+        None,
+    )
     conv = await store.get_conversation("alice", c)
     assert conv is not None and (conv.current_leaf_id, conv.trim_start_id) == (reply.id, user.id)
     assert [m.id for m in await store.messages(c)] == [u1.id, a1.id, user.id, reply.id]
@@ -258,8 +311,9 @@ async def test_turn_context_and_start_reply_write_a_turn_in_one_go(store: Store)
     with pytest.raises(ValueError):
         await store.start_reply(c, parent_id="msg_nope", user=None, trim_start_id=None)
     with pytest.raises(ValueError):
-        await store.start_reply(c, parent_id=a1.id, user={"role": "wizard", "content": "x"},
-                                trim_start_id=None)
+        await store.start_reply(
+            c, parent_id=a1.id, user={"role": "wizard", "content": "x"}, trim_start_id=None
+        )
     with pytest.raises(ValueError):
         await store.start_reply(c, parent_id=a1.id, user=None, trim_start_id="msg_nope")
     with pytest.raises(LookupError):
@@ -287,8 +341,9 @@ async def test_start_reply_is_fenced_and_takes_over_a_dead_turns_reply(store: St
     assert (await store.get_message(c, dead.id)).status == "interrupted"  # type: ignore[union-attr]
     assert (await store.get_message(c, live.id)).status == "generating"  # type: ignore[union-attr]
     with pytest.raises(LookupError):
-        await store.start_reply("conv_gone", parent_id=None, user=user, trim_start_id=None,
-                                fence=10)
+        await store.start_reply(
+            "conv_gone", parent_id=None, user=user, trim_start_id=None, fence=10
+        )
 
 
 async def test_mark_interrupted_spares_conversations_another_process_generates(
@@ -298,8 +353,16 @@ async def test_mark_interrupted_spares_conversations_another_process_generates(
     for _ in range(2):
         c = (await store.create_conversation("alice")).id
         u = await _say(store, c, None, "user", "q")
-        ids.append((c, (await store.add_message(c, parent_id=u.id, role="assistant",
-                                                status="generating")).id))
+        ids.append(
+            (
+                c,
+                (
+                    await store.add_message(
+                        c, parent_id=u.id, role="assistant", status="generating"
+                    )
+                ).id,
+            )
+        )
     marked = await store.mark_interrupted(except_conversations={ids[1][0]})
     assert [m.id for m in marked] == [ids[0][1]]
     assert (await store.get_message(*ids[1])).status == "generating"  # type: ignore[union-attr]
@@ -322,6 +385,10 @@ async def test_mark_interrupted_spares_replies_begun_after_its_cutoff(store: Sto
     marked = await store.mark_interrupted(created_before=cutoff)
     assert [(m.id, m.status) for m in marked] == [(dead.id, "interrupted")]
     after = {m.id: m.status for m in await store.messages(c)}
-    assert after == {u.id: "complete", dead.id: "interrupted", done.id: "complete",
-                     live.id: "generating"}
+    assert after == {
+        u.id: "complete",
+        dead.id: "interrupted",
+        done.id: "complete",
+        live.id: "generating",
+    }
     assert [m.id for m in await store.mark_interrupted()] == [live.id]

@@ -83,7 +83,11 @@ def test_the_alembic_command_line_finds_everything_from_another_directory(
     env = {**os.environ, "KVCHAT_DATABASE_URL": migrated_postgres.render_as_string(False)}
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "alembic", "-c", str(REPO / "alembic.ini"), "check"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "No new upgrade operations detected" in proc.stdout + proc.stderr

@@ -12,8 +12,13 @@ from kvchat_testing.app_service import Service
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
-def chat(service: Service, messages: list[dict[str, Any]], key: str | None = None,
-         headers: dict[str, str] | None = None, **fields: Any) -> Any:
+def chat(
+    service: Service,
+    messages: list[dict[str, Any]],
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+    **fields: Any,
+) -> Any:
     body = {"model": service.model, "messages": messages, **fields}
     return service.post("/v1/chat/completions", body, key=key, headers=headers or {})
 
@@ -22,7 +27,7 @@ def sse_events(response: Any) -> list[Any]:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -51,9 +56,16 @@ def test_a_completion_has_openai_shape_and_exact_usage(service: Service) -> None
 def test_streamed_text_equals_the_non_streamed_text(service: Service) -> None:
     whole = chat(service, USER, **GREEDY).json()
     with service.client.stream(
-        "POST", "/v1/chat/completions", headers=service.headers(),
-        json={"model": service.model, "messages": USER, "stream": True,
-              "stream_options": {"include_usage": True}, **GREEDY},
+        "POST",
+        "/v1/chat/completions",
+        headers=service.headers(),
+        json={
+            "model": service.model,
+            "messages": USER,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **GREEDY,
+        },
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -68,26 +80,33 @@ def test_streamed_text_equals_the_non_streamed_text(service: Service) -> None:
     assert len(finishing) == 1
     assert finishing[0]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     # include_usage: the last chunk has no choices and the usage; the others have usage null.
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == (
-        whole["usage"]["completion_tokens"])
+    assert (
+        chunks[-1]["choices"] == []
+        and chunks[-1]["usage"]["completion_tokens"] == (whole["usage"]["completion_tokens"])
+    )
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
 def test_without_include_usage_no_usage_chunk(service: Service) -> None:
-    with service.client.stream("POST", "/v1/chat/completions", headers=service.headers(),
-                               json={"model": service.model, "messages": USER, "stream": True,
-                                     **GREEDY}) as r:
+    with service.client.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers=service.headers(),
+        json={"model": service.model, "messages": USER, "stream": True, **GREEDY},
+    ) as r:
         events = sse_events(r)
     assert all(e == "[DONE]" or e["choices"] for e in events)
 
 
 def test_n_seeds_and_logprobs(service: Service) -> None:
-    body = chat(service, USER, n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=True,
-                top_logprobs=3).json()
+    body = chat(
+        service, USER, n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=True, top_logprobs=3
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     again = chat(service, USER, n=3, temperature=1.0, seed=7, max_tokens=6).json()
     assert [c["message"]["content"] for c in body["choices"]] == [
-        c["message"]["content"] for c in again["choices"]]
+        c["message"]["content"] for c in again["choices"]
+    ]
     for choice in body["choices"]:
         entries = choice["logprobs"]["content"]
         assert len(entries) >= 1
@@ -96,7 +115,8 @@ def test_n_seeds_and_logprobs(service: Service) -> None:
             assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
             assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"]
     assert body["usage"]["completion_tokens"] == sum(
-        len(c["logprobs"]["content"]) for c in body["choices"])
+        len(c["logprobs"]["content"]) for c in body["choices"]
+    )
 
 
 def test_session_header_reuses_the_whole_history(service: Service) -> None:
@@ -106,12 +126,14 @@ def test_session_header_reuses_the_whole_history(service: Service) -> None:
     previous = None
     for turn in range(5):
         messages.append({"role": "user", "content": f"Question number {turn}: what now?"})
-        body = chat(service, messages, headers={"X-Session-Id": "agent-1"}, temperature=0,
-                    max_tokens=8).json()
+        body = chat(
+            service, messages, headers={"X-Session-Id": "agent-1"}, temperature=0, max_tokens=8
+        ).json()
         usage = body["usage"]
         if previous is not None:
             assert usage["prompt_tokens_details"]["cached_tokens"] >= (
-                previous["prompt_tokens"] + previous["completion_tokens"])
+                previous["prompt_tokens"] + previous["completion_tokens"]
+            )
         previous = usage
         messages.append(body["choices"][0]["message"])
 
@@ -126,15 +148,33 @@ def test_two_owners_never_share_kv(service: Service) -> None:
 
 
 def test_tools_and_a_tool_result_in_the_history(service: Service) -> None:
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     ]
     r = chat(service, messages, tools=tools, **GREEDY)
@@ -148,8 +188,11 @@ def test_tools_and_a_tool_result_in_the_history(service: Service) -> None:
 BAD = [
     ({"messages": []}, "messages", None),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", None),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "nope"}]},
-     "messages.0.tool_call_id", None),
+    (
+        {"messages": [{"role": "tool", "content": "x", "tool_call_id": "nope"}]},
+        "messages.0.tool_call_id",
+        None,
+    ),
     ({"max_tokens": -1}, "max_tokens", None),
     ({"max_tokens": 10**9}, "messages", "context_length_exceeded"),
     ({"temperature": 99}, "temperature", None),
@@ -157,41 +200,121 @@ BAD = [
     ({"stream_options": {"include_usage": True}}, "stream_options", None),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     ({"model": "gpt-9"}, "model", "model_not_found"),
-    ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages",
-     "context_length_exceeded"),
+    (
+        {"messages": [{"role": "user", "content": "x " * 5000}]},
+        "messages",
+        "context_length_exceeded",
+    ),
     ({"tool_choice": "required"}, "tool_choice", None),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {
-            "a": {"type": "array", "uniqueItems": True}}}}}]},
-     "tools.0.function.parameters", "unsupported_schema"),
-    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", None),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "banana"}}}}}]},
-     "tools.0.function.parameters", None),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
-     "tools.0.function.name", None),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "nope", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c", "content": "r"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "messages.1.tool_calls.0.function.name", None),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "s", "schema": {"type": "banana"}}}}, "response_format.json_schema.schema", None),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "s", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
-     "response_format.json_schema.schema", "unsupported_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
-     "response_format.json_schema.schema", None),
+    (
+        {
+            "tool_choice": "required",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "array", "uniqueItems": True}},
+                        },
+                    },
+                }
+            ],
+        },
+        "tools.0.function.parameters",
+        "unsupported_schema",
+    ),
+    (
+        {
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tool_choice",
+        None,
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}},
+                    },
+                }
+            ]
+        },
+        "tools.0.function.parameters",
+        None,
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+        "tools.0.function.name",
+        None,
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "nope", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "r"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "messages.1.tool_calls.0.function.name",
+        None,
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "banana"}},
+            }
+        },
+        "response_format.json_schema.schema",
+        None,
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "s",
+                    "schema": {"type": "object", "properties": {"a": {"not": {}}}},
+                },
+            }
+        },
+        "response_format.json_schema.schema",
+        "unsupported_schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+        "response_format.json_schema.schema",
+        None,
+    ),
     ({"response_format": {"type": "json_schema"}}, "response_format", None),
     ({"response_format": {"type": "yaml"}}, "response_format.type", None),
-    ({"response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
-     "stream_options", None),
+    (
+        {"response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
+        "stream_options",
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("change", "param", "code"), BAD,
-                         ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("change", "param", "code"), BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)]
+)
 def test_bad_input_gets_a_typed_error_and_the_server_goes_on(
     service: Service, change: dict[str, Any], param: str, code: str | None
 ) -> None:
@@ -201,8 +324,9 @@ def test_bad_input_gets_a_typed_error_and_the_server_goes_on(
     expected_status = 404 if code == "model_not_found" else 400
     assert r.status_code == expected_status, r.text
     assert error["param"] == param
-    assert error["type"] == ("not_found_error" if expected_status == 404
-                             else "invalid_request_error")
+    assert error["type"] == (
+        "not_found_error" if expected_status == 404 else "invalid_request_error"
+    )
     if code:
         assert error["code"] == code
     assert error["message"]
@@ -212,8 +336,11 @@ def test_bad_input_gets_a_typed_error_and_the_server_goes_on(
 
 def test_bodies_that_are_not_objects(service: Service) -> None:
     for content in (b"{not json", b"[1, 2]", b""):
-        r = service.client.post("/v1/chat/completions", content=content,
-                                headers={**service.headers(), "content-type": "application/json"})
+        r = service.client.post(
+            "/v1/chat/completions",
+            content=content,
+            headers={**service.headers(), "content-type": "application/json"},
+        )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -222,8 +349,14 @@ def test_context_error_states_both_numbers(service: Service) -> None:
     r = chat(service, [{"role": "user", "content": "word " * 5000}])
     message = r.json()["error"]["message"]
     assert "maximum context length is 4096 tokens" in message
-    assert str(service.post("/v1/tokenize", {"messages": [
-        {"role": "user", "content": "word " * 5000}]}).json()["count"]) in message
+    assert (
+        str(
+            service.post(
+                "/v1/tokenize", {"messages": [{"role": "user", "content": "word " * 5000}]}
+            ).json()["count"]
+        )
+        in message
+    )
 
 
 def test_keys(service: Service) -> None:
@@ -254,9 +387,16 @@ def test_tokenize_counts_each_message(service: Service) -> None:
 def test_openapi_describes_every_route(service: Service) -> None:
     spec = service.client.get("/openapi.json").json()
     paths = spec["paths"]
-    for path in ("/v1/chat/completions", "/v1/conversations", "/v1/conversations/{conversation_id}",
-                 "/v1/conversations/{conversation_id}/messages", "/v1/models", "/v1/tokenize",
-                 "/healthz", "/readyz"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/conversations",
+        "/v1/conversations/{conversation_id}",
+        "/v1/conversations/{conversation_id}/messages",
+        "/v1/models",
+        "/v1/tokenize",
+        "/healthz",
+        "/readyz",
+    ):
         assert path in paths, path
     assert "ChatCompletionRequest" in spec["components"]["schemas"]
 
@@ -278,15 +418,21 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
         _, key = client.portal.call(state.store.create_key, "k")
         StepFault(state.runtime.engine, after=3)
         headers = {"Authorization": f"Bearer {key}"}
-        body = {"model": state.runtime.model_name, "messages": USER, "stream": True,
-                "max_tokens": 50, "ignore_eos": True}
+        body = {
+            "model": state.runtime.model_name,
+            "messages": USER,
+            "stream": True,
+            "max_tokens": 50,
+            "ignore_eos": True,
+        }
         with client.stream("POST", "/v1/chat/completions", headers=headers, json=body) as r:
             events = sse_events(r)
         assert events[-1] == "[DONE]"
         assert events[-2]["error"]["code"] == "engine_error"
-        assert any(e["choices"] and e["choices"][0]["delta"].get("content") is not None
-                   for e in events[:-2])
-        after = client.post("/v1/chat/completions", headers=headers,
-                            json={**body, "stream": False})
+        assert any(
+            e["choices"] and e["choices"][0]["delta"].get("content") is not None
+            for e in events[:-2]
+        )
+        after = client.post("/v1/chat/completions", headers=headers, json={**body, "stream": False})
         assert after.status_code == 503 and "Retry-After" in after.headers
         assert client.get("/readyz").status_code == 503

@@ -14,8 +14,12 @@ import pytest
 from kvchat_testing.app_service import Service
 
 SHORT: dict[str, Any] = {"model": "dev", "max_output_tokens": 6, "temperature": 0.0}
-SCHEMA = {"type": "object", "properties": {"v": {"type": "string", "enum": ["a", "b"]}},
-          "required": ["v"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"v": {"type": "string", "enum": ["a", "b"]}},
+    "required": ["v"],
+    "additionalProperties": False,
+}
 TOOL = {"type": "function", "name": "pick", "parameters": SCHEMA}
 
 
@@ -32,7 +36,8 @@ def conversations(service: Service) -> list[str]:
 
 def messages(service: Service, conv: str) -> list[dict[str, Any]]:
     return service.get(f"/v1/conversations/{conv}/messages?all=true").json()[  # type: ignore
-        "data"]
+        "data"
+    ]
 
 
 def conversation_of(service: Service, response: dict[str, Any]) -> str:
@@ -51,85 +56,153 @@ BAD_BODIES: list[tuple[str, dict[str, Any], int, str]] = [
     ("item not an object", {"input": ["hi"]}, 400, "input.0"),
     ("unknown item type", {"input": [{"type": "image_generation_call"}]}, 400, "input.0.type"),
     ("unknown role", {"input": [{"role": "robot", "content": "x"}]}, 400, "input.0.role"),
-    ("image content", {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "https://x"}]}]}, 400, "input.0.content.0.type"),
+    (
+        "image content",
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}
+            ]
+        },
+        400,
+        "input.0.content.0.type",
+    ),
     ("no content", {"input": [{"role": "user"}]}, 400, "input.0.content"),
-    ("call arguments not JSON", {"input": [
-        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{no"},
-        {"type": "function_call_output", "call_id": "c1", "output": "x"}]}, 400,
-     "input.0.arguments"),
-    ("call without a name", {"input": [
-        {"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, 400, "input.0.name"),
-    ("output for no call", {"input": [
-        {"type": "function_call_output", "call_id": "c9", "output": "x"}]}, 400,
-     "input.0.call_id"),
-    ("call id twice", {"input": [
-        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
-        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "x"}]}, 400,
-     "input.1.call_id"),
-    ("ends with an assistant", {"input": [{"role": "assistant", "content": "x"}]}, 400,
-     "input"),
+    (
+        "call arguments not JSON",
+        {
+            "input": [
+                {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{no"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            ]
+        },
+        400,
+        "input.0.arguments",
+    ),
+    (
+        "call without a name",
+        {"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]},
+        400,
+        "input.0.name",
+    ),
+    (
+        "output for no call",
+        {"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+        400,
+        "input.0.call_id",
+    ),
+    (
+        "call id twice",
+        {
+            "input": [
+                {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            ]
+        },
+        400,
+        "input.1.call_id",
+    ),
+    ("ends with an assistant", {"input": [{"role": "assistant", "content": "x"}]}, 400, "input"),
     ("instructions not text", {"input": "x", "instructions": 5}, 400, "instructions"),
     ("temperature", {"input": "x", "temperature": 3}, 400, "temperature"),
     ("top_p", {"input": "x", "top_p": 0}, 400, "top_p"),
     ("max_output_tokens", {"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
-    ("max_output_tokens huge", {"input": "x", "max_output_tokens": 2**40}, 400,
-     "max_output_tokens"),
+    (
+        "max_output_tokens huge",
+        {"input": "x", "max_output_tokens": 2**40},
+        400,
+        "max_output_tokens",
+    ),
     ("seed", {"input": "x", "seed": 2**64}, 400, "seed"),
     ("stop", {"input": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("store", {"input": "x", "store": "maybe"}, 400, "store"),
     ("stream", {"input": "x", "stream": "maybe"}, 400, "stream"),
     ("truncation", {"input": "x", "truncation": "sometimes"}, 400, "truncation"),
     ("metadata value", {"input": "x", "metadata": {"k": 5}}, 400, "metadata.k"),
-    ("metadata pairs", {"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400,
-     "metadata"),
+    (
+        "metadata pairs",
+        {"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
+        400,
+        "metadata",
+    ),
     ("metadata value length", {"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
     ("user", {"input": "x", "user": 5}, 400, "user"),
     ("tool type", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
-    ("tool name", {"input": "x", "tools": [{"type": "function", "name": "a b"}]}, 400,
-     "tools.0.name"),
-    ("tool schema", {"input": "x", "tools": [{"type": "function", "name": "f",
-                                              "parameters": {"type": "string"}}]}, 400,
-     "tools.0.parameters"),
+    (
+        "tool name",
+        {"input": "x", "tools": [{"type": "function", "name": "a b"}]},
+        400,
+        "tools.0.name",
+    ),
+    (
+        "tool schema",
+        {
+            "input": "x",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}],
+        },
+        400,
+        "tools.0.parameters",
+    ),
     ("tool names twice", {"input": "x", "tools": [TOOL, TOOL]}, 400, "tools"),
     ("tool_choice", {"input": "x", "tool_choice": "sometimes"}, 400, "tool_choice"),
-    ("tool_choice object", {"input": "x", "tools": [TOOL],
-                            "tool_choice": {"type": "function", "name": 5}}, 400,
-     "tool_choice"),
-    ("tool_choice unknown", {"input": "x", "tools": [TOOL],
-                             "tool_choice": {"type": "function", "name": "nope"}}, 400,
-     "tool_choice"),
-    ("tool_choice without tools", {"input": "x", "tool_choice": "required"}, 400,
-     "tool_choice"),
-    ("parallel_tool_calls", {"input": "x", "parallel_tool_calls": "x"}, 400,
-     "parallel_tool_calls"),
-    ("format type", {"input": "x", "text": {"format": {"type": "xml"}}}, 400,
-     "text.format.type"),
-    ("format without schema", {"input": "x", "text": {"format": {"type": "json_schema",
-                                                                 "name": "n"}}}, 400,
-     "text.format"),
-    ("format schema", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
-                                                         "schema": {"type": 5}}}}, 400,
-     "text.format.schema"),
+    (
+        "tool_choice object",
+        {"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": 5}},
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice unknown",
+        {"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+        400,
+        "tool_choice",
+    ),
+    ("tool_choice without tools", {"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ("parallel_tool_calls", {"input": "x", "parallel_tool_calls": "x"}, 400, "parallel_tool_calls"),
+    ("format type", {"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
+    (
+        "format without schema",
+        {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}},
+        400,
+        "text.format",
+    ),
+    (
+        "format schema",
+        {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": 5}}},
+        },
+        400,
+        "text.format.schema",
+    ),
     ("conversation", {"input": "x", "conversation": 5}, 400, "conversation"),
     ("conversation object", {"input": "x", "conversation": {"id": 5}}, 400, "conversation"),
-    ("both", {"input": "x", "conversation": "conv_x", "previous_response_id": "resp_x"}, 400,
-     "conversation"),
+    (
+        "both",
+        {"input": "x", "conversation": "conv_x", "previous_response_id": "resp_x"},
+        400,
+        "conversation",
+    ),
     ("background", {"input": "x", "background": True}, 400, "background"),
     ("prompt", {"input": "x", "prompt": {"id": "p"}}, 400, "prompt"),
     ("top_logprobs", {"input": "x", "top_logprobs": 3}, 400, "top_logprobs"),
     ("unknown conversation", {"input": "x", "conversation": "conv_nope"}, 404, "conversation"),
-    ("unknown previous", {"input": "x", "previous_response_id": "resp_nope"}, 404,
-     "previous_response_id"),
+    (
+        "unknown previous",
+        {"input": "x", "previous_response_id": "resp_nope"},
+        404,
+        "previous_response_id",
+    ),
     ("model", {"input": "x", "model": "gpt-9"}, 404, "model"),
 ]
 
 
-@pytest.mark.parametrize("body, status, param", [row[1:] for row in BAD_BODIES],
-                         ids=[row[0] for row in BAD_BODIES])
-def test_a_bad_field_is_a_typed_error_naming_it(service: Service, body: dict[str, Any],
-                                                status: int, param: str) -> None:
+@pytest.mark.parametrize(
+    "body, status, param", [row[1:] for row in BAD_BODIES], ids=[row[0] for row in BAD_BODIES]
+)
+def test_a_bad_field_is_a_typed_error_naming_it(
+    service: Service, body: dict[str, Any], status: int, param: str
+) -> None:
     before = conversations(service)
     r = service.post("/v1/responses", {**SHORT, **body})
     assert r.status_code == status, r.text
@@ -139,15 +212,18 @@ def test_a_bad_field_is_a_typed_error_naming_it(service: Service, body: dict[str
     assert conversations(service) == before  # nothing was stored
 
 
-@pytest.mark.parametrize("path, param", [
-    ("/v1/responses/{id}/input_items?limit=0", "limit"),
-    ("/v1/responses/{id}/input_items?limit=101", "limit"),
-    ("/v1/responses/{id}/input_items?order=up", "order"),
-    ("/v1/responses/{id}/input_items?after=msg_nope", "after"),
-    ("/v1/responses/{id}?stream=true&starting_after=-1", "starting_after"),
-    ("/v1/conversations/{conv}/items?limit=0", "limit"),
-    ("/v1/conversations/{conv}/items?order=up", "order"),
-])
+@pytest.mark.parametrize(
+    "path, param",
+    [
+        ("/v1/responses/{id}/input_items?limit=0", "limit"),
+        ("/v1/responses/{id}/input_items?limit=101", "limit"),
+        ("/v1/responses/{id}/input_items?order=up", "order"),
+        ("/v1/responses/{id}/input_items?after=msg_nope", "after"),
+        ("/v1/responses/{id}?stream=true&starting_after=-1", "starting_after"),
+        ("/v1/conversations/{conv}/items?limit=0", "limit"),
+        ("/v1/conversations/{conv}/items?order=up", "order"),
+    ],
+)
 def test_bad_query_parameters_are_typed_errors(service: Service, path: str, param: str) -> None:
     r = respond(service, input="For the queries")
     url = path.format(id=r["id"], conv=conversation_of(service, r))
@@ -158,28 +234,33 @@ def test_bad_query_parameters_are_typed_errors(service: Service, path: str, para
 
 def test_bad_items_for_conversations_store_nothing(service: Service) -> None:
     before = conversations(service)
-    r = service.post("/v1/conversations", {"items": [{"role": "user", "content": "ok"},
-                                                     {"role": "robot", "content": "x"}]})
+    r = service.post(
+        "/v1/conversations",
+        {"items": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "items.1.role"
     assert conversations(service) == before
-    conv = service.post("/v1/conversations", {"title": "kvchat's fields still work",
-                                              "max_context_tokens": 512}).json()
+    conv = service.post(
+        "/v1/conversations", {"title": "kvchat's fields still work", "max_context_tokens": 512}
+    ).json()
     assert conv["title"] == "kvchat's fields still work" and conv["max_context_tokens"] == 512
-    r = service.post(f"/v1/conversations/{conv['id']}/items",
-                     {"items": [{"type": "function_call_output", "call_id": "c",
-                                 "output": "x"}]})
+    r = service.post(
+        f"/v1/conversations/{conv['id']}/items",
+        {"items": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "items.0.call_id"
-    assert service.post(f"/v1/conversations/{conv['id']}/items", {"items": []}).status_code \
-        == 400
+    assert service.post(f"/v1/conversations/{conv['id']}/items", {"items": []}).status_code == 400
     assert messages(service, conv["id"]) == []
 
 
 def test_chains_and_forks_are_branches_of_one_conversation(service: Service) -> None:
     first = respond(service, input="One", instructions="Be brief.")
-    second = respond(service, input="Two", previous_response_id=first["id"],
-                     instructions="Be brief.")
-    fork = respond(service, input="Two again", previous_response_id=first["id"],
-                   instructions="Be brief.")
+    second = respond(
+        service, input="Two", previous_response_id=first["id"], instructions="Be brief."
+    )
+    fork = respond(
+        service, input="Two again", previous_response_id=first["id"], instructions="Be brief."
+    )
     conv = conversation_of(service, first)
     assert conversation_of(service, fork) == conv == conversation_of(service, second)
     tree = {m["id"]: m for m in messages(service, conv)}
@@ -189,10 +270,12 @@ def test_chains_and_forks_are_branches_of_one_conversation(service: Service) -> 
     assert tree[users[0]]["siblings"] == users
     # The fork reused the session's KV up to the point of divergence: all of `first`.
     assert fork["usage"]["input_tokens_details"]["cached_tokens"] >= (
-        first["usage"]["input_tokens"] + first["usage"]["output_tokens"])
+        first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    )
     # kvchat's routes on the same conversation: a message continues the latest branch...
-    r = service.post(f"/v1/conversations/{conv}/messages", {"content": "Via kvchat",
-                                                            "max_tokens": 4})
+    r = service.post(
+        f"/v1/conversations/{conv}/messages", {"content": "Via kvchat", "max_tokens": 4}
+    )
     assert r.status_code == 200 and r.json()["parent_id"] != reply_of[first["id"]]
     # ...and its reply is a response too.
     via_kvchat = "resp_" + r.json()["id"].removeprefix("msg_")
@@ -204,56 +287,94 @@ def test_chains_and_forks_are_branches_of_one_conversation(service: Service) -> 
 
 def test_another_owners_and_deleted_responses_are_not_found(service: Service) -> None:
     r = respond(service, input="Private")
-    for method, path in [("GET", "/v1/responses/{id}"), ("GET", "/v1/responses/{id}/input_items"),
-                         ("POST", "/v1/responses/{id}/cancel"), ("DELETE", "/v1/responses/{id}"),
-                         ("GET", "/v1/responses/{id}?stream=true")]:
-        answer = service.client.request(method, path.format(id=r["id"]),
-                                        headers=service.headers(service.other_key))
+    for method, path in [
+        ("GET", "/v1/responses/{id}"),
+        ("GET", "/v1/responses/{id}/input_items"),
+        ("POST", "/v1/responses/{id}/cancel"),
+        ("DELETE", "/v1/responses/{id}"),
+        ("GET", "/v1/responses/{id}?stream=true"),
+    ]:
+        answer = service.client.request(
+            method, path.format(id=r["id"]), headers=service.headers(service.other_key)
+        )
         assert answer.status_code == 404, (method, path, answer.text)
         assert answer.json()["error"]["code"] == "not_found"
     deleted = service.client.delete(f"/v1/responses/{r['id']}", headers=service.headers())
     assert deleted.json() == {"id": r["id"], "object": "response", "deleted": True}
     assert service.get(f"/v1/responses/{r['id']}").status_code == 404
-    assert service.client.delete(f"/v1/responses/{r['id']}",
-                                 headers=service.headers()).status_code == 404
+    assert (
+        service.client.delete(f"/v1/responses/{r['id']}", headers=service.headers()).status_code
+        == 404
+    )
 
 
 def test_input_items_page_in_both_orders(service: Service) -> None:
-    items = [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "a"},
-             {"role": "assistant", "content": "b"},
-             {"type": "function_call", "call_id": "c1", "name": "pick",
-              "arguments": json.dumps({"v": "a"})},
-             {"type": "function_call_output", "call_id": "c1", "output": "done"}]
+    items = [
+        {"role": "developer", "content": "Rules."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "pick",
+            "arguments": json.dumps({"v": "a"}),
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "done"},
+    ]
     r = respond(service, input=items, tools=[TOOL])
     listed = service.get(f"/v1/responses/{r['id']}/input_items?order=asc").json()
     kinds = [(i["type"], i.get("role")) for i in listed["data"]]
     # The leading developer message is the new conversation's system prompt; the assistant's
     # text and its call are one stored message, two items.
-    assert kinds == [("message", "user"), ("message", "assistant"), ("function_call", None),
-                     ("function_call_output", None)]
+    assert kinds == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("function_call", None),
+        ("function_call_output", None),
+    ]
     assert listed["data"][2]["call_id"] == "c1" and listed["has_more"] is False
     conv = service.get(f"/v1/conversations/{conversation_of(service, r)}").json()
     assert conv["system"] == "Rules."
-    later = service.post("/v1/responses", {**SHORT, "previous_response_id": r["id"], "input": [
-        {"role": "user", "content": "x"}, {"role": "developer", "content": "late"}]})
+    later = service.post(
+        "/v1/responses",
+        {
+            **SHORT,
+            "previous_response_id": r["id"],
+            "input": [{"role": "user", "content": "x"}, {"role": "developer", "content": "late"}],
+        },
+    )
     assert later.status_code == 400 and later.json()["error"]["param"] == "input.1.role"
     newest = service.get(f"/v1/responses/{r['id']}/input_items?limit=2").json()
     assert [i["id"] for i in newest["data"]] == [i["id"] for i in listed["data"][::-1][:2]]
     assert newest["has_more"] is True
-    rest = service.get(f"/v1/responses/{r['id']}/input_items?limit=10&after="
-                       f"{newest['last_id']}").json()
+    rest = service.get(
+        f"/v1/responses/{r['id']}/input_items?limit=10&after={newest['last_id']}"
+    ).json()
     assert [i["id"] for i in newest["data"] + rest["data"]] == [
-        i["id"] for i in reversed(listed["data"])]
+        i["id"] for i in reversed(listed["data"])
+    ]
 
 
 def test_truncation_disabled_refuses_what_auto_trims(service: Service) -> None:
-    conv = service.post("/v1/conversations", {"max_context_tokens": 96, "items": [
-        {"role": "user", "content": "word " * 50}, {"role": "assistant", "content": "ok"}]}
+    conv = service.post(
+        "/v1/conversations",
+        {
+            "max_context_tokens": 96,
+            "items": [
+                {"role": "user", "content": "word " * 50},
+                {"role": "assistant", "content": "ok"},
+            ],
+        },
     ).json()
     before = messages(service, conv["id"])
-    body = {"conversation": conv["id"], "max_output_tokens": 8,
-            "input": [{"role": "user", "content": "word " * 30},
-                      {"role": "user", "content": "and more"}]}
+    body = {
+        "conversation": conv["id"],
+        "max_output_tokens": 8,
+        "input": [
+            {"role": "user", "content": "word " * 30},
+            {"role": "user", "content": "and more"},
+        ],
+    }
     refused = service.post("/v1/responses", {**SHORT, **body})
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["code"] == "context_length_exceeded"
@@ -265,10 +386,17 @@ def test_truncation_disabled_refuses_what_auto_trims(service: Service) -> None:
 
 
 def test_cancel_stops_a_response_being_generated(service: Service) -> None:
-    body = {**SHORT, "input": "Go on and on", "max_output_tokens": 3000, "temperature": 1.0,
-            "ignore_eos": True, "stream": True}
-    with service.client.stream("POST", "/v1/responses", json=body,
-                               headers=service.headers()) as stream:
+    body = {
+        **SHORT,
+        "input": "Go on and on",
+        "max_output_tokens": 3000,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with service.client.stream(
+        "POST", "/v1/responses", json=body, headers=service.headers()
+    ) as stream:
         lines = stream.iter_lines()
         events = []
         for line in lines:
@@ -290,35 +418,57 @@ def test_cancel_stops_a_response_being_generated(service: Service) -> None:
 
 
 def test_conversation_items_are_read_added_and_taken_out(service: Service) -> None:
-    conv = service.post("/v1/conversations", {"items": [
-        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}).json()
-    added = service.post(f"/v1/conversations/{conv['id']}/items", {"items": [
-        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
-        {"type": "function_call", "call_id": "c2", "name": "pick", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "r1"}]}).json()
+    conv = service.post(
+        "/v1/conversations",
+        {"items": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]},
+    ).json()
+    added = service.post(
+        f"/v1/conversations/{conv['id']}/items",
+        {
+            "items": [
+                {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "pick", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "r1"},
+            ]
+        },
+    ).json()
     # The two calls are one assistant message (one assistant turn), two items.
     assert [i["type"] for i in added["data"]] == [
-        "function_call", "function_call", "function_call_output"]
+        "function_call",
+        "function_call",
+        "function_call_output",
+    ]
     assert added["data"][0]["id"].removesuffix("_0") == added["data"][1]["id"].removesuffix("_1")
     listed = service.get(f"/v1/conversations/{conv['id']}/items?order=asc").json()["data"]
-    assert [i["type"] for i in listed] == ["message", "message", "function_call",
-                                           "function_call", "function_call_output"]
+    assert [i["type"] for i in listed] == [
+        "message",
+        "message",
+        "function_call",
+        "function_call",
+        "function_call_output",
+    ]
     call = listed[3]
     assert service.get(f"/v1/conversations/{conv['id']}/items/{call['id']}").json() == call
     for unknown in ("fc_nope_0", "msg_nope", "nothing"):
         r = service.get(f"/v1/conversations/{conv['id']}/items/{unknown}")
         assert r.status_code == 404
-    assert service.get(f"/v1/conversations/{conv['id']}/items/{call['id']}",
-                       key=service.other_key).status_code == 404
+    assert (
+        service.get(
+            f"/v1/conversations/{conv['id']}/items/{call['id']}", key=service.other_key
+        ).status_code
+        == 404
+    )
     # One call out: the other stays on its message.
-    r = service.client.delete(f"/v1/conversations/{conv['id']}/items/{call['id']}",
-                              headers=service.headers())
+    r = service.client.delete(
+        f"/v1/conversations/{conv['id']}/items/{call['id']}", headers=service.headers()
+    )
     assert r.status_code == 200 and r.json()["id"] == conv["id"]
     after = service.get(f"/v1/conversations/{conv['id']}/items?order=asc").json()["data"]
     assert [i["id"] for i in after] == [i["id"] for i in listed if i["id"] != call["id"]]
     # A message out of the middle: what came after it moves up.
-    service.client.delete(f"/v1/conversations/{conv['id']}/items/{listed[0]['id']}",
-                          headers=service.headers())
+    service.client.delete(
+        f"/v1/conversations/{conv['id']}/items/{listed[0]['id']}", headers=service.headers()
+    )
     after = service.get(f"/v1/conversations/{conv['id']}/items?order=asc").json()["data"]
     assert [i["id"] for i in after] == [listed[1]["id"], listed[2]["id"], listed[4]["id"]]
     # And the conversation goes on from its leaf.
@@ -329,8 +479,7 @@ def test_conversation_items_are_read_added_and_taken_out(service: Service) -> No
 def test_operators_see_the_conversation_and_its_session(service: Service) -> None:
     r = respond(service, input="For the operators")
     conv = conversation_of(service, r)
-    _, admin = service.client.portal.call(
-        lambda: service.state.store.create_key("ops", admin=True))
+    _, admin = service.client.portal.call(lambda: service.state.store.create_key("ops", admin=True))
     session = service.get(f"/v1/admin/sessions/{conv}", key=admin)
     assert session.status_code == 200, session.text
     memory = service.get("/v1/admin/memory", key=admin).json()
@@ -341,8 +490,9 @@ def test_operators_see_the_conversation_and_its_session(service: Service) -> Non
     assert again["status"] in ("completed", "incomplete")
 
 
-def test_an_engine_failure_is_a_failed_response(service: Service,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_failure_is_a_failed_response(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvchat.app.turns.generation import Generation, TextDelta
 
     async def failing(self: Generation) -> Any:
@@ -355,11 +505,13 @@ def test_an_engine_failure_is_a_failed_response(service: Service,
     assert r["usage"]["output_tokens"] == 0 and r["usage"]["input_tokens"] > 0
     assert r["error"]["code"] == "server_error" and "fell over" in r["error"]["message"]
     assert service.get(f"/v1/responses/{r['id']}").json() == r
-    with service.client.stream("POST", "/v1/responses", json={**SHORT, "input": "Again",
-                                                              "stream": True},
-                               headers=service.headers()) as stream:
-        events = [json.loads(line[6:]) for line in stream.iter_lines()
-                  if line.startswith("data: ")]
+    with service.client.stream(
+        "POST",
+        "/v1/responses",
+        json={**SHORT, "input": "Again", "stream": True},
+        headers=service.headers(),
+    ) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
     types = [e["type"] for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
     assert types[-2:] == ["error", "response.failed"]
@@ -376,8 +528,15 @@ def sse_events(service: Service, path: str) -> list[dict[str, Any]]:
 def test_a_stored_calls_only_reply_streams_as_its_call(service: Service) -> None:
     """Resumed from the stored reply (not a turn this process still keeps), a reply that is
     only a call streams the call, not the call's markup as text."""
-    r = respond(service, input="Pick one", tools=[TOOL], tool_choice="required",
-                parallel_tool_calls=False, max_output_tokens=48, temperature=1.0)
+    r = respond(
+        service,
+        input="Pick one",
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=48,
+        temperature=1.0,
+    )
     (call,) = r["output"]
     assert call["type"] == "function_call"
     live = sse_events(service, f"/v1/responses/{r['id']}?stream=true")

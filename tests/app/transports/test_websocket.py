@@ -322,12 +322,11 @@ def test_a_revoked_key_closes_its_open_socket_at_the_next_message(ws_service: Se
 
 
 def _faults() -> list[tuple[BaseException, str]]:
+    from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
     from kvchat.inference.async_engine import EngineDeadError
     from kvchat.inference.chat_template import ChatTemplateError
     from kvchat.inference.errors import InvalidRequestError
-
-    from kvchat.app.store import StaleFence
 
     return [
         (ChatTemplateError("the template refused it"), "invalid_request"),
@@ -353,6 +352,7 @@ def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
     real = pipeline.prepare_turn
     with socket(ws_service, conv) as ws:
         for fault, code in _faults():
+
             async def failing(*args: Any, error: BaseException = fault, **kwargs: Any) -> Any:
                 raise error
 
@@ -366,4 +366,5 @@ def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
         ws.send_json({"type": "message", "content": "And now for real", "max_tokens": 3})
         assert until(ws, "done")[-1]["status"] == "complete"
     assert [m["content"] for m in stored(ws_service, conv) if m["role"] == "user"] == [
-        "And now for real"]
+        "And now for real"
+    ]

@@ -29,8 +29,10 @@ SEEDS = range(20)
 SCHEMAS: dict[str, dict[str, Any]] = {
     "flat": {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12},
-                       "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        },
         "required": ["city", "days"],
         "additionalProperties": False,
     },
@@ -41,8 +43,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "type": "object",
                 "properties": {
                     "lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.25},
-                    "lon": {"type": "number", "minimum": -180, "maximum": 180,
-                            "multipleOf": 0.25},
+                    "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.25},
                 },
                 "required": ["lat", "lon"],
                 "additionalProperties": False,
@@ -55,19 +56,24 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "arrays": {
         "type": "object",
         "properties": {
-            "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "minItems": 1, "maxItems": 4},
-            "names": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                      "maxItems": 3},
+            "ids": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            "names": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
         },
         "required": ["ids", "names"],
         "additionalProperties": False,
     },
     "enums": {
         "type": "object",
-        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
-                       "size": {"enum": [1, 2, 3, 5, 8]},
-                       "mode": {"const": "fast"}},
+        "properties": {
+            "color": {"type": "string", "enum": ["red", "green", "blue"]},
+            "size": {"enum": [1, 2, 3, 5, 8]},
+            "mode": {"const": "fast"},
+        },
         "required": ["color", "size", "mode"],
         "additionalProperties": False,
     },
@@ -76,33 +82,44 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "count": {"type": "integer", "minimum": -100, "maximum": 100},
             "ratio": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.125},
-            "score": {"type": ["number", "null"], "minimum": 0, "maximum": 10,
-                      "multipleOf": 0.5},
+            "score": {"type": ["number", "null"], "minimum": 0, "maximum": 10, "multipleOf": 0.5},
         },
         "required": ["count", "ratio", "score"],
         "additionalProperties": False,
     },
     "optional": {
         "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 50},
-                       "note": {"type": "string", "maxLength": 8},
-                       "urgent": {"type": "boolean"}},
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 50},
+            "note": {"type": "string", "maxLength": 8},
+            "urgent": {"type": "boolean"},
+        },
         "required": ["id"],
         "additionalProperties": False,
     },
 }
-LOOKUP = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}},
-          "required": ["q"], "additionalProperties": False}
-MESSAGES = [{"role": "system", "content": "You call tools."},
-            {"role": "user", "content": "Do the thing."}]
+LOOKUP = {
+    "type": "object",
+    "properties": {"q": {"type": "string", "maxLength": 8}},
+    "required": ["q"],
+    "additionalProperties": False,
+}
+MESSAGES = [
+    {"role": "system", "content": "You call tools."},
+    {"role": "user", "content": "Do the thing."},
+]
 
 
 def tools_for(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        {"type": "function", "function": {"name": "act", "description": "Act.",
-                                          "parameters": schema}},
-        {"type": "function", "function": {"name": "lookup", "description": "Look up.",
-                                          "parameters": LOOKUP}},
+        {
+            "type": "function",
+            "function": {"name": "act", "description": "Act.", "parameters": schema},
+        },
+        {
+            "type": "function",
+            "function": {"name": "lookup", "description": "Look up.", "parameters": LOOKUP},
+        },
     ]
 
 
@@ -136,8 +153,7 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def client(server: Server) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0,
-                       timeout=300)
+    return AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0, timeout=300)
 
 
 Reply = tuple[str | None, str | None, list[tuple[str, str, str]]]  # finish, content, calls
@@ -149,8 +165,9 @@ async def ask(api: AsyncOpenAI, stream: bool, **fields: Any) -> Reply:
     if not stream:
         r = await api.chat.completions.create(**body)
         choice = r.choices[0]
-        calls = [(c.id, c.function.name, c.function.arguments)
-                 for c in choice.message.tool_calls or []]
+        calls = [
+            (c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+        ]
         return choice.finish_reason, choice.message.content, calls
     content: str | None = None
     calls: dict[int, list[str | None]] = {}
@@ -176,11 +193,13 @@ async def ask(api: AsyncOpenAI, stream: bool, **fields: Any) -> Reply:
 
 def ask_all(server: Server, stream: bool, **fields: Any) -> list[Reply]:
     """One request per seed, all in flight together."""
+
     async def run() -> list[Reply]:
         api = client(server)
         try:
-            return list(await asyncio.gather(
-                *(ask(api, stream, seed=seed, **fields) for seed in SEEDS)))
+            return list(
+                await asyncio.gather(*(ask(api, stream, seed=seed, **fields) for seed in SEEDS))
+            )
         finally:
             await api.close()
 
@@ -190,13 +209,22 @@ def ask_all(server: Server, stream: bool, **fields: Any) -> list[Reply]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("mode", ["required", "named"])
 @pytest.mark.parametrize("schema_name", list(SCHEMAS))
-def test_forced_tool_calls_validate(server: Server, schema_name: str, mode: str,
-                                    stream: bool) -> None:
+def test_forced_tool_calls_validate(
+    server: Server, schema_name: str, mode: str, stream: bool
+) -> None:
     schema = SCHEMAS[schema_name]
-    choice: Any = "required" if mode == "required" else {"type": "function",
-                                                           "function": {"name": "act"}}
-    replies = ask_all(server, stream, messages=MESSAGES, tools=tools_for(schema),
-                      tool_choice=choice, parallel_tool_calls=False, max_tokens=160)
+    choice: Any = (
+        "required" if mode == "required" else {"type": "function", "function": {"name": "act"}}
+    )
+    replies = ask_all(
+        server,
+        stream,
+        messages=MESSAGES,
+        tools=tools_for(schema),
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=160,
+    )
     arguments = []
     for finish, content, calls in replies:
         assert finish == "tool_calls", (finish, content, calls)
@@ -214,9 +242,16 @@ def test_forced_tool_calls_validate(server: Server, schema_name: str, mode: str,
 @pytest.mark.parametrize("schema_name", list(SCHEMAS))
 def test_json_schema_content_validates(server: Server, schema_name: str, stream: bool) -> None:
     schema = SCHEMAS[schema_name]
-    replies = ask_all(server, stream, messages=MESSAGES, max_tokens=160, response_format={
-        "type": "json_schema",
-        "json_schema": {"name": schema_name, "schema": schema, "strict": True}})
+    replies = ask_all(
+        server,
+        stream,
+        messages=MESSAGES,
+        max_tokens=160,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": schema_name, "schema": schema, "strict": True},
+        },
+    )
     texts = []
     for finish, content, calls in replies:
         assert finish == "stop" and not calls, (finish, content)
@@ -230,8 +265,15 @@ def test_json_schema_content_validates(server: Server, schema_name: str, stream:
 
 def test_parallel_tool_calls_give_one_or_more_valid_calls(server: Server) -> None:
     schema = SCHEMAS["flat"]
-    replies = ask_all(server, False, messages=MESSAGES, tools=tools_for(schema),
-                      tool_choice="required", parallel_tool_calls=True, max_tokens=400)
+    replies = ask_all(
+        server,
+        False,
+        messages=MESSAGES,
+        tools=tools_for(schema),
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_tokens=400,
+    )
     counts = []
     for finish, content, calls in replies:
         assert len(calls) >= 1
@@ -246,8 +288,9 @@ def test_parallel_tool_calls_give_one_or_more_valid_calls(server: Server) -> Non
 
 
 def test_json_object_is_an_object_or_runs_out_of_tokens(server: Server) -> None:
-    replies = ask_all(server, True, messages=MESSAGES, max_tokens=24,
-                      response_format={"type": "json_object"})
+    replies = ask_all(
+        server, True, messages=MESSAGES, max_tokens=24, response_format={"type": "json_object"}
+    )
     for finish, content, _ in replies:
         assert content is not None and content.startswith("{")
         if finish == "stop":
@@ -258,20 +301,29 @@ def test_json_object_is_an_object_or_runs_out_of_tokens(server: Server) -> None:
 
 def test_auto_stays_free_and_none_offers_no_tools(server: Server) -> None:
     tools = tools_for(SCHEMAS["flat"])
-    auto = ask_all(server, False, messages=MESSAGES, tools=tools, tool_choice="auto",
-                   max_tokens=12)
+    auto = ask_all(server, False, messages=MESSAGES, tools=tools, tool_choice="auto", max_tokens=12)
     # Unconstrained, a random model writes no call: content, cut at max_tokens or ended.
     assert all(f in ("stop", "length") and not calls for f, _, calls in auto)
     assert sum(1 for _, content, _ in auto if content) >= len(SEEDS) - 2
     api = OpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0)
     usage = {}
     for choice in ("auto", "none"):
-        r = api.chat.completions.create(model="dev", messages=MESSAGES, tools=tools,  # type: ignore[arg-type]
-                                        tool_choice=choice, max_tokens=1, temperature=0)
+        r = api.chat.completions.create(
+            model="dev",
+            messages=MESSAGES,
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice=choice,
+            max_tokens=1,
+            temperature=0,
+        )
         assert r.usage is not None
         usage[choice] = r.usage.prompt_tokens
-    plain = api.chat.completions.create(model="dev", messages=MESSAGES,  # type: ignore[arg-type]
-                                        max_tokens=1, temperature=0)
+    plain = api.chat.completions.create(
+        model="dev",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=1,
+        temperature=0,
+    )
     assert plain.usage is not None and usage["none"] == plain.usage.prompt_tokens < usage["auto"]
 
 
@@ -282,11 +334,26 @@ def test_max_tokens_before_the_call_closes_is_length_not_an_error(
     async def run() -> list[Reply]:
         api = client(server)
         try:
-            return list(await asyncio.gather(*(
-                ask(api, stream, messages=MESSAGES, tools=tools_for(SCHEMAS["flat"]),
-                    tool_choice=choice, max_tokens=budget, seed=1)
-                for choice in ("required", {"type": "function", "function": {"name": "act"}})
-                for budget in (1, 2, 9))))
+            return list(
+                await asyncio.gather(
+                    *(
+                        ask(
+                            api,
+                            stream,
+                            messages=MESSAGES,
+                            tools=tools_for(SCHEMAS["flat"]),
+                            tool_choice=choice,
+                            max_tokens=budget,
+                            seed=1,
+                        )
+                        for choice in (
+                            "required",
+                            {"type": "function", "function": {"name": "act"}},
+                        )
+                        for budget in (1, 2, 9)
+                    )
+                )
+            )
         finally:
             await api.close()
 
@@ -304,19 +371,36 @@ def test_an_agent_loop_of_five_rounds(server: Server) -> None:
     for round_ in range(5):
         messages.append({"role": "user", "content": f"Round {round_}: act."})
         call = api.chat.completions.create(
-            model="dev", messages=messages, tools=tools, tool_choice="required",  # type: ignore[arg-type]
-            parallel_tool_calls=False, max_tokens=160, seed=round_,
-            extra_headers={"X-Session-Id": "agent-loop"})
+            model="dev",
+            messages=messages,
+            tools=tools,
+            tool_choice="required",  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            max_tokens=160,
+            seed=round_,
+            extra_headers={"X-Session-Id": "agent-loop"},
+        )
         choice = call.choices[0]
         assert choice.finish_reason == "tool_calls"
         ((tool_call),) = choice.message.tool_calls or []
         args = check_arguments(tool_call.function.name, tool_call.function.arguments, schema)
         messages.append(choice.message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": tool_call.id,
-                         "content": json.dumps({"ok": True, "echo": args})})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": tool_call.id,
+                "content": json.dumps({"ok": True, "echo": args}),
+            }
+        )
         reply = api.chat.completions.create(
-            model="dev", messages=messages, tools=tools, tool_choice="auto",  # type: ignore[arg-type]
-            max_tokens=12, seed=round_, extra_headers={"X-Session-Id": "agent-loop"})
+            model="dev",
+            messages=messages,
+            tools=tools,
+            tool_choice="auto",  # type: ignore[arg-type]
+            max_tokens=12,
+            seed=round_,
+            extra_headers={"X-Session-Id": "agent-loop"},
+        )
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert not reply.choices[0].message.tool_calls
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
@@ -330,28 +414,53 @@ def test_conversations_api_takes_the_same_fields(server: Server) -> None:
     http = httpx.Client(base_url=server.url, headers=server.headers(), timeout=300)
     schema = SCHEMAS["enums"]
     conv = http.post("/v1/conversations", json={}).json()["id"]
-    r = http.post(f"/v1/conversations/{conv}/messages", json={
-        "content": "Act.", "tools": tools_for(schema), "max_tokens": 160, "seed": 3,
-        "parallel_tool_calls": False,
-        "tool_choice": {"type": "function", "function": {"name": "act"}}})
+    r = http.post(
+        f"/v1/conversations/{conv}/messages",
+        json={
+            "content": "Act.",
+            "tools": tools_for(schema),
+            "max_tokens": 160,
+            "seed": 3,
+            "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "function": {"name": "act"}},
+        },
+    )
     assert r.status_code == 200, r.text
     message = r.json()
     assert message["finish_reason"] == "tool_calls"
     ((call),) = message["tool_calls"]
     check_arguments(call["function"]["name"], call["function"]["arguments"], schema)
-    r = http.post(f"/v1/conversations/{conv}/messages", json={
-        "role": "tool", "tool_call_id": call["id"], "content": "done", "max_tokens": 160,
-        "seed": 4, "tools": tools_for(schema), "tool_choice": "none",
-        "response_format": {"type": "json_schema",
-                            "json_schema": {"name": "summary", "schema": SCHEMAS["optional"]}}})
+    r = http.post(
+        f"/v1/conversations/{conv}/messages",
+        json={
+            "role": "tool",
+            "tool_call_id": call["id"],
+            "content": "done",
+            "max_tokens": 160,
+            "seed": 4,
+            "tools": tools_for(schema),
+            "tool_choice": "none",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "summary", "schema": SCHEMAS["optional"]},
+            },
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["finish_reason"] == "stop"
     jsonschema.validate(json.loads(r.json()["content"]), SCHEMAS["optional"])
     # An unsupported feature is refused before anything is stored.
     before = http.get(f"/v1/conversations/{conv}/messages").json()["data"]
-    r = http.post(f"/v1/conversations/{conv}/messages", json={
-        "content": "x", "response_format": {"type": "json_schema", "json_schema": {
-            "name": "s", "schema": {"type": "array", "uniqueItems": True}}}})
+    r = http.post(
+        f"/v1/conversations/{conv}/messages",
+        json={
+            "content": "x",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}},
+            },
+        },
+    )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "response_format.json_schema.schema"
     assert "uniqueItems" in r.json()["error"]["message"]
@@ -366,15 +475,42 @@ def test_websocket_message_frame_takes_the_same_fields(server: Server) -> None:
     async def run() -> tuple[str, dict[str, Any], dict[str, Any]]:
         url = f"ws://127.0.0.1:{server.port}/v1/conversations/{conv}/ws"
         async with websockets.connect(url, additional_headers=server.headers()) as ws:
-            await ws.send(json.dumps({
-                "type": "message", "content": "bad", "tool_choice": "required",
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-                    "type": "object", "properties": {"a": {"not": {}}}}}}]}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "message",
+                        "content": "bad",
+                        "tool_choice": "required",
+                        "tools": [
+                            {
+                                "type": "function",
+                                "function": {
+                                    "name": "f",
+                                    "parameters": {
+                                        "type": "object",
+                                        "properties": {"a": {"not": {}}},
+                                    },
+                                },
+                            }
+                        ],
+                    }
+                )
+            )
             error = json.loads(await ws.recv())
-            await ws.send(json.dumps({
-                "type": "message", "content": "Where?", "max_tokens": 160, "seed": 9,
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "where", "schema": schema}}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "message",
+                        "content": "Where?",
+                        "max_tokens": 160,
+                        "seed": 9,
+                        "response_format": {
+                            "type": "json_schema",
+                            "json_schema": {"name": "where", "schema": schema},
+                        },
+                    }
+                )
+            )
             text = ""
             while True:
                 frame = json.loads(await ws.recv())
@@ -395,9 +531,17 @@ def test_websocket_message_frame_takes_the_same_fields(server: Server) -> None:
 def test_logprobs_of_constrained_output_stay_finite(server: Server) -> None:
     api = OpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0)
     r = api.chat.completions.create(
-        model="dev", messages=MESSAGES, max_tokens=160, seed=2, logprobs=True,  # type: ignore[arg-type]
-        top_logprobs=20, response_format={"type": "json_schema", "json_schema": {
-            "name": "e", "schema": SCHEMAS["enums"]}})
+        model="dev",
+        messages=MESSAGES,
+        max_tokens=160,
+        seed=2,
+        logprobs=True,  # type: ignore[arg-type]
+        top_logprobs=20,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "e", "schema": SCHEMAS["enums"]},
+        },
+    )
     choice = r.choices[0]
     jsonschema.validate(json.loads(choice.message.content or ""), SCHEMAS["enums"])
     assert choice.logprobs is not None and choice.logprobs.content

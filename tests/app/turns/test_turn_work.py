@@ -16,7 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvchat_testing.app_service import service_settings
-
 from kvchat_testing.chat_templates import TEMPLATES
 
 
@@ -59,12 +58,18 @@ def test_per_turn_rendering_work_is_flat(app_and_key: tuple[TestClient, Any, str
         work = []
         for index in range(30):
             renders, chars = template.num_renders, template.num_tokenized_chars
-            r = client.post(f"/v1/conversations/{conv_id}/messages", headers=headers,
-                            json={"content": f"question {index:03d} about the cats",
-                                  "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+            r = client.post(
+                f"/v1/conversations/{conv_id}/messages",
+                headers=headers,
+                json={
+                    "content": f"question {index:03d} about the cats",
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert r.status_code == 200, r.text
-            work.append((template.num_renders - renders,
-                         template.num_tokenized_chars - chars))
+            work.append((template.num_renders - renders, template.num_tokenized_chars - chars))
     finally:
         template.render_segments = original  # type: ignore[method-assign]
     early, late = work[5], work[29]
@@ -95,8 +100,11 @@ def test_the_branch_is_read_from_the_store_only_when_the_tree_changed(
     store.turn_context = counted
 
     def say(text: str) -> dict[str, Any]:
-        r = client.post(f"/v1/conversations/{conv}/messages", headers=headers,
-                        json={"content": text, "max_tokens": 3, "temperature": 0})
+        r = client.post(
+            f"/v1/conversations/{conv}/messages",
+            headers=headers,
+            json={"content": text, "max_tokens": 3, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         return r.json()  # type: ignore[no-any-return]
 
@@ -110,23 +118,30 @@ def test_the_branch_is_read_from_the_store_only_when_the_tree_changed(
         # A message added by another route: the next turn reads the branch, and its prompt
         # holds the message (the prompt grows by more than the new turn).
         leaf = portal.call(lambda: store.get_conversation("alice", conv)).current_leaf_id
-        portal.call(lambda: store.add_message(conv, parent_id=leaf, role="user",
-                                              content="an added message " * 5))
+        portal.call(
+            lambda: store.add_message(
+                conv, parent_id=leaf, role="user", content="an added message " * 5
+            )
+        )
         fourth = say("four")
         assert len(reads) == 2
         assert fourth["usage"]["prompt_tokens"] > third["usage"]["prompt_tokens"] + 12
         say("five")
         assert len(reads) == 2
         # The leaf moved back (a branch switch): read again; the prompt is the old branch's.
-        r = client.patch(f"/v1/conversations/{conv}", headers=headers,
-                         json={"current_leaf_id": first["id"]})
+        r = client.patch(
+            f"/v1/conversations/{conv}", headers=headers, json={"current_leaf_id": first["id"]}
+        )
         assert r.status_code == 200, r.text
         sixth = say("six")
         assert len(reads) == 3
         assert sixth["usage"]["prompt_tokens"] < fourth["usage"]["prompt_tokens"]
         # A regenerate of a kept reply: the path up to its parent, no read.
-        r = client.post(f"/v1/conversations/{conv}/regenerate", headers=headers,
-                        json={"message_id": sixth["id"], "max_tokens": 3})
+        r = client.post(
+            f"/v1/conversations/{conv}/regenerate",
+            headers=headers,
+            json={"message_id": sixth["id"], "max_tokens": 3},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == sixth["usage"]["prompt_tokens"]
         assert len(reads) == 3

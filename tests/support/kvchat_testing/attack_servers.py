@@ -49,8 +49,7 @@ def database_of(server: Server) -> str:
     return server.env.get("KVCHAT_DATABASE_URL") or default_database_url(server.data_dir)
 
 
-def create_key(database_url: str, name: str, admin: bool = False,
-               owner: str | None = None) -> str:
+def create_key(database_url: str, name: str, admin: bool = False, owner: str | None = None) -> str:
     """A new API key in the database (as `kvchat keys create` makes one)."""
     from kvchat.app.store import Store
 
@@ -98,8 +97,7 @@ def started_server(
     prefix = redis_prefix()
     with postgres_database() as url:
         key = create_key(url, "attack", admin=True)  # Postgres prints none on first start
-        env.update(KVCHAT_DATABASE_URL=url, KVCHAT_REDIS_URL=REDIS_URL,
-                   KVCHAT_REDIS_PREFIX=prefix)
+        env.update(KVCHAT_DATABASE_URL=url, KVCHAT_REDIS_URL=REDIS_URL, KVCHAT_REDIS_PREFIX=prefix)
         server = Server(model, data_dir, env=env, key=key).start()
         try:
             yield server
@@ -114,8 +112,9 @@ def restarted(server: Server) -> Server:
     return Server(server.model, server.data_dir, env=server.env, key=server.key).start()
 
 
-def wait_until(predicate: Callable[[], T | None], what: str, timeout: float = 60.0,
-               interval: float = 0.05) -> T:
+def wait_until(
+    predicate: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.05
+) -> T:
     """Poll `predicate` until it returns something truthy; `timeout` is only a safety net
     against a hang, never the thing tested."""
     deadline = time.monotonic() + timeout
@@ -136,6 +135,7 @@ def memory(server: Server) -> dict[str, Any]:
 
 def idle_memory(server: Server, timeout: float = 120.0) -> dict[str, Any]:
     """`GET /v1/admin/memory` once no request runs, waits or is swapped out."""
+
     def idle() -> dict[str, Any] | None:
         report = memory(server)
         requests = report["requests"]

@@ -1,8 +1,8 @@
 """Chat templates (Hugging Face's, verbatim) and OpenAI tools for the template tests."""
 
 from __future__ import annotations
-from pathlib import Path
 
+from pathlib import Path
 
 # Hugging Face's Meta-Llama-3-8B-Instruct template, verbatim.
 LLAMA3_TEMPLATE = (

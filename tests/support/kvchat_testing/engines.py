@@ -1,15 +1,17 @@
 """A float32 CPU engine with a small pool, and random prompts."""
 
 from __future__ import annotations
+
 from pathlib import Path
 from typing import Any
+
 import torch
+
 from kvchat.inference.engine import Engine
 from kvchat.inference.engine_config import EngineConfig
 from kvchat.inference.sampling_params import SamplingParams
 from kvchat.inference.scheduler import SchedulerConfig
 from kvchat.memory.config import CacheConfig
-
 
 BLOCK = 16
 

@@ -1,6 +1,7 @@
 """Faults injected into a real engine."""
 
 from __future__ import annotations
+
 from typing import Any
 
 

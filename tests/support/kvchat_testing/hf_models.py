@@ -1,10 +1,11 @@
 """Random-weight Hugging Face checkpoints written with save_pretrained."""
 
 from __future__ import annotations
+
 from pathlib import Path
 from typing import Any
-import torch
 
+import torch
 
 # Scaled-up random weights keep logits well separated, so greedy parity is decided by the
 # implementation, not by near-ties between equally likely tokens.

@@ -1,9 +1,10 @@
 """Logits tolerances and a recorder of the logits the real sampler sees."""
 
 from __future__ import annotations
-from typing import Any
-import torch
 
+from typing import Any
+
+import torch
 
 LOGITS_ATOL = 1e-4
 
@@ -15,7 +16,6 @@ class LogitsRecorder:
         self.sampler = sampler
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any,
-                 **kwargs: Any) -> Any:
+    def __call__(self, logits: torch.Tensor, params: Any, generators: Any, **kwargs: Any) -> Any:
         self.logits.append(logits.detach().clone())
         return self.sampler(logits, params, generators, **kwargs)

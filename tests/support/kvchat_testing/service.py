@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +36,7 @@ def postgres_url(name: str) -> URL:
 
 async def _admin(*statements: str, args: tuple[Any, ...] = ()) -> None:
     dsn = make_url(ADMIN_URL).set(drivername="postgresql")
-    connection = await asyncpg.connect(
-        dsn.render_as_string(hide_password=False), timeout=10
-    )
+    connection = await asyncpg.connect(dsn.render_as_string(hide_password=False), timeout=10)
     try:
         for statement in statements:
             await connection.execute(statement, *args)
@@ -103,14 +101,29 @@ class Server:
 
     def start(self, timeout: float = 180.0) -> Server:
         env = {
-            **os.environ, "KVCHAT_DATA_DIR": str(self.data_dir), "PYTHONUNBUFFERED": "1",
-            "KVCHAT_KV_CACHE_BYTES": str(64 * 2**20), "KVCHAT_HOST_CACHE_BYTES": str(32 * 2**20),
+            **os.environ,
+            "KVCHAT_DATA_DIR": str(self.data_dir),
+            "PYTHONUNBUFFERED": "1",
+            "KVCHAT_KV_CACHE_BYTES": str(64 * 2**20),
+            "KVCHAT_HOST_CACHE_BYTES": str(32 * 2**20),
             **self.env,
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "kvchat.app.cli", "serve", "--model", str(self.model),
-             "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvchat.app.cli",
+                "serve",
+                "--model",
+                str(self.model),
+                "--port",
+                str(self.port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         deadline = time.monotonic() + timeout
         import threading

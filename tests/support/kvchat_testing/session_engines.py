@@ -1,9 +1,13 @@
-"""Engines with exact device and host pools, a counter of the tokens the model runs, and one turn."""
+"""Engines with exact device and host pools, a counter of the tokens the model runs, one
+turn."""
 
 from __future__ import annotations
+
 from pathlib import Path
 from typing import Any
+
 import torch
+
 from kvchat.inference.engine import Engine
 from kvchat.inference.engine_config import EngineConfig
 from kvchat.inference.model_config import ModelConfig
@@ -12,7 +16,6 @@ from kvchat.inference.sampling_params import SamplingParams
 from kvchat.inference.scheduler import ScheduledBatch, SchedulerConfig
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_spec import KVCacheSpec
-
 
 BLOCK = 16
 
@@ -26,13 +29,26 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 def make_engine(path: Path, num_blocks: int = 256, host_blocks: int = 0, **cache: Any) -> Engine:
     """An engine with exactly `num_blocks` device blocks and `host_blocks` host blocks."""
     config = ModelConfig.from_dir(path)
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK,
-                       torch.float32, cache.get("kv_cache_dtype", "auto"))  # type: ignore[arg-type]
+    spec = KVCacheSpec(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        BLOCK,
+        torch.float32,
+        cache.get("kv_cache_dtype", "auto"),
+    )  # type: ignore[arg-type]
     engine = Engine(
         EngineConfig(
-            model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-            cache=CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks,
-                              host_cache_bytes=host_blocks * spec.bytes_per_block, **cache),
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(
+                block_size=BLOCK,
+                num_blocks_override=num_blocks,
+                host_cache_bytes=host_blocks * spec.bytes_per_block,
+                **cache,
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=256),
         )
     )
@@ -53,8 +69,14 @@ class ForwardCounter:
         return self.execute(batch)
 
 
-def turn(engine: Engine, rid: str, prompt: list[int], session: str | None = None,
-         params: SamplingParams = GREEDY, salt: str | None = None) -> RequestOutput:
+def turn(
+    engine: Engine,
+    rid: str,
+    prompt: list[int],
+    session: str | None = None,
+    params: SamplingParams = GREEDY,
+    salt: str | None = None,
+) -> RequestOutput:
     engine.add_request(rid, prompt, params, session_id=session, cache_salt=salt)
     final = None
     while engine.has_unfinished_requests():

@@ -1,7 +1,9 @@
 """Tokenizer files written for tests."""
 
 from __future__ import annotations
+
 from pathlib import Path
+
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
