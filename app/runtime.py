@@ -25,6 +25,7 @@ from kvchat.inference import (
     Tokenizer,
     load_chat_template,
 )
+from kvchat.memory import KVStoreStats
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -75,6 +76,11 @@ class Runtime:
     @property
     def is_running(self) -> bool:
         return self.async_engine.is_running
+
+    @property
+    def kv_store(self) -> KVStoreStats | None:
+        """The KV store as the engine thread last published it (None: no store)."""
+        return self.async_engine.stats.kv_store
 
     @property
     def max_model_len(self) -> int:

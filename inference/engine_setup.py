@@ -107,7 +107,7 @@ def open_kv_store(
             "block_size": spec.block_size,
             "kv_shape": kv_shape,
             "scales_shape": scales_shape,
-            "format": 1,
+            "format": 2,  # 2: every file carries its block hash and a checksum
         },
     )
     return KVStore(cache.kv_store_dir, fingerprint, cache.kv_store_bytes, kv_shape, scales_shape)

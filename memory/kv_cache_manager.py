@@ -223,7 +223,7 @@ class KVCacheManager:
         """Queue the stream's hashed blocks that the KV store does not hold yet (its copy is
         taken now; the writing is the store's thread's). Returns how many were queued."""
         store = self.store
-        if store is None or not state.block_hashes:
+        if store is None or not state.block_hashes or not store.is_enabled:
             return 0
         from .kv_store import BlockData  # torch: only reached when a store exists
 

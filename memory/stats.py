@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -49,8 +49,14 @@ class CacheStats:
 
 @dataclass
 class KVStoreStats:
-    """The KV store (memory.kv_store): monotonic counters, and its size as this process last
-    saw it (other processes sharing its directory write and evict too)."""
+    """The KV store (kvchat.memory.kv_store): monotonic counters, and its size as this process last
+    saw it (other processes sharing its directory write and evict too).
+
+    errors counts every fault the store caught, by (op, reason): op is what it was doing
+    (`open`, `scan`, `read`, `verify`, `write`, `rename`, `remove`), reason the errno's name
+    (`EROFS`, `ENOSPC`, `EISDIR`, ...) or what a verification found (`checksum`, `tokens`,
+    `shape`, `format`, ...). `enabled` turns false while a store that keeps failing is off
+    (`disabled_reason` says why); serving goes on without it."""
 
     hits: int = 0  # blocks loaded
     misses: int = 0  # lookups that found no usable file
@@ -59,8 +65,20 @@ class KVStoreStats:
     write_seconds: float = 0.0  # the writer thread's time
     copy_seconds: float = 0.0  # the engine thread's: copying blocks out for the writer
     evictions: int = 0  # files removed to stay under the cap
+    dropped: int = 0  # queued copies dropped unwritten (the queue at its cap, or the store off)
     num_blocks: int = 0
     num_bytes: int = 0
+    pending_bytes: int = 0  # copies queued for the writer
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    enabled: bool = True
+    disabled_reason: str | None = None
+
+    def copy(self) -> KVStoreStats:
+        return replace(self, errors=dict(self.errors))
+
+    @property
+    def num_errors(self) -> int:
+        return sum(self.errors.values())
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""`/healthz` (the process is up) and `/readyz` (database, engine, migrations; 503
-`draining` from SIGTERM on, so a load balancer stops sending it requests: app/ops/drain.py)."""
+"""`/healthz` (liveness: the process is up and its engine loop runs; 503 once the loop has
+stopped, so a supervisor restarts the process) and `/readyz` (database, engine, migrations; 503
+`draining` from SIGTERM on, so a load balancer stops sending it requests: app/ops/drain.py; the
+KV store's state is detail: a store that turned itself off costs recomputes, not readiness)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(state: StateDep) -> JSONResponse:
+    if not state.runtime.is_running:
+        return JSONResponse(
+            {"status": "engine_stopped", "replica": state.replica_id}, status_code=503
+        )
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/readyz")
@@ -33,6 +39,13 @@ async def readyz(state: StateDep) -> JSONResponse:
         checks["migrations"] = False
         checks["database_error"] = str(e).splitlines()[0][:200]
     checks["engine"] = state.runtime.is_running
+    store = state.runtime.kv_store
+    if store is not None:
+        checks["kv_store"] = {
+            "active": store.enabled,
+            "reason": store.disabled_reason,
+            "errors": store.num_errors,
+        }
     coordination = await state.coord.healthy()
     checks["coordination"] = {"backend": state.coord.name, "healthy": coordination}
     ready = bool(checks["database"] and checks["migrations"] and checks["engine"])

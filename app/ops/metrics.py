@@ -108,6 +108,8 @@ KV_STORE_COUNTERS = {
     "skipped": "KV store files not used (corrupt, partial, another model's).",
     "writes": "Blocks written to the KV store.",
     "evictions": "KV store files evicted by its byte cap.",
+    "dropped": "Copies queued for the KV store dropped unwritten (its queue at its cap, or the "
+    "store off).",
     "write_seconds": "The KV store writer thread's time.",
     "copy_seconds": "The engine thread's time copying blocks out for the KV store's writer "
     "(the write-behind's share of the turn's path).",
@@ -188,6 +190,20 @@ class EngineCollector(Collector):
             yield gauge("kv_store_blocks", "Blocks in the KV store.", store.num_blocks)
             for name, doc in KV_STORE_COUNTERS.items():
                 yield counter("kv_store_" + name, doc, getattr(store, name))
+            yield gauge(
+                "kv_store_enabled",
+                "1 while the KV store serves; 0 while it has turned itself off.",
+                1.0 if store.enabled else 0.0,
+            )
+            errors = CounterMetricFamily(
+                PREFIX + "kv_store_errors",
+                "Faults the KV store caught (each cost a recompute or a write), by what it was "
+                "doing and why.",
+                labels=["op", "reason"],
+            )
+            for (op, reason), count in sorted(store.errors.items()):
+                errors.add_metric([op, reason], count)
+            yield errors
         yield counter(
             "computed_prompt_tokens",
             "Prompt tokens computed (prefilled).",

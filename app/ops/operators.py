@@ -158,6 +158,14 @@ def kv_store_view(
         "skipped": store.skipped,
         "writes": store.writes,
         "evictions": store.evictions,
+        "dropped": store.dropped,
+        "pending_bytes": store.pending_bytes,
+        "active": store.enabled,
+        "disabled_reason": store.disabled_reason,
+        "errors": [
+            {"op": op, "reason": reason, "count": count}
+            for (op, reason), count in sorted(store.errors.items())
+        ],
         "write_seconds": store.write_seconds,
         "copy_seconds": store.copy_seconds,
         "blocks_queued": cache.blocks_to_store,

@@ -436,3 +436,6 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
         after = client.post("/v1/chat/completions", headers=headers, json={**body, "stream": False})
         assert after.status_code == 503 and "Retry-After" in after.headers
         assert client.get("/readyz").status_code == 503
+        # Liveness fails too, so a supervisor (Kubernetes, the fleet) restarts the process.
+        health = client.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "engine_stopped"
