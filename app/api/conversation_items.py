@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
+from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.conversations import ConversationOut
 from kvchat.app.schemas.present import conversation_out
 from kvchat.app.schemas.response_items import (
@@ -56,9 +57,10 @@ async def list_items(
 
 @router.post("/{conversation_id}/items", response_model=ItemList)
 async def add_items(
-    conversation_id: str, body: ItemsCreate, key: CurrentKey, state: StateDep
+    conversation_id: str, body: ItemsCreate, key: RateLimitedKey, state: StateDep
 ) -> ItemList:
-    """Add items after the current leaf (the leaf moves to the last one)."""
+    """Add items after the current leaf (the leaf moves to the last one); counted against the
+    key's request rate (storing and tokenizing items is work per byte)."""
     return await conversation_items.add_items(state, key.owner, conversation_id, body.items)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.chat import Message, Tool
-from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.state import StateDep
 from kvchat.app.turns.prompting import chat_messages, offered_tools
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
@@ -30,7 +31,8 @@ class TokenizeResponse(BaseModel):
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, key: CurrentKey, state: StateDep) -> Any:
+async def tokenize(body: TokenizeRequest, key: RateLimitedKey, state: StateDep) -> Any:
+    """Counted against the key's request rate like a chat request: tokenizing is work per byte."""
     from kvchat.app.schemas.chat import SamplingFields
 
     tools = offered_tools(SamplingFields(tools=body.tools)) if body.tools else None

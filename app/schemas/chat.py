@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -105,13 +106,15 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's extension; 0 is off.")
+    top_k: StrictInt | None = Field(
+        None, ge=0, le=INT32_MAX, description="vLLM's extension; 0 is off."
+    )
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past end-of-sequence.")
-    seed: int | None = Field(
+    seed: StrictInt | None = Field(
         None,
         ge=INT64_MIN,
         le=INT64_MAX,
@@ -119,7 +122,7 @@ class SamplingFields(BaseModel):
     )
     stop: str | list[str] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     tools: list[Tool] | None = None

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvchat.app.schemas.chat import NAME_PATTERN
 from kvchat.app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN
@@ -87,16 +95,16 @@ class ResponseCreate(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_output_tokens: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = Field(None, max_length=512)
     # kvchat's extensions (as on Chat Completions)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    top_k: StrictInt | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     # OpenAI's options kvchat does not do: refused when set
     background: bool | None = None

@@ -374,3 +374,27 @@ def test_a_burst_through_the_service_answers_429_past_the_limit(
         reset = float(r.headers["x-ratelimit-reset-requests"].removesuffix("s"))
         assert 12 <= retry <= 72 and math.isclose(retry, reset, abs_tol=1.05)
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_tokenize_and_items_count_against_the_request_rate(dev_model: Path, tmp_path: Path) -> None:
+    """Work per byte is rate-limited like chat: a burst of chat and tokenize requests against
+    a limit of 5 admits 5 in all."""
+    from kvchat.app.main import create_app
+
+    config = service_settings(dev_model, tmp_path, None)
+    config.rate_limit_requests = 5
+    with TestClient(create_app(config)) as client:
+        state = client.app.state.kvchat  # type: ignore[attr-defined]
+        _, key = client.portal.call(state.store.create_key, "limited")
+        headers = {"Authorization": f"Bearer {key}"}
+        messages = [{"role": "user", "content": "hi"}]
+        chat = {"model": str(state.runtime.model_name), "max_tokens": 1, "messages": messages}
+        codes = [client.post("/v1/chat/completions", headers=headers, json=chat).status_code]
+        codes += [
+            client.post("/v1/tokenize", headers=headers, json={"messages": messages}).status_code
+            for _ in range(6)
+        ]
+        assert codes == [200] * 5 + [429] * 2
+        limited = client.post("/v1/tokenize", headers=headers, json={"messages": messages})
+        assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+        assert limited.headers["x-ratelimit-remaining-requests"] == "0"

@@ -50,6 +50,26 @@ def conversation_of(service: Service, response: dict[str, Any]) -> str:
 
 BAD_BODIES: list[tuple[str, dict[str, Any], int, str]] = [
     ("no input", {"model": "dev"}, 400, "input"),
+    # Integers are integers, as OpenAI's API has them: no numeric strings, no booleans.
+    (
+        "max_output_tokens a string",
+        {"input": "hi", "max_output_tokens": "8"},
+        400,
+        "max_output_tokens",
+    ),
+    (
+        "max_output_tokens a boolean",
+        {"input": "hi", "max_output_tokens": True},
+        400,
+        "max_output_tokens",
+    ),
+    (
+        "max_output_tokens a float",
+        {"input": "hi", "max_output_tokens": 8.5},
+        400,
+        "max_output_tokens",
+    ),
+    ("seed a string", {"input": "hi", "seed": "7"}, 400, "seed"),
     ("input not text or items", {"input": 5}, 400, "input"),
     ("empty input", {"input": []}, 400, "input"),
     ("empty string", {"input": ""}, 400, "input"),
