@@ -7,13 +7,13 @@ import binascii
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, delete, or_, select
+from sqlalchemy import CursorResult, and_, delete, or_, select, update
 
 from kvchat.app.store.column_types import utcnow
 from kvchat.app.store.queries import bump_tree, has_message, owned_conversation
 from kvchat.app.store.records import OVERRIDE_FIELDS, ConversationRecord
 from kvchat.app.store.store_base import StoreBase, check_fields
-from kvchat.app.store.tables import Conversation, new_id
+from kvchat.app.store.tables import Conversation, Message, new_id
 
 # What update_conversation() may set (None clears a field).
 UPDATABLE_FIELDS = (
@@ -120,8 +120,25 @@ class ConversationStore(StoreBase):
             return ConversationRecord.of(row)
 
     async def delete_conversation(self, owner: str, conversation_id: str) -> bool:
-        """Delete it with its messages and summaries; False if there is no such conversation."""
+        """Delete it with its messages and summaries; False if there is no such conversation.
+
+        The messages go by conversation id, not by walking the tree: their parent links are
+        cut first, so no cascade recurses down a branch (SQLite stops recursive foreign-key
+        actions at a depth of 1,000, which a long agent loop's branch passes)."""
         async with self._write() as session:
+            owned = await session.scalar(
+                select(Conversation.id).where(
+                    Conversation.id == conversation_id, Conversation.owner == owner
+                )
+            )
+            if owned is None:
+                return False
+            await session.execute(
+                update(Message)
+                .where(Message.conversation_id == conversation_id, Message.parent_id.is_not(None))
+                .values(parent_id=None)
+            )
+            await session.execute(delete(Message).where(Message.conversation_id == conversation_id))
             result = cast(
                 CursorResult[Any],
                 await session.execute(

@@ -183,3 +183,46 @@ async def test_delete_cascades_to_messages_and_summaries(
     assert counts == [
         dict(doomed_messages=0, doomed_summaries=0, kept_messages=4, kept_summaries=1)
     ]
+
+
+async def test_a_conversation_of_any_length_can_be_deleted(store: Store) -> None:
+    """A branch of 5,000 messages (a long agent loop): SQLite's recursive foreign-key actions
+    stop at a depth of 1,000, so a delete that walks the tree by cascade fails there."""
+    from sqlalchemy import insert
+
+    from kvchat.app.store.column_types import utcnow
+    from kvchat.app.store.database import create_engine
+    from kvchat.app.store.tables import Message
+
+    long = await store.create_conversation("alice")
+    kept = await store.create_conversation("alice")
+    kept_message = await store.add_message(kept.id, parent_id=None, role="user", content="x")
+    now = utcnow()
+    rows, parent = [], None
+    for i in range(5000):
+        rows.append(
+            dict(
+                id=f"msg_long{i:05d}",
+                conversation_id=long.id,
+                parent_id=parent,
+                role="user" if i % 2 == 0 else "assistant",
+                content=str(i),
+                status="complete",
+                created_at=now,
+                updated_at=now,
+            )
+        )
+        parent = rows[-1]["id"]
+    engine = create_engine(store.url)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(insert(Message), rows)
+    finally:
+        await engine.dispose()
+    await store.update_conversation("alice", long.id, current_leaf_id=parent)
+
+    assert await store.delete_conversation("bob", long.id) is False  # not the owner's
+    assert await store.delete_conversation("alice", long.id) is True
+    assert await store.get_conversation("alice", long.id) is None
+    assert await store.branch(long.id, parent) == []
+    assert [m.id for m in await store.branch(kept.id, kept_message.id)] == [kept_message.id]
