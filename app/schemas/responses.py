@@ -68,6 +68,11 @@ class TextFormat(BaseModel):
         return self
 
 
+# Input items one request may carry (a longer history goes by previous_response_id or
+# conversation): each is stored as a message before the turn starts.
+MAX_INPUT_ITEMS = 4096
+
+
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -119,6 +124,11 @@ class ResponseCreate(BaseModel):
             raise ValueError("input must not be empty")
         if isinstance(value, list) and not value:
             raise ValueError("input must have at least one item")
+        if isinstance(value, list) and len(value) > MAX_INPUT_ITEMS:
+            raise ValueError(
+                f"input has {len(value)} items; at most {MAX_INPUT_ITEMS} are allowed per "
+                "request (continue a longer history with previous_response_id or conversation)"
+            )
         if not isinstance(value, str | list):
             raise ValueError("input must be a string or a list of input items")
         return value

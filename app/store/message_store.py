@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists, literal_column, select, update
+from sqlalchemy import delete, exists, literal_column, select, update
 from sqlalchemy.orm import aliased
 
 from kvchat.app.store.column_types import utcnow
@@ -96,6 +96,84 @@ class MessageStore(StoreBase):
                 conversation.updated_at = now
             await session.flush()
             return MessageRecord.of(row)
+
+    async def add_chain(
+        self,
+        conversation_id: str,
+        parent_id: str | None,
+        messages: Sequence[dict[str, Any]],
+        *,
+        move_leaf: bool,
+    ) -> list[MessageRecord]:
+        """Append `messages` (each: role, content and MESSAGE_FIELDS) as a chain under
+        parent_id (None: a new root), in one transaction (inserted in batches): all or none.
+        With move_leaf the conversation's current leaf becomes the last one."""
+        for m in messages:
+            if m["role"] not in ROLES:
+                raise ValueError(f"role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+            check_fields(
+                {k: v for k, v in m.items() if k not in ("role", "content")}, MESSAGE_FIELDS
+            )
+        if not messages:
+            return []
+        now = utcnow()
+        rows, parent = [], parent_id
+        for i, m in enumerate(messages):
+            fields = {k: v for k, v in m.items() if k not in ("role", "content")}
+            # Apart by a microsecond each: whatever lists by creation time keeps their order.
+            created = now + timedelta(microseconds=i)
+            row = Message(
+                id=new_id("msg_"),
+                conversation_id=conversation_id,
+                parent_id=parent,
+                role=m["role"],
+                content=m.get("content"),
+                status="complete",
+                created_at=created,
+                updated_at=created,
+                **_json_ready(fields),
+            )
+            rows.append(row)
+            parent = row.id
+        async with self._write() as session:
+            conversation = await session.get(Conversation, conversation_id)
+            if conversation is None:
+                raise LookupError(f"no conversation {conversation_id!r}")
+            if parent_id is not None and not await has_message(session, conversation_id, parent_id):
+                raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
+            await bump_tree(session, conversation_id, conversation)
+            session.add_all(rows)
+            if move_leaf:
+                conversation.current_leaf_id = rows[-1].id
+                conversation.updated_at = now
+            await session.flush()
+            return [MessageRecord.of(row) for row in rows]
+
+    async def remove_chain(self, conversation_id: str, message_ids: Sequence[str]) -> None:
+        """Take out messages that nothing else hangs from but each other (a request's input
+        that did not start): their links cut first, so no cascade recurses down the chain."""
+        if not message_ids:
+            return
+        ids = list(message_ids)
+        async with self._write() as session:
+            conversation = await session.get(Conversation, conversation_id)
+            if conversation is None:
+                return
+            await bump_tree(session, conversation_id, conversation)
+            await session.execute(
+                update(Message)
+                .where(Message.conversation_id == conversation_id, Message.id.in_(ids))
+                .values(parent_id=None)
+            )
+            await session.execute(
+                delete(Message).where(
+                    Message.conversation_id == conversation_id, Message.id.in_(ids)
+                )
+            )
+            if conversation.current_leaf_id in ids:
+                conversation.current_leaf_id = None
+            if conversation.trim_start_id in ids:
+                conversation.trim_start_id = None
 
     async def update_message(self, message_id: str, **fields: Any) -> MessageRecord:
         """Set any of UPDATABLE_FIELDS and bump updated_at; LookupError for an unknown id.

@@ -282,20 +282,24 @@ async def store_messages(
     *,
     move_leaf: bool,
 ) -> tuple[str, list[MessageRecord]]:
-    """Store `messages` as a chain under `parent_id` (ROOT: a new root), in order; returns
-    the last one's id (or `parent_id` when there are none) and the records."""
+    """Store `messages` as a chain under `parent_id` (ROOT: a new root), in order, in one
+    transaction; returns the last one's id (or `parent_id` when there are none) and the
+    records."""
     parent: str | None = None if parent_id == ROOT else parent_id
-    records = []
-    for m in messages:
-        record = await state.store.add_message(
-            conversation_id,
-            parent_id=parent,
-            role=m.role,
-            content=m.content,
-            tool_calls=list(m.tool_calls) if m.tool_calls else None,
-            tool_call_id=m.tool_call_id,
-            move_leaf=move_leaf,
-        )
-        records.append(record)
-        parent = record.id
+    records = await state.store.add_chain(
+        conversation_id,
+        parent,
+        [
+            {
+                "role": m.role,
+                "content": m.content,
+                "tool_calls": list(m.tool_calls) if m.tool_calls else None,
+                "tool_call_id": m.tool_call_id,
+            }
+            for m in messages
+        ],
+        move_leaf=move_leaf,
+    )
+    if records:
+        parent = records[-1].id
     return (parent or ROOT), records

@@ -30,6 +30,7 @@ from KV already in memory), `cache_write_tokens` (the rest: prefilled now, kept 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -95,6 +96,8 @@ from kvchat.app.turns.prompting import offered_tools, sampling_params
 from kvchat.app.turns.structured import output_grammar
 from kvchat.app.turns.turn import Turn
 from kvchat.inference import ChatMessage, CheckedRequest
+
+log = logging.getLogger(__name__)
 
 TITLE_CHARS = 80
 
@@ -204,11 +207,12 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
     elif system is not None:  # continuing one: this turn's, with the instructions
         instructions = joined(instructions or conv.system_prompt, system)
     await _previous_turn_ended(state, conv.id)
-    parent, imported = await store_messages(
-        state, conv.id, placement.parent_id, messages[:-1], move_leaf=False
-    )
-    record = response_record(body, model, imported[0].id if imported else None)
+    imported: list[MessageRecord] = []
     try:
+        parent, imported = await store_messages(
+            state, conv.id, placement.parent_id, messages[:-1], move_leaf=False
+        )
+        record = response_record(body, model, imported[0].id if imported else None)
         return await state.turns.start(
             key,
             conv.id,
@@ -220,14 +224,25 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
             reply_fields={"response": record},
             key_verified=True,
         )
-    except Exception as e:
-        # Nothing of a request that did not start stays behind.
+    except BaseException as e:
+        # Nothing of a request that did not start stays behind: also when its client went
+        # away (the cancellation) while its input was being stored.
+        await asyncio.shield(_forget_input(state, key.owner, conv.id, created, imported))
+        if isinstance(e, Exception):
+            raise renamed(api_error(e)) from e
+        raise
+
+
+async def _forget_input(
+    state: AppState, owner: str, conversation_id: str, created: bool, imported: list[MessageRecord]
+) -> None:
+    try:
         if created:
-            await state.store.delete_conversation(key.owner, conv.id)
+            await state.store.delete_conversation(owner, conversation_id)
         else:
-            for message in reversed(imported):
-                await state.store.delete_message(conv.id, message.id)
-        raise renamed(api_error(e)) from e
+            await state.store.remove_chain(conversation_id, [m.id for m in imported])
+    except Exception:  # the request's own error is the answer; this one is logged
+        log.exception("responses: removing the input of a request that did not start")
 
 
 async def _previous_turn_ended(state: AppState, conversation_id: str) -> None:

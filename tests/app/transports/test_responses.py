@@ -570,3 +570,73 @@ def test_a_stored_calls_only_reply_streams_as_its_call(service: Service) -> None
         done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
         assert [e["arguments"] for e in done] == [call["arguments"]]
         assert events[-1]["response"] == r
+
+
+def test_too_many_input_items_are_a_400_naming_the_limit(service: Service) -> None:
+    from kvchat.app.schemas.responses import MAX_INPUT_ITEMS
+
+    before = conversations(service)
+    items = [{"role": "user", "content": "x"}] * (MAX_INPUT_ITEMS + 1)
+    r = service.post("/v1/responses", {**SHORT, "input": items})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input" and str(MAX_INPUT_ITEMS) in error["message"]
+    assert conversations(service) == before
+
+
+def test_a_long_input_is_stored_in_one_transaction(service: Service) -> None:
+    """Hundreds of items become messages of the branch, in order, at once."""
+    items: list[dict[str, Any]] = []
+    for i in range(150):
+        items.append({"role": "user", "content": f"question {i}"})
+        items.append({"role": "assistant", "content": f"answer {i}"})
+    items.append({"role": "user", "content": "the last question"})
+    before = set(conversations(service))
+    r = service.post("/v1/responses", {**SHORT, "input": items})
+    assert r.status_code == 200, r.text
+    (conv,) = set(conversations(service)) - before
+    stored = messages(service, conv)
+    assert [m["content"] for m in stored[: len(items)]] == [i["content"] for i in items]
+    assert stored[-1]["role"] == "assistant"
+
+
+def test_a_request_cancelled_while_its_input_is_stored_leaves_nothing(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client goes away (its task is cancelled) while a hung database write holds its
+    input (an injected fault): the new conversation is removed as if it never started."""
+    import asyncio
+
+    from kvchat.app.schemas.responses import ResponseCreate
+    from kvchat.app.transports import responses as transport
+
+    state = service.state
+    entered = asyncio.Event()
+
+    async def hung(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await asyncio.sleep(3600)
+
+    async def scenario() -> list[Any]:
+        record, _ = await state.store.create_key("carol")
+        monkeypatch.setattr(state.store, "add_chain", hung)
+        body = ResponseCreate.model_validate(
+            {
+                **SHORT,
+                "input": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ],
+            }
+        )
+        task = asyncio.create_task(transport.start(state, record, body))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.undo()
+        page = await state.store.list_conversations("carol")
+        return list(page[0]) if isinstance(page, tuple) else list(page)
+
+    assert service.client.portal.call(scenario) == []
