@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 
 from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.response_items import ItemList
@@ -30,13 +30,24 @@ Order = Annotated[
     Literal["asc", "desc"], Query(description="By creation; OpenAI's default is desc.")
 ]
 Limit = Annotated[int, Query(ge=1, le=100)]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        description="A retry with the same key and body gets the first request's response.",
+    ),
+]
 
 
 @router.post("", response_model=ResponseObject, responses=STREAM)  # type: ignore[arg-type]
 async def create_response(
-    body: ResponseCreate, request: Request, key: RateLimitedKey, state: StateDep
+    body: ResponseCreate,
+    request: Request,
+    key: RateLimitedKey,
+    state: StateDep,
+    idempotency_key: IdempotencyKey = None,
 ) -> Any:
-    return await responses.create(state, key, body, request)
+    return await responses.create(state, key, body, request, idempotency_key)
 
 
 @router.get("/{response_id}", response_model=ResponseObject, responses=STREAM)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -63,6 +63,7 @@ from kvchat.app.transports.response_items import (
     joined,
     message_of_response,
     page,
+    response_id,
     split_system,
     store_messages,
     to_messages,
@@ -91,8 +92,10 @@ from kvchat.app.transports.responses_stream import (
 )
 from kvchat.app.turns.events import TurnDelta, TurnEvent
 from kvchat.app.turns.generation import Generation
+from kvchat.app.turns.idempotency import Replayed, run_once
 from kvchat.app.turns.pipeline import as_chat, turn_system, usable
 from kvchat.app.turns.prompting import offered_tools, sampling_params
+from kvchat.app.turns.service import EndHook
 from kvchat.app.turns.structured import output_grammar
 from kvchat.app.turns.turn import Turn
 from kvchat.inference import ChatMessage, CheckedRequest
@@ -185,9 +188,11 @@ async def input_messages(
 # -- starting one ---------------------------------------------------------------------------------
 
 
-async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn | Stateless:
+async def start(
+    state: AppState, key: KeyRecord, body: ResponseCreate, on_end: EndHook | None = None
+) -> Turn | Stateless:
     """Check the request, place it on the tree, store its input and start its turn (or, with
-    `store: false`, its stateless generation)."""
+    `store: false`, its stateless generation). `on_end` runs when the turn has ended."""
     model = state.runtime.model_name
     check_model(state, body.model or model)
     check_supported(body)
@@ -222,6 +227,7 @@ async def start(state: AppState, key: KeyRecord, body: ResponseCreate) -> Turn |
             instructions=instructions,
             truncation=body.truncation == "auto",
             reply_fields={"response": record},
+            on_end=on_end,
             key_verified=True,
         )
     except BaseException as e:
@@ -357,25 +363,86 @@ async def input_items(
 
 
 async def create(
-    state: AppState, key: KeyRecord, body: ResponseCreate, request: Request
+    state: AppState,
+    key: KeyRecord,
+    body: ResponseCreate,
+    request: Request,
+    idempotency_key: str | None = None,
 ) -> ResponseObject | StreamingResponse:
     """`POST /v1/responses`: the response once it has ended, or with `stream` its events. A
     client that leaves a stream lets the reply go on for the WebSocket's grace period (it may
     resume it with `GET /v1/responses/{id}?stream=true`); one that leaves a whole request
-    stops it."""
-    started = await start(state, key, body)
+    stops it. With an `Idempotency-Key` (stored responses), as on `/messages`: a retry with the
+    same key and body gets the first request's response instead of a second one, a retry of
+    an attempt that died regenerates its reply, another body is a 400."""
+    if idempotency_key is not None and body.store is not False:
+        result = await run_once(
+            state,
+            key.owner,
+            RESPONSES_SCOPE,
+            idempotency_key,
+            body.model_dump(mode="json", exclude_unset=True),
+            start=lambda on_end: _stored_turn(start(state, key, body, on_end)),
+            rerun=lambda user_id, on_end: _rerun(state, key, body, user_id, on_end),
+        )
+        if isinstance(result, Replayed):
+            if body.stream:
+                return await resume(state, key.owner, response_id(result.message.id), None)
+            return stored_response(state, result.message)
+        started: Turn | Stateless = result
+    else:
+        started = await start(state, key, body)
     model = state.runtime.model_name
     if isinstance(started, Stateless):
         if body.stream:
             return sse.sse_response(sse_lines(stateless_stream(state, started)))
         generation = started.generation
-        result = await sse.run_unless_disconnected(request, drained(generation), generation.stop)
-        return response_object(Reply.generated(started, result), model)
+        result_ = await sse.run_unless_disconnected(request, drained(generation), generation.stop)
+        return response_object(Reply.generated(started, result_), model)
     turn = started
     if body.stream:
         return sse.sse_response(sse_lines(watched(state, turn)))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
     return stored_response(state, final)
+
+
+# Idempotency records of the Responses API are the owner's, not a conversation's: the first
+# request may create its conversation.
+RESPONSES_SCOPE = "responses"
+
+
+async def _stored_turn(started: Awaitable[Turn | Stateless]) -> Turn:
+    turn = await started
+    assert isinstance(turn, Turn), "an idempotent response is a stored one"
+    return turn
+
+
+async def _rerun(
+    state: AppState, key: KeyRecord, body: ResponseCreate, user_message_id: str, on_end: EndHook
+) -> Turn:
+    """A retry of an attempt that died after storing its input: a new reply to that input's
+    last message (the interrupted reply stays beside it)."""
+    found = await state.store.owned_message(key.owner, user_message_id)
+    if found is None:
+        raise not_found("the input of the first request with this Idempotency-Key")
+    conv, _ = found
+    record = response_record(body, state.runtime.model_name, None)
+    instructions = body.instructions
+    try:
+        return await state.turns.start(
+            key,
+            conv.id,
+            sampling_fields(body),
+            new_message=None,
+            parent_id=user_message_id,
+            instructions=instructions,
+            truncation=body.truncation == "auto",
+            reply_fields={"response": record},
+            on_end=on_end,
+            key_verified=True,
+        )
+    except Exception as e:
+        raise renamed(api_error(e)) from e
 
 
 async def resume(

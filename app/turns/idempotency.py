@@ -67,7 +67,7 @@ async def run_once(
         return await start(_nothing)
     if not 1 <= len(idempotency_key) <= 255:
         raise invalid_request("Idempotency-Key must be 1-255 characters", "Idempotency-Key")
-    name = f"idem:{owner}:{conversation_id}:{idempotency_key}"
+    name = f"idem:{owner}:{conversation_id}:{idempotency_key}"  # conversation_id: or a scope
     digest = fingerprint(body)
     coord = state.coord
     attempt = {
@@ -130,6 +130,8 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
         attempt["id"],
         {
             "lock": turn.lock_token,
+            # The conversation the turn runs in (a Responses request may have created it).
+            "conversation_id": turn.conversation_id,
             "user_message_id": turn.user_message.id if turn.user_message else None,
             "reply_id": turn.message_id,
         },

@@ -7,6 +7,7 @@ test_responses_server.py."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -640,3 +641,42 @@ def test_a_request_cancelled_while_its_input_is_stored_leaves_nothing(
         return list(page[0]) if isinstance(page, tuple) else list(page)
 
     assert service.client.portal.call(scenario) == []
+
+
+def test_an_idempotency_key_answers_a_retry_with_the_first_response(service: Service) -> None:
+    before = set(conversations(service))
+    body = {**SHORT, "input": "Remember this once."}
+    key = {"Idempotency-Key": "responses-retry-1"}
+    first = service.post("/v1/responses", body, headers=key)
+    again = service.post("/v1/responses", body, headers=key)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["output"] == first.json()["output"]
+    assert len(set(conversations(service)) - before) == 1  # one conversation, not two
+    other = service.post("/v1/responses", {**body, "input": "Another request."}, headers=key)
+    assert other.status_code == 400
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    # Continuing it: a retry adds no second sibling branch.
+    follow = {**SHORT, "input": "And then?", "previous_response_id": first.json()["id"]}
+    key2 = {"Idempotency-Key": "responses-retry-2"}
+    one = service.post("/v1/responses", follow, headers=key2)
+    two = service.post("/v1/responses", follow, headers=key2)
+    assert one.status_code == two.status_code == 200
+    assert one.json()["id"] == two.json()["id"]
+    (conv,) = set(conversations(service)) - before
+    users = [m for m in messages(service, conv) if m["content"] == "And then?"]
+    assert len(users) == 1
+    # A streamed request's retry streams the first one's events.
+    key3 = {**service.headers(), "Idempotency-Key": "responses-retry-3"}
+    stream = {**SHORT, "input": "Stream it.", "stream": True}
+    first_stream = service.client.post("/v1/responses", json=stream, headers=key3)
+    retry_stream = service.client.post("/v1/responses", json=stream, headers=key3)
+    assert first_stream.status_code == retry_stream.status_code == 200
+    ids = re.findall(r'"id": ?"(resp_[0-9a-zA-Z]+)"', first_stream.text)
+    assert ids and ids[0] in retry_stream.text
+    kinds = re.findall(r"event: (\S+)", first_stream.text)
+    assert kinds[0] == "response.created" and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert re.findall(r"event: (\S+)", retry_stream.text) == kinds
