@@ -301,8 +301,12 @@ class Coordinator(abc.ABC):
         finished, or another retry took it over first)."""
 
     @abc.abstractmethod
-    async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
-        """Store the first request's result; later requests with the key get it."""
+    async def idempotency_finish(
+        self, key: str, result: dict[str, Any], ttl: float, attempt_id: str | None = None
+    ) -> None:
+        """Store the first request's result; later requests with the key get it. With
+        `attempt_id`, only while that attempt still runs the record (an attempt a retry took
+        over, or whose record a retry abandoned, never writes over it)."""
 
     @abc.abstractmethod
     async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:

@@ -201,7 +201,11 @@ class LocalCoordinator(Coordinator):
         self._idempotency[key] = (new, expires)
         return new
 
-    async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
+    async def idempotency_finish(
+        self, key: str, result: dict[str, Any], ttl: float, attempt_id: str | None = None
+    ) -> None:
+        if attempt_id is not None and self._running(key, attempt_id) is None:
+            return
         record = self._live(key)
         fingerprint = record.fingerprint if record is not None else ""
         attempt = record.attempt if record is not None else {}

@@ -93,6 +93,18 @@ local encoded = cjson.encode(record)
 redis.call('set', KEYS[1], encoded, 'KEEPTTL')
 return encoded
 """
+# Finish a record with its result (ARGV[2], JSON; ARGV[3]: its TTL in ms) if the attempt
+# ARGV[1] still runs it; 1 if it did.
+IDEMPOTENCY_FINISH = """
+local raw = redis.call('get', KEYS[1])
+if not raw then return 0 end
+local record = cjson.decode(raw)
+if record.result ~= cjson.null and record.result ~= nil then return 0 end
+if record.attempt == nil or record.attempt.id ~= ARGV[1] then return 0 end
+record.result = cjson.decode(ARGV[2])
+redis.call('set', KEYS[1], cjson.encode(record), 'PX', ARGV[3])
+return 1
+"""
 IDEMPOTENCY_ABANDON = """
 if ARGV[1] == '' then return redis.call('del', KEYS[1]) end
 local raw = redis.call('get', KEYS[1])
@@ -363,15 +375,27 @@ class RedisCoordinator(Coordinator):
             work, lambda: self.local.idempotency_takeover(key, dead_attempt_id, attempt)
         )
 
-    async def idempotency_finish(self, key: str, result: dict[str, Any], ttl: float) -> None:
+    async def idempotency_finish(
+        self, key: str, result: dict[str, Any], ttl: float, attempt_id: str | None = None
+    ) -> None:
         async def work() -> None:
+            if attempt_id is not None:
+                await self.redis.eval(
+                    IDEMPOTENCY_FINISH,
+                    1,
+                    self.prefix + key,
+                    attempt_id,
+                    json.dumps(result),
+                    str(int(ttl * 1000)),
+                )
+                return
             current = await self._idempotency_get(key)
             record = IdempotencyRecord(
                 current.fingerprint if current else "", result, current.attempt if current else {}
             )
             await self.redis.set(self.prefix + key, json.dumps(record.record()), px=int(ttl * 1000))
 
-        await self._call(work, lambda: self.local.idempotency_finish(key, result, ttl))
+        await self._call(work, lambda: self.local.idempotency_finish(key, result, ttl, attempt_id))
 
     async def idempotency_abandon(self, key: str, attempt_id: str | None = None) -> None:
         async def work() -> None:

@@ -7,8 +7,9 @@ its turn lock's token and the user message it stored. A retry of an attempt stil
 waits for its reply; of one whose process died (its turn lock gone without a result, or its
 process known dead), it takes the record over and re-runs it: a reply to the user message
 the dead attempt already stored (the interrupted reply stays beside it as a sibling), or the
-whole request when nothing was stored. A retry never waits on a dead attempt longer than the
-turn lock's TTL, so it always gets an answer within seconds.
+whole request when nothing was stored. An attempt whose turn lost its lock (its process hung
+past the lock's TTL) counts as dead: its cut-off reply is never replayed. A retry never waits
+on a dead attempt longer than the turn lock's TTL, so it always gets an answer within seconds.
 """
 
 from __future__ import annotations
@@ -111,11 +112,14 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
     coord = state.coord
 
     async def finished(turn: Turn) -> None:
-        if turn.final is not None:
+        if turn.lock_lost:  # cut off: a retry takes it over as from a dead attempt
+            await coord.idempotency_progress(name, attempt["id"], {"lost": True})
+        elif turn.final is not None:
             await coord.idempotency_finish(
                 name,
                 {"message_id": turn.final.id, "conversation_id": turn.conversation_id},
                 IDEMPOTENCY_TTL,
+                attempt["id"],
             )
         else:  # nothing to replay: a retry starts afresh
             await coord.idempotency_abandon(name, attempt["id"])
@@ -141,7 +145,7 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
 
 async def _alive(state: AppState, attempt: dict[str, Any]) -> bool:
     """Whether the attempt that runs a record can still finish it."""
-    if state.identity.is_dead(attempt):
+    if attempt.get("lost") or state.identity.is_dead(attempt):
         return False
     lock = attempt.get("lock")
     if isinstance(lock, str):

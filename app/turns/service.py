@@ -216,7 +216,7 @@ class TurnService:
         except BaseException:
             await held.release()
             raise
-        held.on_lost = turn.stop
+        held.on_lost = turn.lose_lock
         self._running[conv.id] = turn
         turn.publish(TurnStarted(reply.id, reply.parent_id))
         turn.task = state.spawn(self._run(turn, held, prepared, unsubscribe, on_end))

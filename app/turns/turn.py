@@ -26,6 +26,7 @@ class Turn:
     assistant_message: MessageRecord
     generation: Generation
     lock_token: str | None = None  # the token of the turn lock it holds
+    lock_lost: bool = False  # its lock expired or was taken over: another process may run one
     log: list[TurnEvent] = field(default_factory=list)
     text: str = ""  # the text published so far
     text_sent: int = 0  # len(text): the next delta's offset
@@ -70,6 +71,12 @@ class Turn:
     def stop(self) -> None:
         """End the generation at the next engine step; the reply is stored with what it has."""
         self.generation.stop()
+
+    def lose_lock(self) -> None:
+        """Its turn lock was lost (this process hung past its TTL, say): stop, and let a retry
+        under its Idempotency-Key run it again rather than replay the cut-off reply."""
+        self.lock_lost = True
+        self.stop()
 
     async def events(self) -> AsyncIterator[TurnEvent]:
         """Every event of the turn from its start, live, up to the terminal one."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -603,3 +604,61 @@ def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service)
     latest = service.client.portal.call(store.latest_summary, conv)
     assert latest is not None and latest.num_tokens <= 64 // 4
     assert service.state.runtime.history.session(conv).summaries >= 2
+
+
+def test_a_turn_cut_off_by_a_lost_lock_is_run_again_by_its_retry(
+    dev_model: Path, tmp_path: Path
+) -> None:
+    """A process that hangs past its turn lock's TTL (here: its lock released under it, an
+    injected fault) stops its turn; the client's retry with the same key and body gets a new
+    reply, not the cut-off one, and a further retry replays that new reply."""
+    from fastapi.testclient import TestClient
+
+    from kvchat.app.main import create_app
+    from kvchat.app.turns.service import lock_key
+    from kvchat_testing.app_service import service_settings
+
+    settings = service_settings(dev_model, tmp_path, None).model_copy(update={"turn_lock_ttl": 0.6})
+    app = create_app(settings)
+    with TestClient(app) as client:
+        state = app.state.kvchat
+        _, key = client.portal.call(state.store.create_key, "alice")
+        auth = {"Authorization": f"Bearer {key}"}
+        conv = client.post("/v1/conversations", json={}, headers=auth).json()["id"]
+        retry = {**auth, "Idempotency-Key": "cut-off-1"}
+        body = {"content": "Go on and on", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with client.stream(
+            "POST", f"/v1/conversations/{conv}/messages", json=body, headers=retry
+        ) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if '"delta"' in line:  # generating: its lock is held
+                    break
+            turn = state.turns.running(conv)
+            assert turn is not None and turn.lock_token is not None
+            client.portal.call(state.coord.lock_release, lock_key(conv), turn.lock_token)
+            rest = "\n".join(lines)
+        assert '"cancelled"' in rest, rest[-500:]
+        assert turn.lock_lost
+        first = branch(client_service(client, auth), conv)[-1]
+        assert first["status"] == "cancelled"
+
+        again = client.post(f"/v1/conversations/{conv}/messages", json=body, headers=retry)
+        assert again.status_code == 200, again.text
+        done = [m for m in branch(client_service(client, auth), conv)]
+        assert done[-1]["status"] == "complete" and done[-1]["id"] != first["id"]
+        replay = client.post(f"/v1/conversations/{conv}/messages", json=body, headers=retry)
+        assert replay.status_code == 200
+        assert done[-1]["id"] in replay.text
+        users = [m for m in done if m["role"] == "user"]
+        assert len(users) == 1  # the user's message was stored once
+
+
+def client_service(client: Any, auth: dict[str, str]) -> Any:
+    """Enough of a Service for branch(): its get() with this key."""
+
+    class Reader:
+        def get(self, path: str, **kw: Any) -> Any:
+            return client.get(path, headers=auth, **kw)
+
+    return Reader()

@@ -191,9 +191,18 @@ async def test_idempotency_attempts_progress_and_are_taken_over_once(
     loser = "r2" if winners[0].attempt["id"] == "r1" else "r1"
     await coord.idempotency_abandon("idem:t", loser)  # not the loser's: kept
     assert await coord.idempotency_get("idem:t") is not None
-    await coord.idempotency_finish("idem:t", {"message_id": "m"}, 60)
-    assert await coord.idempotency_takeover("idem:t", winners[0].attempt["id"], {}) is None
-    await coord.idempotency_abandon("idem:t", winners[0].attempt["id"])  # finished: kept
+    # The dead attempt comes back (a hung replica resumed): it cannot finish what a retry
+    # runs now, nor leave a record whose body a retry would not match.
+    await coord.idempotency_finish("idem:t", {"message_id": "cut-off"}, 60, "a1")
+    running = await coord.idempotency_get("idem:t")
+    assert running is not None and running.result is None and running.fingerprint == "fp"
+    await coord.idempotency_abandon("idem:t", winners[0].attempt["id"])
+    await coord.idempotency_finish("idem:t", {"message_id": "late"}, 60, "a1")
+    assert await coord.idempotency_get("idem:t") is None  # abandoned stays abandoned
+    assert await coord.idempotency_begin("idem:t", "fp", 60, {"id": "r3"}) is None
+    await coord.idempotency_finish("idem:t", {"message_id": "m"}, 60, "r3")
+    assert await coord.idempotency_takeover("idem:t", "r3", {}) is None
+    await coord.idempotency_abandon("idem:t", "r3")  # finished: kept
     done = await coord.idempotency_get("idem:t")
     assert done is not None and done.result == {"message_id": "m"}
 
