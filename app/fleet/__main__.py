@@ -1,4 +1,4 @@
-"""`python -m app.fleet`: write deploy/haproxy.cfg, docker-compose's HAProxy configuration,
+"""`python -m kvchat.app.fleet`: write deploy/haproxy.cfg, docker-compose's HAProxy configuration,
 from the one template (a test checks the committed file is its rendering)."""
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """HAProxyConfig: the HAProxy configuration of a fleet, rendered from the one template
 (app/fleet/haproxy.cfg.j2) for `kvchat fleet`, the tests, the benchmark and docker-compose
-(deploy/haproxy.cfg is its rendering for two replicas: `python -m app.fleet` writes it
+(deploy/haproxy.cfg is its rendering for two replicas: `python -m kvchat.app.fleet` writes it
 again)."""
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ class HAProxyConfig:
     """`balance`: "affinity" (consistent hash of the routing key; the fleet's) or a plain
     HAProxy algorithm for comparison (the benchmark's round-robin). Health checks of
     `/readyz` every `check_interval_ms`: `fall` failures take a replica out, `rise`
-    successes put it back."""
+    successes put it back; a check unanswered after `check_timeout_ms` fails (a hung replica,
+    SIGSTOPped or wedged, is out within about fall x (check_timeout + check_interval))."""
 
     servers: tuple[ReplicaAddress, ...]
     bind: str = "127.0.0.1:8080"
     stats_bind: str | None = "127.0.0.1:8404"
     balance: Balance = "affinity"
     check_interval_ms: int = 1000
+    check_timeout_ms: int = 2000
     fall: int = 2
     rise: int = 2
     bufsize: int = 64 * 1024
@@ -67,6 +69,8 @@ class HAProxyConfig:
             raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
         if self.check_interval_ms < 10:
             raise ValueError(f"check_interval_ms must be >= 10, got {self.check_interval_ms}")
+        if self.check_timeout_ms < 10:
+            raise ValueError(f"check_timeout_ms must be >= 10, got {self.check_timeout_ms}")
         if self.fall < 1 or self.rise < 1:
             raise ValueError("fall and rise must be >= 1")
         if self.bufsize < 16 * 1024:
@@ -94,6 +98,7 @@ class HAProxyConfig:
             stats_bind=self.stats_bind,
             balance=self.balance,
             check_interval_ms=self.check_interval_ms,
+            check_timeout_ms=self.check_timeout_ms,
             fall=self.fall,
             rise=self.rise,
             bufsize=self.bufsize,
