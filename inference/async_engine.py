@@ -40,6 +40,7 @@ from .engine_config import EngineConfig
 from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
 from .engine_thread import EngineThread
 from .errors import EngineDeadError, InvalidRequestError
+from .host_memory import HeapTrimmer
 from .priority import PRIORITY_NORMAL
 from .request_checks import CheckedRequest
 from .request_output import RequestOutput
@@ -245,8 +246,11 @@ class AsyncEngine:
     # -- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        trimmer = HeapTrimmer() if self.engine.device.type == "cpu" else None
         try:
             while not self._stop.is_set():
+                if trimmer is not None:
+                    trimmer.maybe_trim()
                 if not self.engine.has_unfinished_requests():
                     if self._stop_when_idle.is_set():
                         return

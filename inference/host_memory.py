@@ -8,7 +8,14 @@ threshold, so each step's big tensors first-touch fresh pages: page faults that 
 batch-16 step on the bench model about 3 ms of ~44. Setting the threshold to 32 MiB (the
 ceiling of glibc's own adjustment on 64-bit systems) and keeping up to 1 GiB of freed heap
 lets those blocks be reused, as a caching allocator (torch's CUDA one, jemalloc, tcmalloc)
-would. Tensors above 32 MiB still come from mmap. Other C libraries are left alone."""
+would. Tensors above 32 MiB still come from mmap. Other C libraries are left alone.
+
+Kept freed memory must not pile up in a server that runs for days: blocks of sizes it sees once
+(prompts of every length) leave holes inside the heaps that the trim threshold never returns,
+and every thread that allocates gets an arena of its own that keeps its own. So the arenas are
+capped at ARENA_MAX, and `HeapTrimmer` has the engine thread call malloc_trim(0) (which also
+gives back whole free pages inside each arena) every TRIM_INTERVAL_S: one step in that many
+seconds first-touches its pages again, and RSS stays flat (bench/soak.py measures it)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import ctypes
 import logging
 import platform
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,8 +32,11 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 2**30
+ARENA_MAX = 2
+TRIM_INTERVAL_S = 30.0
 
 _lock = threading.Lock()
 _applied: bool | None = None
@@ -53,8 +65,10 @@ def _apply() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    ok = (
+        bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        and bool(libc.mallopt(M_ARENA_MAX, ARENA_MAX))
     )
     log.debug(
         "glibc malloc: mmap threshold %d, trim threshold %d: %s",
@@ -63,6 +77,30 @@ def _apply() -> bool:
         "set" if ok else "refused",
     )
     return ok
+
+
+class HeapTrimmer:
+    """Calls `release_freed_memory` at most once every `interval` seconds (`clock`: monotonic
+    seconds, injectable); the engine thread asks after each step and while idle."""
+
+    def __init__(
+        self, interval: float = TRIM_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.last = clock()
+        self.num_trims = 0
+
+    def maybe_trim(self) -> bool:
+        """Trim if `interval` has passed since the last one; True when it trimmed."""
+        now = self.clock()
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        if release_freed_memory():
+            self.num_trims += 1
+            return True
+        return False
 
 
 def release_freed_memory() -> bool:

@@ -98,3 +98,50 @@ def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
     if platform.system() == "Linux" and _thp_mode() in ("always", "madvise") and arena.huge:
         # 1.5 MiB + 2 MiB placed from a 2 MiB boundary: at least one huge page faulted in
         assert _anon_huge_kib() - before >= HUGE_PAGE // 1024
+
+
+def test_the_heap_trimmer_trims_once_per_interval() -> None:
+    from kvchat.inference.host_memory import HeapTrimmer
+
+    now = [100.0]
+    trimmer = HeapTrimmer(interval=30.0, clock=lambda: now[0])
+    assert not trimmer.maybe_trim()  # just made
+    now[0] += 29.9
+    assert not trimmer.maybe_trim()
+    now[0] += 0.2
+    assert trimmer.maybe_trim() and trimmer.num_trims == 1  # glibc here: it trimmed
+    assert not trimmer.maybe_trim()
+    now[0] += 30.0
+    assert trimmer.maybe_trim() and trimmer.num_trims == 2
+
+
+def test_trimming_gives_freed_heap_back() -> None:
+    """Freed blocks kept by the thresholds above are resident until a trim returns them."""
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", TRIM_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    kept, after = (int(x) for x in out.stdout.split())
+    assert kept - after > 64 * 1024  # KiB: most of the ~256 MiB freed goes back
+
+
+TRIM_PROBE = """
+import ctypes
+from kvchat.inference.host_memory import keep_freed_memory, release_freed_memory
+
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+
+assert keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+blocks = [libc.malloc(1 << 20) for _ in range(256)]  # 256 MiB in blocks under the mmap threshold
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 20)
+keep = libc.malloc(64)  # a live block above them: the heap's top cannot shrink past it
+for b in blocks:
+    libc.free(ctypes.c_void_p(b))
+kept = rss()
+assert release_freed_memory()
+print(kept, rss())
+"""
