@@ -1,5 +1,5 @@
 """Every benchmark runs as its docstring prints it (`python bench/<script>.py`), from the
-repository root of a fresh checkout, not only as `python -m bench.<script>`."""
+repository root of a fresh checkout, not only as `python -m kvchat.bench.<script>`."""
 
 from __future__ import annotations
 

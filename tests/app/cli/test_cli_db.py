@@ -21,7 +21,7 @@ runner = CliRunner()
 
 
 def cli(*args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m app.cli.db ARGS` in a fresh process, on the default database of data_dir."""
+    """`python -m kvchat.app.cli.db ARGS` in a fresh process, on data_dir's default database."""
     env = {k: v for k, v in os.environ.items() if k != "KVCHAT_DATABASE_URL"}
     if data_dir is not None:
         env["KVCHAT_DATA_DIR"] = str(data_dir)

@@ -69,7 +69,7 @@ def test_compose_runs_haproxy_two_replicas_sharing_a_kv_volume_postgres_and_redi
 def test_deploy_haproxy_cfg_is_the_template_rendered_and_haproxy_accepts_it() -> None:
     path = REPO / "deploy" / "haproxy.cfg"
     assert path.read_text() == HAProxyConfig.compose().render(), (
-        "deploy/haproxy.cfg is stale: run `python -m app.fleet`"
+        "deploy/haproxy.cfg is stale: run `python -m kvchat.app.fleet`"
     )
     check = subprocess.run(
         [haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60
