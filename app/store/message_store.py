@@ -67,35 +67,13 @@ class MessageStore(StoreBase):
         """Append a message under parent_id (None: a new root) and commit it; with move_leaf
         the conversation's current leaf becomes this message. LookupError for an unknown
         conversation, ValueError for a parent from elsewhere or a bad role or status."""
-        check_fields(fields, MESSAGE_FIELDS)
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        _check_status(status)
-        now = utcnow()
-        row = Message(
-            id=new_id("msg_"),
-            conversation_id=conversation_id,
-            parent_id=parent_id,
-            role=role,
-            content=content,
-            status=status,
-            created_at=now,
-            updated_at=now,
-            **_json_ready(fields),
+        (record,) = await self.add_chain(
+            conversation_id,
+            parent_id,
+            [{"role": role, "content": content, "status": status, **fields}],
+            move_leaf=move_leaf,
         )
-        async with self._write() as session:
-            conversation = await session.get(Conversation, conversation_id)
-            if conversation is None:
-                raise LookupError(f"no conversation {conversation_id!r}")
-            if parent_id is not None and not await has_message(session, conversation_id, parent_id):
-                raise ValueError(f"parent {parent_id!r} is not a message of {conversation_id}")
-            await bump_tree(session, conversation_id, conversation)
-            session.add(row)
-            if move_leaf:
-                conversation.current_leaf_id = row.id
-                conversation.updated_at = now
-            await session.flush()
-            return MessageRecord.of(row)
+        return record
 
     async def add_chain(
         self,
@@ -105,21 +83,21 @@ class MessageStore(StoreBase):
         *,
         move_leaf: bool,
     ) -> list[MessageRecord]:
-        """Append `messages` (each: role, content and MESSAGE_FIELDS) as a chain under
-        parent_id (None: a new root), in one transaction (inserted in batches): all or none.
-        With move_leaf the conversation's current leaf becomes the last one."""
-        for m in messages:
-            if m["role"] not in ROLES:
-                raise ValueError(f"role must be one of {', '.join(ROLES)}, got {m['role']!r}")
-            check_fields(
-                {k: v for k, v in m.items() if k not in ("role", "content")}, MESSAGE_FIELDS
-            )
+        """Append `messages` (each: role, content, status ("complete" if absent) and
+        MESSAGE_FIELDS) as a chain under parent_id (None: a new root), in one transaction
+        (inserted in batches): all or none. With move_leaf the conversation's current leaf
+        becomes the last one. Errors as add_message's."""
         if not messages:
             return []
         now = utcnow()
         rows, parent = [], parent_id
         for i, m in enumerate(messages):
-            fields = {k: v for k, v in m.items() if k not in ("role", "content")}
+            fields = {k: v for k, v in m.items() if k not in ("role", "content", "status")}
+            check_fields(fields, MESSAGE_FIELDS)
+            if m["role"] not in ROLES:
+                raise ValueError(f"role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+            status = m.get("status", "complete")
+            _check_status(status)
             # Apart by a microsecond each: whatever lists by creation time keeps their order.
             created = now + timedelta(microseconds=i)
             row = Message(
@@ -128,7 +106,7 @@ class MessageStore(StoreBase):
                 parent_id=parent,
                 role=m["role"],
                 content=m.get("content"),
-                status="complete",
+                status=status,
                 created_at=created,
                 updated_at=created,
                 **_json_ready(fields),
