@@ -1,6 +1,7 @@
 """A burst against the per-key rate limit through the server, on a real Redis: with
 `KVCHAT_RATE_LIMIT_REQUESTS=5`, 30 requests sent at once admit exactly 5; the others get 429
-in OpenAI's shape with `Retry-After`. Three bursts per route, each on a key of its own."""
+in OpenAI's shape with `Retry-After`. Three bursts per route (chat, turns, and tokenizing, which
+is work per byte too), each on a key of its own."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield server
 
 
-@pytest.mark.parametrize("route", ["chat completions", "conversation turns"])
+@pytest.mark.parametrize("route", ["chat completions", "conversation turns", "tokenize"])
 def test_bursts_admit_exactly_the_limit(server: Server, route: str) -> None:
     admitted = [burst(server, route) for _ in range(BURSTS)]
     assert admitted == [LIMIT] * BURSTS, f"admitted per burst of {BURST}: {admitted}"
@@ -62,6 +63,12 @@ def burst(server: Server, route: str) -> int:
                     "max_tokens": 1,
                     "messages": [{"role": "user", "content": f"burst {i}"}],
                 },
+            )
+        if route == "tokenize":  # work per byte, limited like chat
+            return client.build_request(
+                "POST",
+                "/v1/tokenize",
+                json={"messages": [{"role": "user", "content": f"burst {i} " * 200}]},
             )
         return client.build_request(
             "POST",
