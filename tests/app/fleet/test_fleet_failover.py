@@ -301,3 +301,28 @@ def test_a_restarted_replica_loads_its_conversations_from_the_kv_store(fleet: Fl
         - loaded_before
     )
     assert loaded == after.usage["cached_tokens"]  # all of it from the store: memory was new
+
+
+def test_a_hung_replica_leaves_the_rotation_and_its_conversation_goes_on(fleet: Fleet) -> None:
+    """SIGSTOP the replica serving a conversation: HAProxy's health checks time out and take it
+    out of rotation (seconds: check_timeout_ms), and the conversation's next turn, retried by
+    the openai client under its Idempotency-Key, is answered by another replica. SIGCONT brings
+    it back."""
+    assert fleet.admin_key is not None
+    api = Api(fleet.url, fleet.admin_key)
+    conv = api.new_conversation()
+    victim = api.turn(conv, "Before the hang.").replica
+    process = fleet.replica(victim).process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        fleet.wait_routed(victim, up=False, timeout=60)
+        reply = post_turn(
+            sdk(fleet), conv, {"content": "After the hang.", "max_tokens": 6}, "hung-1"
+        )
+        assert isinstance(reply, dict) and reply["status"] == "complete", reply
+        contents = [m["content"] for m in api.messages(conv, limit=100)]
+        assert contents.count("After the hang.") == 1
+    finally:
+        process.send_signal(signal.SIGCONT)
+    fleet.wait_routed(victim)
