@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,36 +18,13 @@ import pytest
 
 from kvchat_testing.attack_servers import started_server
 from kvchat_testing.service import Server
+from kvchat_testing.volumes import read_only, tmpfs
 
 TURNS = 20
 REPLY = {"max_tokens": 6, "temperature": 0.0}
 QUESTIONS = [
     f"Question {i}: tell me about the number {i * 7 + 3}, please." for i in range(TURNS + 1)
 ]
-
-
-def mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
-def read_only(path: Path) -> Iterator[None]:
-    mount("--bind", str(path), str(path))
-    try:
-        mount("-o", "remount,ro,bind", str(path))
-        yield
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[None]:
-    path.mkdir(parents=True, exist_ok=True)
-    mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 def say(server: Server, conv: str, content: str) -> str:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from kvchat.memory.kv_store import (
 from kvchat.memory.prefix_cache import hash_block
 from kvchat_testing.engines import random_prompt
 from kvchat_testing.session_engines import BLOCK, make_engine, turn
+from kvchat_testing.volumes import read_only, tmpfs
 
 KV_SHAPE = (2, 2, 4, 2, 8)  # 256 bytes of KV per block
 TOKENS = (1, 2, 3, 4)
@@ -64,31 +63,6 @@ def written(root: Path, *blocks: BlockData) -> KVStore:
     store.put(list(blocks))
     assert store.flush(10)
     return store
-
-
-def mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
-def read_only(path: Path) -> Iterator[Path]:
-    """`path`, bind-mounted read-only over itself."""
-    mount("--bind", str(path), str(path))
-    try:
-        mount("-o", "remount,ro,bind", str(path))
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 @pytest.fixture(autouse=True)
