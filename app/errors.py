@@ -136,7 +136,12 @@ def api_error(exc: BaseException) -> APIError:
     field; an engine that is not running is 503; anything unknown is a logged 500."""
     from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
+    from kvchat.inference import (
+        ChatTemplateError,
+        EngineDeadError,
+        InvalidRequestError,
+        RequestFailedError,
+    )
 
     if isinstance(exc, APIError):
         return exc
@@ -149,6 +154,8 @@ def api_error(exc: BaseException) -> APIError:
         return invalid_request(str(exc), exc.field)
     if isinstance(exc, ChatTemplateError):
         return invalid_request(str(exc), "messages")
+    if isinstance(exc, RequestFailedError):  # logged where the step failed
+        return engine_failure(exc)
     if isinstance(exc, EngineDeadError):
         log.error("request refused: %s", exc)
         return unavailable("The engine is not running; try again shortly.", 5)
@@ -191,7 +198,12 @@ def install_error_handlers(app: FastAPI) -> None:
 def known_error_types() -> tuple[type[Exception], ...]:
     from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from kvchat.inference import ChatTemplateError, EngineDeadError, InvalidRequestError
+    from kvchat.inference import (
+        ChatTemplateError,
+        EngineDeadError,
+        InvalidRequestError,
+        RequestFailedError,
+    )
 
     return (
         APIError,
@@ -201,5 +213,6 @@ def known_error_types() -> tuple[type[Exception], ...]:
         HistoryPolicyError,
         ChatTemplateError,
         EngineDeadError,
+        RequestFailedError,
         StaleFence,
     )

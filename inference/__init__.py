@@ -26,7 +26,12 @@ if TYPE_CHECKING:
         SessionEviction,
         SessionInfo,
     )
-    from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
+    from .errors import (
+        EngineDeadError,
+        InvalidRequestError,
+        ModelLoadError,
+        RequestFailedError,
+    )
     from .grammar import (
         ANY_OBJECT,
         Grammar,
@@ -69,7 +74,10 @@ _MODULE_OF = {
         ("EngineStats", "KVSlotUsage", "MemoryReport", "SessionEviction", "SessionInfo"),
         "engine_reports",
     ),
-    **dict.fromkeys(("EngineDeadError", "InvalidRequestError", "ModelLoadError"), "errors"),
+    **dict.fromkeys(
+        ("EngineDeadError", "InvalidRequestError", "ModelLoadError", "RequestFailedError"),
+        "errors",
+    ),
     **dict.fromkeys(
         (
             "ANY_OBJECT",

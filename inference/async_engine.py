@@ -39,7 +39,7 @@ from .engine import Engine
 from .engine_config import EngineConfig
 from .engine_reports import EngineStats, MemoryReport, SessionEviction, SessionInfo
 from .engine_thread import EngineThread
-from .errors import EngineDeadError, InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from .host_memory import HeapTrimmer
 from .priority import PRIORITY_NORMAL
 from .request_checks import CheckedRequest
@@ -158,7 +158,8 @@ class AsyncEngine:
         """Yield the request's outputs as the engine produces them; the last is finished.
         `request` comes from `engine.check_request` (whose errors are the caller's to answer);
         a request id in use raises before anything is yielded; `EngineDeadError` when the
-        engine is not running or stops before the request ends."""
+        engine is not running or stops before the request ends; `RequestFailedError` when a
+        step it was in failed (the engine goes on)."""
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:
@@ -182,7 +183,7 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
-                if isinstance(item, EngineDeadError):
+                if isinstance(item, EngineDeadError | RequestFailedError):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
@@ -274,7 +275,7 @@ class AsyncEngine:
                 del self._streams[out.request_id]
         if stream is None:  # the consumer left; its abort is already queued
             return
-        self._put(stream, out)
+        self._put(stream, out if out.error is None else RequestFailedError(out.error))
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every open stream and every queued command: nothing will answer them. Called

@@ -51,7 +51,7 @@ from .engine_reports import (
     SessionInfo,
 )
 from .engine_setup import invalid_token_mask, kv_spec_for, open_kv_store, size_kv_pools
-from .errors import InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError
 from .grammar_compiler import GrammarCompiler
 from .host_memory import keep_freed_memory, release_freed_memory
 from .model import LlamaModel
@@ -71,6 +71,10 @@ from .tokenizer_files import load_tokenizer
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
+
+# Steps in a row that may raise before the engine counts itself broken and stops (its loop
+# then dies, /healthz fails, a supervisor restarts the process).
+MAX_FAILED_STEPS = 3
 
 T = TypeVar("T")
 
@@ -152,6 +156,9 @@ class Engine:
         # called from other threads than the one stepping.
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
+        self._consecutive_failed_steps = 0
+        self.num_failed_steps = 0  # steps that raised (their requests failed, the engine went on)
+        self.num_failed_requests = 0
         self.published_stats: EngineStats = self._stats()
         if self.device.type == "cpu":
             release_freed_memory()  # what loading and the linear probe left behind
@@ -285,8 +292,12 @@ class Engine:
             self._release(seq)
             outputs.append(self.output_processor.finish(seq, "length"))
         if not batch.is_empty:
-            logits, sampled, ready = self._run(batch)
-            outputs += self._postprocess(batch, logits, sampled, ready)
+            try:
+                logits, sampled, ready = self._run(batch)
+                outputs += self._postprocess(batch, logits, sampled, ready)
+                self._consecutive_failed_steps = 0
+            except Exception as e:
+                outputs += self._fail_batch(batch, e)
         for call in calls:
             call.run()
         self.published_stats = self._stats()
@@ -373,6 +384,37 @@ class Engine:
             if out.finished:
                 self._release(seq)
             outputs.append(out)
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """A step raised: what one request (or one bad block) can do must not stop the engine.
+        The batch's requests end with an error and their KV is dropped (a half-written step
+        must never be pinned or stored for reuse); the others go on. A step that fails
+        MAX_FAILED_STEPS times in a row is the engine broken, not a request: it raises."""
+        self._consecutive_failed_steps += 1
+        self.num_failed_steps += 1
+        if self._consecutive_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineDeadError(
+                f"{self._consecutive_failed_steps} steps in a row failed; the last: {error!r}"
+            ) from error
+        log.exception("a step failed; its %d requests end with an error", len(batch.seqs))
+        outputs = []
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.FINISHING:  # its reply is out; its KV is not kept
+                self.scheduler.discard(seq)
+                continue
+            if self._seqs.get(seq.request_id) is not seq:
+                continue  # already finished in this step, before the failure
+            self.scheduler.discard(seq)
+            del self._seqs[seq.request_id]
+            with self._ids_lock:
+                self._live_ids.discard(seq.request_id)
+            self.num_failed_requests += 1
+            outputs.append(
+                self.output_processor.finish(
+                    seq, "abort", abort_reason="error", error=f"{type(error).__name__}: {error}"
+                )
+            )
         return outputs
 
     def _release(self, seq: Sequence) -> None:
@@ -465,6 +507,8 @@ class Engine:
             self.host_pool,
             self.stats,
             self.kv_store.snapshot() if self.kv_store is not None else None,
+            num_failed_steps=self.num_failed_steps,
+            num_failed_requests=self.num_failed_requests,
         )
 
     # -- convenience ------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ class EngineStats:
     num_pinned_blocks: int  # device blocks the resident sessions hold
     cache: CacheStats
     kv_store: KVStoreStats | None = None  # None: no KV store
+    # Steps that raised and the requests they failed (the engine went on; monotonic).
+    num_failed_steps: int = 0
+    num_failed_requests: int = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +114,9 @@ def engine_stats(
     host_pool: BlockPool,
     cache: CacheStats,
     kv_store: KVStoreStats | None = None,
+    *,
+    num_failed_steps: int = 0,
+    num_failed_requests: int = 0,
 ) -> EngineStats:
     tally = sessions.tally()
     return EngineStats(
@@ -127,6 +133,8 @@ def engine_stats(
         num_pinned_blocks=tally.num_pinned_blocks,
         cache=dataclasses.replace(cache),
         kv_store=kv_store,
+        num_failed_steps=num_failed_steps,
+        num_failed_requests=num_failed_requests,
     )
 
 

@@ -20,3 +20,8 @@ class InvalidRequestError(ValueError):
 class EngineDeadError(RuntimeError):
     """The engine is not running (not started, shut down, or stopped on an internal error);
     no further requests are served and an open stream or a pending command cannot finish."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not compute this request (a step failed while it was in the batch); the
+    request ends, its KV is dropped, and the engine goes on with the others."""

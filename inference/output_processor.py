@@ -101,8 +101,10 @@ class OutputProcessor:
         new_logprob: float | None = None,
         new_top_logprobs: list[tuple[int, float]] | None = None,
         abort_reason: str | None = None,
+        error: str | None = None,
     ) -> RequestOutput:
-        """The final output of a request that ends now (`reason`: stop | length | abort)."""
+        """The final output of a request that ends now (`reason`: stop | length | abort;
+        `error`: what failed, for abort_reason "error")."""
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
         text = self._text.pop(seq.request_id, None)
@@ -122,6 +124,7 @@ class OutputProcessor:
             full_text,
             abort_reason,
             new_top_logprobs,
+            error,
         )
 
 
@@ -134,6 +137,7 @@ def _output(
     full_text: str | None = None,
     abort_reason: str | None = None,
     top_logprobs: list[tuple[int, float]] | None = None,
+    error: str | None = None,
 ) -> RequestOutput:
     finished = finish_reason is not None
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
@@ -157,6 +161,7 @@ def _output(
         queue_time=queued,
         abort_reason=abort_reason,
         window_applied=seq.window_applied,
+        error=error,
     )
 
 

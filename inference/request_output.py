@@ -24,8 +24,12 @@ class RequestOutput:
     time_to_first_token: float | None = None  # seconds, once the first token exists
     queue_time: float | None = None  # seconds from arrival to first being scheduled
     # Why an aborted request ended: "cancelled" (the caller aborted it), "shutdown" (the engine
-    # stopped before it finished); None unless finish_reason is "abort".
+    # stopped before it finished), "error" (a step it was in failed); None unless
+    # finish_reason is "abort".
     abort_reason: str | None = None
     # The turn ran in sink + window mode and its attention left earlier tokens out (it would
     # have outgrown its session's max_kv_tokens).
     window_applied: bool = False
+    # Why the engine failed this request (finish_reason "abort", abort_reason "error"): a step
+    # it was in raised. None otherwise.
+    error: str | None = None

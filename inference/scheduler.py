@@ -155,6 +155,19 @@ class Scheduler:
             self.kv_manager.free(seq.kv)
         seq.status = SequenceStatus.FINISHED
 
+    def discard(self, seq: Sequence) -> None:
+        """Take a failed sequence out: its KV is freed, never pinned in its session nor written
+        to the KV store (a failed step may have left it half-written), and its session keeps
+        nothing (the next turn recomputes)."""
+        for queue in (self.running, self.waiting, self.swapped, self.finishing):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.kv_manager.free(seq.kv)
+        if seq.session_id is not None:
+            self.sessions.abandon(seq.session_id, seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:

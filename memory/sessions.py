@@ -206,6 +206,16 @@ class SessionStore:
         self._idle[session_id] = None
         self._enforce_max_pinned()
 
+    def abandon(self, session_id: str, request_id: str) -> None:
+        """A turn failed (its KV already freed): the session keeps nothing of it and is idle
+        again, empty."""
+        session = self.sessions.get(session_id)
+        if session is None or session.active_request_id != request_id:
+            return
+        session.active_request_id = None
+        session.last_used = time.monotonic()
+        session.token_ids, session.state = [], SessionState.EMPTY
+
     # -- pressure ---------------------------------------------------------------------------------
 
     def make_room(self, num_blocks: int) -> bool:

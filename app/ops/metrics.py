@@ -205,6 +205,17 @@ class EngineCollector(Collector):
                 errors.add_metric([op, reason], count)
             yield errors
         yield counter(
+            "engine_failed_steps",
+            "Engine steps that raised: their requests failed with engine_error, the engine went "
+            "on (it stops after several in a row).",
+            report.num_failed_steps,
+        )
+        yield counter(
+            "engine_failed_requests",
+            "Requests failed because a step they were in raised.",
+            report.num_failed_requests,
+        )
+        yield counter(
             "computed_prompt_tokens",
             "Prompt tokens computed (prefilled).",
             stats.computed + stats.recomputed,

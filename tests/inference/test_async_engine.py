@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvchat.inference.async_engine import AsyncEngine, EngineDeadError
-from kvchat.inference.errors import InvalidRequestError
+from kvchat.inference.engine import MAX_FAILED_STEPS
+from kvchat.inference.errors import InvalidRequestError, RequestFailedError
 from kvchat.inference.request_output import RequestOutput
 from kvchat.inference.sampling_params import SamplingParams
 from kvchat.memory.sessions import SessionState
@@ -208,6 +209,8 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
             await drain(checked_stream(engine, f"r{i}", random_prompt(6, seed=i), LONG))
         except EngineDeadError:
             return "dead"
+        except RequestFailedError:
+            return "failed"
         return "finished"
 
     async def main() -> list[str]:
@@ -219,10 +222,58 @@ def test_a_dying_engine_fails_open_and_racing_requests(tiny_llama: tuple[Path, A
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
-    assert results == ["dead"] * 12
-    assert isinstance(engine.error, RuntimeError)
+    # The first failing steps fail their own requests (the engine goes on); once
+    # MAX_FAILED_STEPS in a row have failed, the engine stops and fails everyone else.
+    assert set(results) == {"failed", "dead"}
+    assert isinstance(engine.error, EngineDeadError)
+    assert isinstance(engine.error.__cause__, RuntimeError)
+    assert core.num_failed_steps == MAX_FAILED_STEPS
     assert not engine.is_running
     engine.shutdown(0.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    """What one request can do to a step (here an injected fault in its forward) ends that
+    step's requests with an error and drops their KV; the engine serves the next ones, token
+    for token as a fresh engine does, and a session's next turn recomputes."""
+    from kvchat_testing.session_engines import make_engine as make_session_engine
+
+    core = make_session_engine(tiny_llama[0])
+    fault = StepFault(core, after=2, times=1)
+    engine = AsyncEngine(core)
+    engine.start()
+    prompt = random_prompt(40, seed=4)
+    reference = make_session_engine(tiny_llama[0]).generate([prompt], GREEDY)[0]
+
+    async def main() -> tuple[BaseException | None, list[Any], Any]:
+        failed: BaseException | None = None
+        try:
+            request = core.check_request(prompt, LONG, session_id="conv")
+            await drain(engine.generate("poisoned", request))
+        except RequestFailedError as e:
+            failed = e
+        info = await engine.session_info("conv")
+        again = core.check_request(prompt, GREEDY, session_id="conv")
+        return failed, await drain(engine.generate("next", again)), info
+
+    try:
+        failed, outs, info = asyncio.run(main())
+        assert engine.is_running
+    finally:
+        engine.shutdown()
+    assert fault.raised == 1
+    assert failed is not None and "injected fault" in str(failed)
+    # The failed turn left its session nothing (what the prefix cache holds came from the
+    # steps that succeeded); the next turn answered exactly as an engine that never failed.
+    assert info is not None and info.state is SessionState.EMPTY and info.num_tokens == 0
+    assert outs[-1].output_token_ids == reference.output_token_ids
+    stats = engine.stats
+    assert (stats.num_failed_steps, stats.num_failed_requests) == (1, 1)
+    # Only the session's pinned reply holds blocks.
+    assert stats.num_used_blocks == stats.num_pinned_blocks
 
 
 # --- operator commands: awaited, answered by the engine thread --------------------------------

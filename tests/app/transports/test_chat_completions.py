@@ -405,10 +405,12 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
     dev_model: Any, tmp_path: Any
 ) -> None:
     """An injected engine fault: the stream ends with an error chunk and [DONE]; the server
-    answers 503 afterwards and /readyz says not ready."""
+    answers the next requests 500 while steps keep failing, then 503 once the engine
+    stops, and /readyz says not ready."""
     from fastapi.testclient import TestClient
 
     from kvchat.app.main import create_app
+    from kvchat.inference.engine import MAX_FAILED_STEPS
     from kvchat_testing.app_service import service_settings
     from kvchat_testing.faults import StepFault
 
@@ -433,8 +435,18 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
             e["choices"] and e["choices"][0]["delta"].get("content") is not None
             for e in events[:-2]
         )
-        after = client.post("/v1/chat/completions", headers=headers, json={**body, "stream": False})
-        assert after.status_code == 503 and "Retry-After" in after.headers
+        # The engine goes on after a failed step (the next request fails alone, a typed 500),
+        # and stops once MAX_FAILED_STEPS steps in a row have failed: 503 from then on.
+        codes = []
+        for _ in range(MAX_FAILED_STEPS):
+            after = client.post(
+                "/v1/chat/completions", headers=headers, json={**body, "stream": False}
+            )
+            codes.append(after.status_code)
+            if after.status_code == 500:
+                assert after.json()["error"]["code"] == "engine_error"
+        assert codes == [500] * (MAX_FAILED_STEPS - 2) + [503, 503]
+        assert "Retry-After" in after.headers
         assert client.get("/readyz").status_code == 503
         # Liveness fails too, so a supervisor (Kubernetes, the fleet) restarts the process.
         health = client.get("/healthz")
