@@ -43,6 +43,17 @@ class Settings(BaseSettings):
             "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
         )
     )
+    linear_plan_cache: Literal["on", "refresh", "off"] = Field(
+        "on",
+        description="linear_path auto: keep the probe's result per machine and model shape "
+        "in linear_plan_dir and load it at the next start (on); measure again and overwrite "
+        "it (refresh); measure at every start, keep nothing (off).",
+    )
+    linear_plan_dir: Path | None = Field(
+        None,
+        description="Where measured linear plans are kept "
+        "(default: $XDG_CACHE_HOME/kvchat/linear_plans, else ~/.cache/kvchat/linear_plans).",
+    )
     block_size: int = Field(16, description="Tokens per KV-cache block.")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="KV-cache element type (auto: the model's dtype)."
@@ -238,7 +249,7 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
-        from kvchat.inference import EngineConfig, SchedulerConfig
+        from kvchat.inference import EngineConfig, SchedulerConfig, default_plan_dir
         from kvchat.memory import CacheConfig, SessionBudget
 
         return EngineConfig(
@@ -247,6 +258,10 @@ class Settings(BaseSettings):
             device=self.device,
             attention_backend=self.attention_backend,
             linear_path=self.linear_path,
+            linear_plan_dir=None
+            if self.linear_plan_cache == "off"
+            else str(self.linear_plan_dir or default_plan_dir()),
+            linear_plan_refresh=self.linear_plan_cache == "refresh",
             max_model_len=self.max_model_len,
             seed=self.seed,
             grammar_checks_first=self.grammar_checks_first,
