@@ -1,5 +1,7 @@
-"""Settings: the one pydantic-settings class of the service (KVCHAT_* environment variables
-and a .env file), and the one place the engine's configuration is built from it.
+"""Settings: the one pydantic-settings class of the service (KVCHAT_* environment variables,
+a .env file, and every field a flag of `kvchat serve`: app/cli/settings_flags.py), and the one
+place the engine's configuration is built from it. Every field needs a description: it is its
+flag's help.
 
 Never imports torch: the engine configuration is built lazily (`engine_config()`)."""
 
@@ -29,18 +31,37 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="The model id clients name (default: the model directory's name)."
     )
-    device: str = "auto"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
+    device: str = Field("auto", description="auto (CUDA when available), cpu, or cuda[:N].")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations (auto: float32 on CPU, bfloat16 on CUDA)."
+    )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Attention kernels (auto: Triton on CUDA, torch on CPU)."
+    )
     linear_path: Literal["auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked"] = (
         Field(
             "auto", description="CPU linear layers: auto measures the candidate paths at start-up."
         )
     )
-    block_size: int = 16
-    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    linear_plan_cache: Literal["on", "refresh", "off"] = Field(
+        "on",
+        description="linear_path auto: keep the probe's result per machine and model shape "
+        "in linear_plan_dir and load it at the next start (on); measure again and overwrite "
+        "it (refresh); measure at every start, keep nothing (off).",
+    )
+    linear_plan_dir: Path | None = Field(
+        None,
+        description="Where measured linear plans are kept "
+        "(default: $XDG_CACHE_HOME/kvchat/linear_plans, else ~/.cache/kvchat/linear_plans).",
+    )
+    block_size: int = Field(16, description="Tokens per KV-cache block.")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        "auto", description="KV-cache element type (auto: the model's dtype)."
+    )
     kv_cache_bytes: int | None = Field(None, description="KV pool size (CPU, or CUDA override).")
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = Field(
+        0.9, description="Fraction of CUDA memory the weights and the KV pool may use."
+    )
     host_cache_bytes: int = Field(256 * 2**20, description="Host pool for offloaded sessions.")
     kv_store_dir: Path | None = Field(
         None,
@@ -53,13 +74,17 @@ class Settings(BaseSettings):
         description="The KV store's byte cap (least recently used files are "
         "evicted past it); 0 turns the store off.",
     )
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_model_len: int | None = Field(
+        None, description="Longest sequence (default: the model's max_position_embeddings)."
+    )
+    max_num_seqs: int = Field(64, description="Sequences scheduled in one engine step at most.")
+    max_num_batched_tokens: int = Field(
+        512, description="Tokens (prefill chunks and decodes) in one engine step at most."
+    )
     max_queued_requests: int = Field(
         256, description="Waiting requests above this answer 503 with Retry-After."
     )
-    seed: int | None = 0
+    seed: int | None = Field(0, description="Sampling seed of requests that give none.")
     grammar_checks_first: bool = Field(
         True,
         description="Structured output: check a constrained row's draws against its "
@@ -72,23 +97,39 @@ class Settings(BaseSettings):
         None, description="Default prompt budget of a conversation (None: the model's context)."
     )
     max_kv_tokens: int | None = Field(None, description="Default pinned-KV cap per session.")
-    history_policy: str = "drop"
-    high_watermark: float = 0.8
-    low_watermark: float = 0.5
-    max_tool_result_tokens: int | None = None
-    max_summary_tokens: int = 512
+    history_policy: str = Field(
+        "drop",
+        description="What a conversation past its budget loses: "
+        "summarize, drop, drop_oldest or none.",
+    )
+    high_watermark: float = Field(
+        0.8, description="Trim history once the prompt passes this fraction of its budget."
+    )
+    low_watermark: float = Field(
+        0.5, description="Trim down to this fraction (the gap keeps the prompt's prefix stable)."
+    )
+    max_tool_result_tokens: int | None = Field(
+        None, description="Tool results are cut to this many tokens in prompts (None: never cut)."
+    )
+    max_summary_tokens: int = Field(512, description="Length of a summary of dropped turns.")
     default_max_tokens: int = Field(
         512, description="Reply budget reserved when a request gives no max_tokens."
     )
 
     # -- the service -----------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = 8000
-    data_dir: Path = Path("data")
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, description="Port to listen on.")
+    data_dir: Path = Field(
+        Path("data"), description="The embedded database and the KV store live here."
+    )
     database_url: str | None = Field(None, description="Default: SQLite in data_dir.")
     redis_url: str | None = Field(None, description="Unset: in-process coordination.")
     redis_prefix: str = Field("kvchat:", description="Prefix of every Redis key and channel.")
-    cors_origins: list[str] = Field(default_factory=list)
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins allowed to call the API and open WebSockets "
+        "(as a variable: a JSON list).",
+    )
     drain_timeout: float = Field(10.0, description="Seconds in-flight turns get at shutdown.")
     drain_grace: float = Field(
         0.0,
@@ -103,7 +144,7 @@ class Settings(BaseSettings):
         description="The grace ends early once /readyz has answered `draining` this "
         "many times: the balancer's health check has seen it (0: only drain_grace counts).",
     )
-    log_level: str = "info"
+    log_level: str = Field("info", description="critical, error, warning, info or debug.")
     replica_id: str | None = Field(
         None, description="This process's name in session leases (default: host:port:pid)."
     )
@@ -158,7 +199,7 @@ class Settings(BaseSettings):
         description="Offer permessage-deflate on WebSockets (token deltas are small "
         "frames: compressing them costs CPU beside the decoder and saves little).",
     )
-    ws_max_connections_per_key: int = 16
+    ws_max_connections_per_key: int = Field(16, description="Open WebSockets per API key at most.")
     ws_idle_timeout: float = Field(300.0, description="Close a socket silent this long.")
 
     @field_validator("history_policy")
@@ -208,7 +249,7 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
-        from kvchat.inference import EngineConfig, SchedulerConfig
+        from kvchat.inference import EngineConfig, SchedulerConfig, default_plan_dir
         from kvchat.memory import CacheConfig, SessionBudget
 
         return EngineConfig(
@@ -217,6 +258,10 @@ class Settings(BaseSettings):
             device=self.device,
             attention_backend=self.attention_backend,
             linear_path=self.linear_path,
+            linear_plan_dir=None
+            if self.linear_plan_cache == "off"
+            else str(self.linear_plan_dir or default_plan_dir()),
+            linear_plan_refresh=self.linear_plan_cache == "refresh",
             max_model_len=self.max_model_len,
             seed=self.seed,
             grammar_checks_first=self.grammar_checks_first,

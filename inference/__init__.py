@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     )
     from .grammar_compiler import GrammarCompiler, GrammarError
     from .linear_plan import cpu_description
+    from .linear_plan_cache import default_plan_dir
     from .model_config import ModelConfig
     from .priority import PRIORITY_LOW, PRIORITY_NORMAL
     from .request_checks import CheckedRequest
@@ -91,6 +92,7 @@ _MODULE_OF = {
     ),
     **dict.fromkeys(("GrammarCompiler", "GrammarError"), "grammar_compiler"),
     "cpu_description": "linear_plan",
+    "default_plan_dir": "linear_plan_cache",
     "ModelConfig": "model_config",
     **dict.fromkeys(("PRIORITY_LOW", "PRIORITY_NORMAL"), "priority"),
     "CheckedRequest": "request_checks",

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -54,6 +55,7 @@ from .engine_setup import invalid_token_mask, kv_spec_for, open_kv_store, size_k
 from .errors import EngineDeadError, InvalidRequestError
 from .grammar_compiler import GrammarCompiler
 from .host_memory import keep_freed_memory, release_freed_memory
+from .linear_plan_cache import LinearPlanCache
 from .model import LlamaModel
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -93,8 +95,19 @@ class Engine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         weights = load_weights(config.model, mc, self.dtype, self.device)
+        plan_cache = (
+            LinearPlanCache(Path(config.linear_plan_dir), refresh=config.linear_plan_refresh)
+            if config.linear_plan_dir is not None
+            else None
+        )
         self.model = LlamaModel(
-            mc, weights, self.max_model_len, self.dtype, self.device, config.linear_path
+            mc,
+            weights,
+            self.max_model_len,
+            self.dtype,
+            self.device,
+            config.linear_path,
+            plan_cache,
         )
         del weights  # what the model did not keep (q, k, v, gate, up before fusing) is freed
         self.ops = get_attention_ops(config.attention_backend, self.device)

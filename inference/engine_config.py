@@ -26,6 +26,10 @@ class EngineConfig:
     # The linear layers' paths on the CPU: auto measures the candidates at start-up
     # (inference/linear_plan.py); gemv, torch or onednn-prepacked forces one.
     linear_path: str = "auto"
+    # Where linear_path=auto keeps its measured plans per machine and model shape, to load
+    # them at the next start (inference/linear_plan_cache.py); None: measure at every start.
+    linear_plan_dir: str | None = None
+    linear_plan_refresh: bool = False  # measure even when a plan is kept, and keep the new one
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = 0  # for requests without their own seed
     # Structured output: check a constrained row's draws against its grammar before computing

@@ -28,17 +28,15 @@ tokens beyond that.
 from __future__ import annotations
 
 import functools
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvchat.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_isa, cpu_model, load_gemv, load_widen_gemm
-
-log = logging.getLogger(__name__)
 
 LINEAR_PATHS = ("auto", "gemv", "gemv-prefetch", "torch", "onednn", "onednn-prepacked")
 GEMV_PATHS = ("gemv", "gemv-prefetch")  # kvchat's decode kernel, without and with prefetches
@@ -143,6 +141,9 @@ class LinearPlan:
     probe_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     probe_bytes: int = 0
     reason: str = ""
+    # The file the plan was loaded from (`cached`) or kept in after measuring; None: not kept.
+    cache_file: str | None = None
+    cached: bool = False
 
     @property
     def prepacked(self) -> bool:
@@ -174,6 +175,44 @@ class LinearPlan:
             + (f" ({self.reason})" if self.reason else "")
         )
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LinearPlan:
+        """The plan `as_dict` wrote (without where it was kept); ValueError, KeyError or
+        TypeError when `data` is not one."""
+        dtype = getattr(torch, str(data["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {data['dtype']!r}")
+        layout = str(data["weights"])
+        if layout not in (PLAIN, PREPACKED):
+            raise ValueError(f"unknown weight layout {layout!r}")
+
+        def table(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[int, str], ...]:
+            paths = tuple((int(row["max_rows"]), str(row["path"])) for row in rows)
+            if not paths or [r for r, _ in paths] != sorted(r for r, _ in paths):
+                raise ValueError(f"a path table needs rows in increasing order, got {paths}")
+            return paths
+
+        plan = cls(
+            dtype=dtype,
+            layout=layout,
+            decode_paths=table(data["decode_paths"]),
+            prefill_path=str(data["prefill_path"]),
+            head_decode_paths=table(data["lm_head_decode_paths"]),
+            probe_ms={
+                str(name): {int(rows): float(ms) for rows, ms in by_rows.items()}
+                for name, by_rows in data["probe_ms"].items()
+            },
+            probe_bytes=int(data["probe_bytes"]),
+            reason=str(data["reason"]),
+        )
+        unknown = {
+            path
+            for _, path in (*plan.decode_paths, *plan.head_decode_paths, (0, plan.prefill_path))
+        } - set(PATH_FNS)
+        if unknown:
+            raise ValueError(f"unknown linear paths {sorted(unknown)}")
+        return plan
+
     def as_dict(self) -> dict[str, object]:
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -186,6 +225,8 @@ class LinearPlan:
                 k: {str(r): round(ms, 3) for r, ms in v.items()} for k, v in self.probe_ms.items()
             },
             "reason": self.reason,
+            "cached": self.cached,
+            "cache_file": self.cache_file,
         }
 
 
@@ -234,7 +275,8 @@ def _time_pass(
 
 def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> LinearPlan:
     """Time the candidate paths on the model's layer weights ([out, in] each, in the order a
-    step reads them) and choose. Takes a second or two on a 150M-parameter model."""
+    step reads them) and choose. Takes a second or two on a 150M-parameter model on an idle
+    machine, minutes on a busy one: inference/linear_plan_cache.py keeps the result."""
     probe: list[torch.Tensor] = []
     total = 0
     for w in layer_weights:
@@ -319,23 +361,3 @@ def measure_plan(layer_weights: Sequence[torch.Tensor], dtype: torch.dtype) -> L
     return LinearPlan(
         dtype, layout, by_rows(held), prefill, by_rows(plain), probe_ms, total, reason="measured"
     )
-
-
-_PLANS: dict[tuple[object, ...], LinearPlan] = {}
-
-
-def plan_for(
-    layer_weights: Sequence[torch.Tensor],
-    dtype: torch.dtype,
-    device: torch.device,
-    path: str = "auto",
-) -> LinearPlan:
-    """The plan for a model, measured once per process per (dtype, shapes)."""
-    if device.type != "cpu" or path != "auto":
-        return fixed_plan(dtype, device, path)
-    key = (dtype, tuple(tuple(w.shape) for w in layer_weights))
-    if key not in _PLANS:
-        plan = measure_plan(layer_weights, dtype)
-        log.info("linear layers: %s", plan.summary())
-        _PLANS[key] = plan
-    return _PLANS[key]

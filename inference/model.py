@@ -15,7 +15,8 @@ from kvchat.memory.kv_cache import KVCache
 from .attention_metadata import AttentionMetadata
 from .host_memory import HugePageArena
 from .linear import Linear
-from .linear_plan import LinearPlan, plan_for
+from .linear_plan import LinearPlan
+from .linear_plan_cache import LinearPlanCache, plan_for
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -216,6 +217,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         linear_path: str = "auto",
+        linear_plan_cache: LinearPlanCache | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -232,7 +234,11 @@ class LlamaModel:
             place_in_huge_pages(weights, linears)
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.linear_plan = plan_for(
-            [w for layer in linears for w, _ in layer.values()], dtype, device, linear_path
+            [w for layer in linears for w, _ in layer.values()],
+            dtype,
+            device,
+            linear_path,
+            linear_plan_cache,
         )
         # A tied lm_head reads the embedding's tensor as stored: one copy of the largest weight.
         self.lm_head = Linear(weights["lm_head.weight"], None, self.linear_plan, is_head=True)

@@ -9,11 +9,32 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kvchat.app.cli.settings_flags import as_environment, settings_from_flags, with_setting_flags
+from kvchat.app.settings import Settings
+
 SUPERVISE_INTERVAL_S = 1.0
+
+# Settings the fleet gives its replicas itself (the rest are flags passed on to every replica).
+FLEET_SETTINGS = frozenset(
+    {
+        "model",
+        "host",
+        "port",
+        "database_url",
+        "redis_url",
+        "redis_prefix",
+        "data_dir",
+        "kv_store_dir",
+        "keyless_sessions",
+        "drain_grace",
+        "drain_probes",
+        "replica_id",
+    }
+)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -25,6 +46,7 @@ def _interrupt(sig: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+@with_setting_flags(Settings, exclude=FLEET_SETTINGS)
 def fleet_cmd(
     database_url: Annotated[
         str,
@@ -61,16 +83,21 @@ def fleet_cmd(
         ),
     ] = "affinity",
     create_database: Annotated[
-        bool, typer.Option(help="Create the Postgres database when it is missing.")
+        bool,
+        typer.Option("--create-database", help="Create the Postgres database when it is missing."),
     ] = False,
+    *,
+    flags: dict[str, Any],
 ) -> None:
     """Run a fleet: HAProxy (consistent hash of each conversation's routing key, health checks
     of /readyz, its stats page) in front of REPLICAS `kvchat serve` processes on free ports,
-    the database migrated first. Every response names its replica in X-Kvchat-Replica."""
+    the database migrated first. Every response names its replica in X-Kvchat-Replica. The
+    other options are `kvchat serve`'s settings, passed on to every replica."""
     from kvchat.app.cli.main import check_model
     from kvchat.app.fleet import BALANCES, Fleet, FleetConfig, FleetError, haproxy_binary
     from kvchat.app.store import StoreError
 
+    settings_from_flags(Settings, flags, fail)  # a bad value fails here, not in N replicas
     if replicas < 1:
         fail(f"--replicas must be >= 1, got {replicas}")
     if balance not in BALANCES:
@@ -92,6 +119,7 @@ def fleet_cmd(
             redis_prefix=redis_prefix,
             balance=balance,  # type: ignore[arg-type]
             create_database=create_database,
+            replica_env=as_environment(Settings, flags),
         )
     except (ValueError, FleetError) as e:
         fail(str(e))

@@ -6,13 +6,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from kvchat.app.cli.admin import admin_app
 from kvchat.app.cli.db import db_app, keys_app
 from kvchat.app.cli.fleet import fleet_cmd
+from kvchat.app.cli.settings_flags import settings_from_flags, with_setting_flags
+from kvchat.app.settings import Settings
 
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
@@ -24,7 +26,7 @@ app = typer.Typer(
 )
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr, no traceback."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -215,37 +217,18 @@ def _generate(
 
 
 @app.command()
-def serve(
-    model: Annotated[
-        Path | None, typer.Option(help="Model directory (default: KVCHAT_MODEL or models/dev).")
-    ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
-    database_url: Annotated[
-        str | None, typer.Option(help="Database URL (default: SQLite in KVCHAT_DATA_DIR).")
-    ] = None,
-) -> None:
+@with_setting_flags(Settings)
+def serve(flags: dict[str, Any]) -> None:
     """Run the chat service: OpenAI-compatible REST API, conversations, on this machine's
-    accelerator (or CPU). Settings come from KVCHAT_* variables and .env; options win."""
+    accelerator (or CPU). Every setting is a flag here and a KVCHAT_* variable (or a line of
+    .env): --kv-cache-dtype int8 or KVCHAT_KV_CACHE_DTYPE=int8; a flag wins."""
     import asyncio
-
-    from pydantic import ValidationError
 
     from kvchat.app.main import configure_logging
     from kvchat.app.main import serve as serve_app
-    from kvchat.app.settings import Settings
     from kvchat.app.store import Store, StoreError
 
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in dict(model=model, host=host, port=port, database_url=database_url).items()
-        if v is not None
-    }
-    try:
-        settings = Settings(**overrides)
-    except ValidationError as e:
-        first = e.errors()[0]
-        fail(f"setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+    settings = settings_from_flags(Settings, flags, fail)
     if not (settings.model / "config.json").is_file():
         fail(
             f"no model at {settings.model}; create the dev model with "
