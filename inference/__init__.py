@@ -26,7 +26,9 @@ if TYPE_CHECKING:
         SessionEviction,
         SessionInfo,
     )
-    from .errors import EngineDeadError, InvalidRequestError, ModelLoadError
+    from .errors import EngineDeadError, GGUFImportError, InvalidRequestError, ModelLoadError
+    from .gguf_import import import_gguf
+    from .gguf_presets import GGUF_PRESETS, fetch_preset_gguf, init_gguf_preset
     from .grammar import (
         ANY_OBJECT,
         Grammar,
@@ -69,7 +71,11 @@ _MODULE_OF = {
         ("EngineStats", "KVSlotUsage", "MemoryReport", "SessionEviction", "SessionInfo"),
         "engine_reports",
     ),
-    **dict.fromkeys(("EngineDeadError", "InvalidRequestError", "ModelLoadError"), "errors"),
+    **dict.fromkeys(
+        ("EngineDeadError", "GGUFImportError", "InvalidRequestError", "ModelLoadError"), "errors"
+    ),
+    "import_gguf": "gguf_import",
+    **dict.fromkeys(("GGUF_PRESETS", "fetch_preset_gguf", "init_gguf_preset"), "gguf_presets"),
     **dict.fromkeys(
         (
             "ANY_OBJECT",
