@@ -5,6 +5,7 @@ no directory behind."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from kvchat.inference.errors import GGUFImportError
-from kvchat.inference.gguf_import import import_gguf, unpermute
+from kvchat.inference.gguf_import import _llama3_scaling, import_gguf, unpermute
+from kvchat.inference.gguf_tokenizer import build_tokenizer
 from kvchat.inference.model_config import ModelConfig
 from kvchat.inference.tokenizer_files import load_tokenizer
 from kvchat.inference.weights import load_weights
@@ -26,6 +28,7 @@ from kvchat_testing.gguf_files import (
     TEMPLATE,
     gguf_name,
     permute,
+    write_sentencepiece_gguf,
     write_tiny_gguf,
 )
 
@@ -113,6 +116,53 @@ def test_config_tokenizer_and_template_files(tmp_path: Path) -> None:
     assert ids[0] == len(SPECIALS) + 256 + 2  # "hell": the merges "h e", "l l", "he ll"
     assert tokenizer.decode(ids) == "hello world"
     assert tokenizer.encode("<|im_end|>", allow_special=True) == [2]
+
+
+def test_a_sentencepiece_vocabulary_encodes_as_transformers_does(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    reader = gguf.GGUFReader(tmp_path / "spm.gguf")
+    ours = build_tokenizer({name: field.contents() for name, field in reader.fields.items()})
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    texts = ["hello world", "the hat", " hello  world", "xyz é", "hello\nworld", "a", ""]
+    texts += ["<s>hello</s>", "wheat tea"]
+    for text in texts:
+        assert ours.encode(text).ids == theirs.encode(text), text  # with BOS
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+    # byte fallback for what no piece covers, merges by score for what they do
+    assert ours.encode("hello é", add_special_tokens=False).ids == [273, 259, 198, 172]
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float) -> np.ndarray:
+    """llama.cpp converter's rope_freqs for Llama 3.1 (low 1, high 4, original 8192)."""
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < 8192 / 4:
+            factors.append(1.0)
+        elif wavelen > 8192 / 1:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling_is_recognised_from_rope_freqs(factor: float) -> None:
+    freqs = llama3_rope_factors(500000.0, 128, factor).astype(np.float64)
+    scaling = _llama3_scaling(freqs, 500000.0, 128)
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    freqs[10] *= 1.5
+    with pytest.raises(GGUFImportError, match="not Llama 3's scaling"):
+        _llama3_scaling(freqs, 500000.0, 128)
 
 
 def test_an_unsupported_architecture_is_named_and_leaves_no_directory(tmp_path: Path) -> None:

@@ -147,3 +147,31 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return originals
+
+
+SENTENCEPIECE_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "a", "▁h", "▁he", "ll"]
+SENTENCEPIECE_PIECES += ["llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "▁t", "he", "▁the"]
+SENTENCEPIECE_PIECES += ["at", "▁a", "▁at"]
+
+
+def write_sentencepiece_gguf(path: Path) -> None:
+    """A llama GGUF whose vocabulary is SentencePiece's (`tokenizer.ggml.model = llama`): <unk>,
+    <s>, </s>, 256 byte tokens, then pieces scored best first, and no merges."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += SENTENCEPIECE_PIECES
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SENTENCEPIECE_PIECES))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SENTENCEPIECE_PIECES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
