@@ -1,11 +1,11 @@
 """Importing a GGUF file (llama.cpp's format) as the Hugging Face model directory kvchat loads.
 
 What is written: `config.json` and `generation_config.json` from the `<arch>.*` and
-`tokenizer.ggml.*` metadata; the weights dequantized (with the `gguf` library) into the asked
-dtype as safetensors (`model.safetensors`, or shards with an index past `SHARD_BYTES`), under
-their Hugging Face names, with llama.cpp's Q/K row permutation undone for llama and mistral;
-`tokenizer.json` and `tokenizer_config.json` (see gguf_tokenizer); `chat_template.jinja` from
-`tokenizer.chat_template`.
+`tokenizer.ggml.*` metadata (see gguf_config); the weights dequantized (with the `gguf`
+library) into the asked dtype as safetensors (`model.safetensors`, or shards with an index
+past `SHARD_BYTES`), under their Hugging Face names, with llama.cpp's Q/K row permutation
+undone for llama and mistral; `tokenizer.json` and `tokenizer_config.json` (see
+gguf_tokenizer); `chat_template.jinja` from `tokenizer.chat_template`.
 
 Everything is checked before a byte is written (architecture, tensor names, shapes and types),
 and written into a temporary directory beside the target that is renamed into place at the
@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +31,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import GGUFImportError
+from .gguf_config import ROPE_FREQS, generation_config, hf_config
 from .gguf_tokenizer import build_tokenizer, special_token
 from .model_config import ModelConfig
 from .weights import expected_shapes
 
-# general.architecture -> the transformers class that runs it
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 # llama.cpp's converter interleaves the rotary halves of Q and K rows for these (`permute`).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 TENSOR_TYPES = (
@@ -65,8 +61,6 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Llama 3.1's rope scaling travels as a tensor of per-frequency divisors, not as metadata.
-_ROPE_FREQS = "rope_freqs.weight"
 
 
 @dataclass(frozen=True)
@@ -102,11 +96,13 @@ def import_gguf(
     tokenizer = build_tokenizer(metadata)
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
+    # Made with mkdir, not mkdtemp, so the model directory gets the umask's permissions.
+    staging = model_dir.parent / f".{model_dir.name}.{uuid.uuid4().hex[:12]}.partial"
+    staging.mkdir()
     try:
         _write_weights(staging, plan, DTYPES[dtype], progress)
         _write_json(staging / "config.json", config_dict)
-        _write_json(staging / "generation_config.json", _generation_config(metadata))
+        _write_json(staging / "generation_config.json", generation_config(metadata))
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", _tokenizer_config(metadata))
         template = metadata.get("tokenizer.chat_template")
@@ -119,113 +115,6 @@ def import_gguf(
     return config
 
 
-def hf_config(
-    metadata: Mapping[str, Any], tensors: Mapping[str, gguf.ReaderTensor], dtype: str
-) -> dict[str, Any]:
-    """config.json for the model the metadata describes."""
-    arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFImportError(
-            f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-
-    def need(key: str) -> Any:
-        value = metadata.get(f"{arch}.{key}")
-        if value is None:
-            raise GGUFImportError(f"metadata {arch}.{key} is missing")
-        if not isinstance(value, int | float):
-            raise GGUFImportError(f"metadata {arch}.{key} must be one number, got {value!r}")
-        return value
-
-    if "token_embd.weight" not in tensors:
-        raise GGUFImportError("tensor token_embd.weight is missing")
-    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv") or num_heads)
-    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // num_heads)
-    rotary_dim = metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
-        raise GGUFImportError(
-            f"{arch}.rope.dimension_count is {rotary_dim}, not the head size {head_dim}: "
-            "partial rotary embeddings are not supported"
-        )
-    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(metadata.get(f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": theta,
-        "rope_scaling": _rope_scaling(metadata, arch, tensors, theta, head_dim),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": dtype,
-        "use_cache": True,
-    }
-    if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    if arch == "mistral":
-        config["sliding_window"] = metadata.get(f"{arch}.attention.sliding_window")
-    if arch == "qwen2":
-        config["use_sliding_window"] = False
-    return config
-
-
-def _rope_scaling(
-    metadata: Mapping[str, Any],
-    arch: str,
-    tensors: Mapping[str, gguf.ReaderTensor],
-    theta: float,
-    head_dim: int,
-) -> dict[str, Any] | None:
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if _ROPE_FREQS in tensors:
-        freqs = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
-        return _llama3_scaling(np.asarray(freqs, dtype=np.float64), theta, head_dim)
-    if scaling == "none":
-        return None
-    if scaling == "linear":
-        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
-    raise GGUFImportError(
-        f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, linear)"
-    )
-
-
-def _llama3_scaling(freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
-    """Llama 3's rope_scaling, recognised from the divisors llama.cpp's converter stored: the
-    largest divisor is the factor; the other parameters are Llama 3.1's, checked to fit."""
-    factor, low, high, original = float(freqs.max()), 1.0, 4.0, 8192
-    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    between = 1 / ((1 - smooth) / factor + smooth)
-    expected = np.where(
-        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, between)
-    )
-    if freqs.shape != expected.shape or not np.allclose(freqs, expected, rtol=1e-3):
-        raise GGUFImportError(
-            f"tensor {_ROPE_FREQS} holds rope frequency factors that are not Llama 3's "
-            "scaling; this rope scaling is not supported"
-        )
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": low,
-        "high_freq_factor": high,
-        "original_max_position_embeddings": original,
-    }
-
-
 def _plan_tensors(
     config: ModelConfig, sources: Mapping[str, gguf.ReaderTensor], arch: str
 ) -> list[_PlannedTensor]:
@@ -233,7 +122,7 @@ def _plan_tensors(
     expected = expected_shapes(config)
     plan: list[_PlannedTensor] = []
     for gguf_name, source in sources.items():
-        if gguf_name == _ROPE_FREQS:
+        if gguf_name == ROPE_FREQS:
             continue
         name = _hf_name(gguf_name)
         if name is None or name not in expected:
@@ -328,19 +217,6 @@ def _write_weights(
     if len(shards) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
         _write_json(model_dir / "model.safetensors.index.json", {"weight_map": weight_map})
-
-
-def _generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    eos_ids = [
-        metadata[f"tokenizer.ggml.{role}_token_id"]
-        for role in ("eos", "eot", "eom")
-        if f"tokenizer.ggml.{role}_token_id" in metadata
-    ]
-    return {
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(eos_ids)),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
-    }
 
 
 def _tokenizer_config(metadata: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from kvchat.inference.errors import GGUFImportError
-from kvchat.inference.gguf_import import _llama3_scaling, import_gguf, unpermute
+from kvchat.inference.gguf_config import llama3_rope_scaling
+from kvchat.inference.gguf_import import import_gguf, unpermute
 from kvchat.inference.gguf_tokenizer import build_tokenizer
 from kvchat.inference.model_config import ModelConfig
 from kvchat.inference.tokenizer_files import load_tokenizer
@@ -152,7 +153,7 @@ def llama3_rope_factors(theta: float, head_dim: int, factor: float) -> np.ndarra
 @pytest.mark.parametrize("factor", [8.0, 32.0])
 def test_llama3_rope_scaling_is_recognised_from_rope_freqs(factor: float) -> None:
     freqs = llama3_rope_factors(500000.0, 128, factor).astype(np.float64)
-    scaling = _llama3_scaling(freqs, 500000.0, 128)
+    scaling = llama3_rope_scaling(freqs, 500000.0, 128)
     assert scaling == {
         "rope_type": "llama3",
         "factor": factor,
@@ -162,7 +163,7 @@ def test_llama3_rope_scaling_is_recognised_from_rope_freqs(factor: float) -> Non
     }
     freqs[10] *= 1.5
     with pytest.raises(GGUFImportError, match="not Llama 3's scaling"):
-        _llama3_scaling(freqs, 500000.0, 128)
+        llama3_rope_scaling(freqs, 500000.0, 128)
 
 
 def test_an_unsupported_architecture_is_named_and_leaves_no_directory(tmp_path: Path) -> None:

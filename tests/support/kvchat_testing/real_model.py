@@ -14,6 +14,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+import kvchat.inference.gguf_config
 import kvchat.inference.gguf_import
 import kvchat.inference.gguf_tokenizer
 from kvchat.inference.gguf_import import import_gguf
@@ -44,7 +45,12 @@ def real_model_dir() -> Path:
     """The preset imported in float32, imported on first use."""
     gguf_path = real_gguf()
     key = hashlib.sha256(_sha256(gguf_path).encode())
-    for module in (kvchat.inference.gguf_import, kvchat.inference.gguf_tokenizer):
+    importer = (
+        kvchat.inference.gguf_config,
+        kvchat.inference.gguf_import,
+        kvchat.inference.gguf_tokenizer,
+    )
+    for module in importer:
         key.update(Path(str(module.__file__)).read_bytes())
     model_dir = cache_dir() / "models" / f"{PRESET}-float32-{key.hexdigest()[:16]}"
     with FileLock(str(cache_dir() / f"{PRESET}.lock")):
