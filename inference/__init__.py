@@ -28,10 +28,13 @@ if TYPE_CHECKING:
     )
     from .errors import (
         EngineDeadError,
+        GGUFImportError,
         InvalidRequestError,
         ModelLoadError,
         RequestFailedError,
     )
+    from .gguf_import import import_gguf
+    from .gguf_presets import GGUF_PRESETS, fetch_preset_gguf, init_gguf_preset
     from .grammar import (
         ANY_OBJECT,
         Grammar,
@@ -76,9 +79,17 @@ _MODULE_OF = {
         "engine_reports",
     ),
     **dict.fromkeys(
-        ("EngineDeadError", "InvalidRequestError", "ModelLoadError", "RequestFailedError"),
+        (
+            "EngineDeadError",
+            "GGUFImportError",
+            "InvalidRequestError",
+            "ModelLoadError",
+            "RequestFailedError",
+        ),
         "errors",
     ),
+    "import_gguf": "gguf_import",
+    **dict.fromkeys(("GGUF_PRESETS", "fetch_preset_gguf", "init_gguf_preset"), "gguf_presets"),
     **dict.fromkeys(
         (
             "ANY_OBJECT",

@@ -8,6 +8,11 @@ class ModelLoadError(ValueError):
     """A model directory, config field or tensor is missing or wrong."""
 
 
+class GGUFImportError(ModelLoadError):
+    """A GGUF file cannot be imported: truncated or malformed, or an architecture, tensor,
+    quantization type or tokenizer kvchat does not support. The message names which."""
+
+
 class InvalidRequestError(ValueError):
     """A request's parameter is out of range; `field` names it (for API error bodies)."""
 

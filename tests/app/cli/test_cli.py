@@ -119,6 +119,37 @@ def test_init_model_refuses_to_overwrite(dev_model: Path) -> None:
     assert "already holds a model" in result.stderr
 
 
+def test_init_model_imports_a_gguf_and_answers_a_bad_one_in_one_line(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    from kvchat_testing.gguf_files import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)
+    target = tmp_path / "models" / "tiny"
+    result = runner.invoke(
+        app, ["init-model", str(target), "--from-gguf", str(tmp_path / "tiny.gguf")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "(float32)" in result.stdout and (target / "tokenizer.json").is_file()
+
+    (tmp_path / "short.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes()[:5000])
+    result = runner.invoke(
+        app, ["init-model", str(tmp_path / "out"), "--from-gguf", str(tmp_path / "short.gguf")]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "short.gguf is truncated or malformed" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+    for args, message in (
+        (["--preset", "dev", "--from-gguf", "x.gguf"], "give one of --preset or --from-gguf"),
+        (["--preset", "dev", "--dtype", "float32"], "--dtype applies to GGUF imports"),
+        (["--preset", "nope"], "--preset must be one of smollm2-135m-instruct, dev, bench"),
+    ):
+        result = runner.invoke(app, ["init-model", str(tmp_path / "other"), *args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+
+
 def test_bench_preset_has_over_100m_parameters() -> None:
     from kvchat.inference.dev_model import PRESETS, hf_config
     from kvchat.inference.model_config import ModelConfig
