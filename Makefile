@@ -25,9 +25,9 @@ FLEET_REPLICAS ?= 2
 FLEET_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/kvchat_fleet
 FLEET_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-LINT_PATHS  := app bench history inference kernels memory migrations tests kvchat/__init__.py
+LINT_PATHS  := app bench docs history inference kernels memory migrations tests kvchat/__init__.py
 
-.PHONY: setup serve fleet test attack lint constraints bench clean
+.PHONY: setup serve fleet test attack lint constraints bench clean screenshots
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ test: $(STAMP)
 # (each shares its servers). KVCHAT_ATTACK_EXAMPLES=100 make attack: a bigger fuzzing run.
 attack: $(STAMP)
 	$(PY) -P -m pytest tests/attack -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+
+# The README's pictures (docs/chat.png, docs/admin.png): a started server of MODEL_DIR driven
+# by headless Chromium through a three-turn conversation, greedy.
+screenshots: $(STAMP) $(MODEL_DIR)/config.json
+	PYTHONPATH=tests/support $(PY) -P docs/screenshots.py --model $(MODEL_DIR) --out docs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
