@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 EVENTS_TTL = 3600.0  # how long a reply's buffered events stay (resume from another process)
 RECENT_TURNS = 256  # ended turns whose events attach() still gives exactly as they were sent
+# How long a new turn waits for the ended turn before it to release the lock (its end hooks:
+# storing an idempotency record) before it is answered 409.
+ENDING_TURN_WAIT_S = 10.0
 BUSY = "A reply is already being generated in this conversation; wait for it or stop it."
 
 EndHook = Callable[[Turn], Awaitable[None]]
@@ -112,9 +115,11 @@ class TurnService:
 
     def running(self, conversation_id: str) -> Turn | None:
         """The turn generating in this conversation in this process, if any."""
-        return self._running.get(conversation_id)
+        turn = self._running.get(conversation_id)
+        return turn if turn is not None and not turn.is_done else None
 
     def running_turns(self) -> Iterable[Turn]:
+        """This process's turns, generating or ending (their locks not yet released)."""
         return list(self._running.values())
 
     async def conversation(self, owner: str, conversation_id: str) -> ConversationRecord:
@@ -168,6 +173,12 @@ class TurnService:
         if not key_verified:
             await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
+        ending = self._running.get(conv.id)
+        if ending is not None and ending.is_done:
+            # Its reply is out, so its client may already be sending this turn; its lock goes
+            # once its end hooks have run: wait for that rather than answer 409.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ending.released(), ENDING_TURN_WAIT_S)
         held = await self.locks.acquire(
             lock_key(conv.id), purpose="turn", fence_floor=conv.turn_fence
         )
@@ -342,12 +353,15 @@ class TurnService:
                 except Exception:
                     log.exception("the end hook of turn %s failed", turn.message_id)
             unsubscribe()
-            if self._running.get(turn.conversation_id) is turn:
-                del self._running[turn.conversation_id]
             self._recent[turn.message_id] = turn
             while len(self._recent) > RECENT_TURNS:
                 self._recent.popitem(last=False)
-            await held.release()
+            try:
+                await held.release()
+            finally:
+                turn.mark_released()
+                if self._running.get(turn.conversation_id) is turn:
+                    del self._running[turn.conversation_id]
             try:
                 if state.leases is not None:
                     await state.leases.hold(turn.conversation_id)
@@ -401,7 +415,7 @@ class TurnService:
         """Stop the conversation's reply wherever it is generated (it is stored as cancelled
         with what it has). Whether a reply was being generated."""
         conv = await self.conversation(owner, conversation_id)
-        turn = self._running.get(conv.id)
+        turn = self.running(conv.id)
         if turn is not None:
             turn.stop()
         await self.state.coord.publish_stop(conv.id)

@@ -38,6 +38,7 @@ class Turn:
     task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _ended: asyncio.Event = field(default_factory=asyncio.Event)
+    _released: asyncio.Event = field(default_factory=asyncio.Event)  # its lock is released
     _grace: asyncio.TimerHandle | None = None
 
     @property
@@ -95,6 +96,14 @@ class Turn:
 
     async def ended(self) -> None:
         await self._ended.wait()
+
+    def mark_released(self) -> None:
+        self._released.set()
+
+    async def released(self) -> None:
+        """Its turn lock is released: a moment after its terminal event, once the end hooks
+        have run (a client that has its reply may already be sending the next turn)."""
+        await self._released.wait()
 
     async def wait(self) -> MessageRecord:
         """The stored reply once the turn ends; the turn's APIError when it ended without one
