@@ -22,6 +22,7 @@ from openai import OpenAI
 from kvchat_testing.service import Server, postgres_database
 
 REPO = Path(__file__).resolve().parents[2]
+README_MODEL = "smollm2-135m-instruct"  # the model the README's examples name
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +36,35 @@ def server(dev_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def real_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`kvchat serve` of SmolLM2-135M-Instruct, what `make serve` serves, under its name."""
+    server = Server(
+        smollm2_dir,
+        tmp_path_factory.mktemp("data"),
+        env={"KVCHAT_SERVED_MODEL_NAME": README_MODEL},
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def readme_examples() -> list[tuple[str, str]]:
     text = (REPO / "README.md").read_text()
     blocks = re.findall(r"```(bash|python) example\n(.*?)```", text, re.S)
     return [(lang, code) for lang, code in blocks]
 
 
-def test_the_readme_examples_work_as_printed(server: Server) -> None:
+def test_the_readme_examples_work_as_printed(real_server: Server) -> None:
+    """Every example against the model `make serve` serves; the first one's answer is the
+    sentence the README prints."""
+    server = real_server
     examples = readme_examples()
     assert {lang for lang, _ in examples} == {"bash", "python"} and len(examples) >= 4
+    assert all(README_MODEL in code for lang, code in examples if "model" in code)
     env = {**os.environ, "KVCHAT_URL": server.url, "KVCHAT_API_KEY": server.key or ""}
+    outputs = []
     for lang, code in examples:
         command = (
             ["bash", "-euo", "pipefail", "-c", code]
@@ -55,6 +75,10 @@ def test_the_readme_examples_work_as_printed(server: Server) -> None:
         assert proc.returncode == 0, f"{code}\n{proc.stdout}\n{proc.stderr}"
         assert proc.stdout.strip(), code
         assert "error" not in proc.stdout.lower() or lang == "python", proc.stdout
+        outputs.append(proc.stdout)
+    first = json.loads(outputs[0])
+    assert first["model"] == README_MODEL
+    assert first["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
 def test_the_first_start_printed_its_url_and_a_working_admin_key(server: Server) -> None:
