@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         "grammar before computing its mask (the mask only when all are rejected); false masks "
         "every step.",
     )
+    adaptive_cpu_threads: bool = Field(
+        True,
+        description="On the CPU, run each engine step on one thread or on all of torch's, "
+        "whichever recent steps of its shape were faster on: a core taken by another process "
+        "then costs little; false always uses all.",
+    )
 
     # -- sessions and history (defaults of new conversations; operators override per session) --
     max_context_tokens: int | None = Field(
@@ -265,6 +271,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             seed=self.seed,
             grammar_checks_first=self.grammar_checks_first,
+            adaptive_cpu_threads=self.adaptive_cpu_threads,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

@@ -42,6 +42,7 @@ from kvchat.memory.sessions import SessionStore
 from kvchat.memory.stats import CacheStats
 
 from . import engine_reports
+from .cpu_threads import CpuThreads, step_shape
 from .engine_config import EngineConfig
 from .engine_inbox import AbortRequest, AddRequest, Call, EngineInbox
 from .engine_reports import (
@@ -141,6 +142,7 @@ class Engine:
         self.sessions = SessionStore(cache, self.kv_manager, self.stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
+        self.cpu_threads = CpuThreads.for_device(self.device, config.adaptive_cpu_threads)
         self.sampler = Sampler(
             config.seed, invalid_token_mask(self.tokenizer, mc.vocab_size, self.device)
         )
@@ -346,11 +348,23 @@ class Engine:
         row."""
         masks = self.structured_output.start_masks(batch)
         try:
-            logits, sampled = self.runner.execute(batch)
+            logits, sampled = self._forward(batch)
         finally:
             # Waited for even when the forward fails: a worker may be using the matchers.
             ready = masks() if masks is not None else {}
         return logits, sampled, ready
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """The model's forward over the batch, on the thread count CpuThreads picks for its
+        shape (on the CPU), timed for the next pick."""
+        if self.cpu_threads is None:
+            return self.runner.execute(batch)
+        shape = step_shape(batch.num_tokens, batch.num_decode, len(batch.seqs))
+        threads = self.cpu_threads.choose(shape)
+        start = time.perf_counter()
+        result = self.runner.execute(batch)
+        self.cpu_threads.record(shape, threads, time.perf_counter() - start)
+        return result
 
     def _postprocess(
         self,
@@ -522,6 +536,10 @@ class Engine:
             self.kv_store.snapshot() if self.kv_store is not None else None,
             num_failed_steps=self.num_failed_steps,
             num_failed_requests=self.num_failed_requests,
+            cpu_threads=self.cpu_threads.current if self.cpu_threads is not None else None,
+            num_cpu_thread_switches=(
+                self.cpu_threads.num_switches if self.cpu_threads is not None else 0
+            ),
         )
 
     # -- convenience ------------------------------------------------------------------------------

@@ -35,6 +35,9 @@ class EngineConfig:
     # Structured output: check a constrained row's draws against its grammar before computing
     # its mask (the mask only when all are rejected; see sampler.py). False: mask every step.
     grammar_checks_first: bool = True
+    # On the CPU: run each step on one thread or on torch's count, whichever its recent steps
+    # of that shape were faster on (inference/cpu_threads.py). False: always torch's count.
+    adaptive_cpu_threads: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -44,6 +44,9 @@ class EngineStats:
     # Steps that raised and the requests they failed (the engine went on; monotonic).
     num_failed_steps: int = 0
     num_failed_requests: int = 0
+    # On the CPU with adaptive threads: the count the last step ran on, and how often it changed.
+    cpu_threads: int | None = None
+    num_cpu_thread_switches: int = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +120,8 @@ def engine_stats(
     *,
     num_failed_steps: int = 0,
     num_failed_requests: int = 0,
+    cpu_threads: int | None = None,
+    num_cpu_thread_switches: int = 0,
 ) -> EngineStats:
     tally = sessions.tally()
     return EngineStats(
@@ -135,6 +140,8 @@ def engine_stats(
         kv_store=kv_store,
         num_failed_steps=num_failed_steps,
         num_failed_requests=num_failed_requests,
+        cpu_threads=cpu_threads,
+        num_cpu_thread_switches=num_cpu_thread_switches,
     )
 
 

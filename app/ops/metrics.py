@@ -210,6 +210,18 @@ class EngineCollector(Collector):
             "on (it stops after several in a row).",
             report.num_failed_steps,
         )
+        if report.cpu_threads is not None:
+            yield gauge(
+                "engine_cpu_threads",
+                "Threads the engine's last step ran on (adaptive CPU threads: one or torch's "
+                "count, whichever that step's shape was faster on lately).",
+                report.cpu_threads,
+            )
+            yield counter(
+                "engine_cpu_thread_switches",
+                "Times the adaptive CPU threads changed the engine's thread count.",
+                report.num_cpu_thread_switches,
+            )
         yield counter(
             "engine_failed_requests",
             "Requests failed because a step they were in raised.",
