@@ -117,6 +117,12 @@ class RequestChecker:
                 raise InvalidRequestError(
                     f"stop token id {t} is outside the vocabulary", field="stop_token_ids"
                 )
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise InvalidRequestError(
+                    f"logit_bias names token id {t}, outside the vocabulary (0..{vocab - 1})",
+                    field="logit_bias",
+                )
         if params.grammar is not None:
             try:
                 # Cached: the request's own matcher is a hit.

@@ -1,4 +1,5 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-request seeds; logprobs of chosen tokens.
+"""Sampler: penalties and logit bias, greedy, temperature, min-p, top-k, top-p, per-request
+seeds; logprobs of chosen tokens.
 
 Random choice is by inversion: one uniform draw per row and step, located in the row's
 cumulative distribution (summed in float64, so every token keeps its own probability to
@@ -30,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from .penalties import apply_penalties
 from .sampling_params import SamplingParams
 
 
@@ -119,9 +121,14 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         logit_mask: torch.Tensor | None = None,  # [N, V] float32: 0 allowed, -inf not
         grammar: RowGrammars | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        num_prompt_tokens: Sequence[int] | None = None,
     ) -> SamplerOutput:
         """`logit_mask` restricts rows up front; `grammar`'s rows are checked first where
-        their parameters allow (see the module docstring), masked first otherwise."""
+        their parameters allow (see the module docstring), masked first otherwise. Rows with
+        penalties or logit_bias need `token_ids` (each row's prompt and output so far) and
+        `num_prompt_tokens`: their logits are changed first (inference/penalties.py), and
+        everything after, logprobs included, sees the changed logits."""
         vocab = logits.shape[1]
         checked: list[int] = []
         first: list[int] = []
@@ -140,6 +147,10 @@ class Sampler:
             if not copied:
                 logits = logits.clone()
             logits.index_fill_(1, self._invalid_ids, float("-inf"))
+        if any(p.has_penalties for p in params):
+            if token_ids is None or num_prompt_tokens is None:
+                raise ValueError("penalties need each row's token ids and prompt length")
+            logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if len(random_rows) < len(params):
             # max(dim).indices: the same first-maximum index as argmax, ~3x faster on the CPU.
@@ -157,7 +168,14 @@ class Sampler:
                     dtype=logits.dtype,
                 )
                 scaled = scaled / temps.unsqueeze(1)
-            if any(params[i].needs_filtering for i in random_rows):
+            if any(params[i].min_p > 0.0 for i in random_rows):
+                # p / p_max >= min_p, in logits: scaled >= max + log(min_p) (log 0 = -inf)
+                min_p = torch.tensor(
+                    [params[i].min_p for i in random_rows], device=logits.device
+                ).to(scaled.dtype)
+                floor = scaled.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+                scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+            if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
                 top_k = torch.tensor(
                     [min(params[i].top_k or vocab, vocab) for i in random_rows],
                     device=logits.device,

@@ -189,7 +189,7 @@ def test_bad_requests_are_rejected_with_the_field_named(
         (dict(max_tokens=-3), "max_tokens"),
         (dict(temperature=2.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),  # -1 is vLLM's "off"
         (dict(stop=("a", "b", "c", "d", "e")), "stop"),
     ],
 )
