@@ -101,6 +101,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def token_id_keys(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """logit_bias's keys are token ids written as decimal strings (OpenAI's shape)."""
+    for key in bias or {}:
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    return bias
+
+
 class SamplingFields(BaseModel):
     """The generation fields shared by chat completions and the conversations API."""
 
@@ -111,7 +119,24 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(
-        None, ge=0, le=INT32_MAX, description="vLLM's extension; 0 is off."
+        None, ge=-1, le=INT32_MAX, description="vLLM's extension; 0 or -1 is off."
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="vLLM's extension: drop tokens below min_p x the top token's probability.",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0.0,
+        le=2.0,
+        description="vLLM's extension: logits of tokens in the prompt or output so far are "
+        "divided (positive) or multiplied (negative) by it; 1 is off.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string) -> bias in [-100, 100] added to its logit.",
     )
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past end-of-sequence.")
     seed: StrictInt | None = Field(
@@ -139,6 +164,11 @@ class SamplingFields(BaseModel):
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return token_id_keys(value)
 
     @field_validator("top_logprobs")
     @classmethod

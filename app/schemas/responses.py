@@ -7,7 +7,8 @@ naming the field. Fields the SDKs send empty (`include: []`, `reasoning: null`) 
 newer options are ignored (`extra="ignore"`), so a newer SDK still talks to this server.
 Input items and the items answered are in app/schemas/response_items.py.
 
-kvchat's extensions, as on Chat Completions: `seed`, `stop`, `top_k`, `ignore_eos`."""
+kvchat's extensions, as on Chat Completions: `seed`, `stop`, `top_k`, `min_p`,
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `ignore_eos`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvchat.app.schemas.chat import NAME_PATTERN
+from kvchat.app.schemas.chat import NAME_PATTERN, token_id_keys
 from kvchat.app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN
 from kvchat.app.schemas.response_items import FunctionCall, OutputMessage
 
@@ -109,13 +110,23 @@ class ResponseCreate(BaseModel):
     # kvchat's extensions (as on Chat Completions)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    top_k: StrictInt | None = Field(None, ge=0, le=INT32_MAX)
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     # OpenAI's options kvchat does not do: refused when set
     background: bool | None = None
     prompt: dict[str, Any] | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return token_id_keys(value)
 
     @field_validator("input", mode="before")
     @classmethod

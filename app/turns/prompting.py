@@ -11,19 +11,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvchat.app.errors import APIError, invalid_request
+from kvchat.app.errors import invalid_request
 from kvchat.app.schemas.chat import Message, NamedToolChoice, SamplingFields, Tool
 from kvchat.app.turns.structured import check_json_schema
 from kvchat.inference import ChatMessage, Grammar, SamplingParams
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 STATELESS_SESSION_PREFIX = "sess_"  # engine sessions of X-Session-Id (conversations': conv_)
-
-
-def unsupported(feature: str, param: str) -> APIError:
-    return invalid_request(
-        f"{feature} is not supported by this server yet", param, code="unsupported"
-    )
 
 
 # -- tools -----------------------------------------------------------------------------------------
@@ -158,16 +152,17 @@ def sampling_params(
     seed_offset: int = 0,
     grammar: Grammar | None = None,
 ) -> SamplingParams:
-    if fields.presence_penalty:
-        raise unsupported("presence_penalty", "presence_penalty")
-    if fields.frequency_penalty:
-        raise unsupported("frequency_penalty", "frequency_penalty")
     stop = fields.stop
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if fields.temperature is None else fields.temperature,
         top_p=1.0 if fields.top_p is None else fields.top_p,
         top_k=fields.top_k or None,
+        min_p=fields.min_p or 0.0,
+        presence_penalty=fields.presence_penalty or 0.0,
+        frequency_penalty=fields.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+        logit_bias=tuple((int(t), b) for t, b in (fields.logit_bias or {}).items()),
         seed=fields.choice_seed(seed_offset),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         logprobs=fields.logprobs,

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvchat_testing.app_service import Service
+from kvchat_testing.sampling_knobs import check_sampling_knobs
 
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
@@ -451,3 +452,16 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
         # Liveness fails too, so a supervisor (Kubernetes, the fleet) restarts the process.
         health = client.get("/healthz")
         assert health.status_code == 503 and health.json()["status"] == "engine_stopped"
+
+
+def test_sampling_knobs_reach_the_engine(service: Service) -> None:
+    def reply(fields: dict[str, Any]) -> str:
+        r = chat(service, USER, **fields)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    def refused(fields: dict[str, Any]) -> tuple[int, str | None]:
+        r = chat(service, USER, **fields)
+        return r.status_code, r.json()["error"]["param"]
+
+    check_sampling_knobs(service.state.runtime.tokenizer, reply, refused)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvchat_testing.app_service import Service
+from kvchat_testing.sampling_knobs import check_sampling_knobs
 
 SHORT: dict[str, Any] = {"model": "dev", "max_output_tokens": 6, "temperature": 0.0}
 SCHEMA = {
@@ -680,3 +681,24 @@ def test_an_idempotency_key_answers_a_retry_with_the_first_response(service: Ser
         "response.incomplete",
     )
     assert re.findall(r"event: (\S+)", retry_stream.text) == kinds
+
+
+def test_sampling_knobs_reach_the_engine(service: Service) -> None:
+    """kvchat's extensions on the Responses API, as on Chat Completions."""
+
+    def body(fields: dict[str, Any]) -> dict[str, Any]:
+        fields = dict(fields)
+        fields["max_output_tokens"] = fields.pop("max_tokens")
+        return {**SHORT, "input": "Hello!", "store": False, **fields}
+
+    def reply(fields: dict[str, Any]) -> str:
+        r = service.post("/v1/responses", body(fields))
+        assert r.status_code == 200, r.text
+        (message,) = [item for item in r.json()["output"] if item["type"] == "message"]
+        return str(message["content"][0]["text"])
+
+    def refused(fields: dict[str, Any]) -> tuple[int, str | None]:
+        r = service.post("/v1/responses", body(fields))
+        return r.status_code, r.json()["error"]["param"]
+
+    check_sampling_knobs(service.state.runtime.tokenizer, reply, refused)

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from kvchat_testing.app_service import Service, service_settings
+from kvchat_testing.sampling_knobs import check_sampling_knobs
 from kvchat_testing.service import Server
 
 LONG = {"max_tokens": 2000, "temperature": 1.0, "seed": 1, "ignore_eos": True}
@@ -383,3 +384,24 @@ def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
     assert [m["content"] for m in stored(ws_service, conv) if m["role"] == "user"] == [
         "And now for real"
     ]
+
+
+def test_sampling_knobs_reach_the_engine(ws_service: Service) -> None:
+    """Each turn in a conversation of its own (the same prompt every time)."""
+
+    def frames(fields: dict[str, Any]) -> list[dict[str, Any]]:
+        with socket(ws_service, conversation(ws_service)) as ws:
+            ws.send_json({"type": "message", "content": "Hello!", **fields})
+            return until(ws, "done")
+
+    def reply(fields: dict[str, Any]) -> str:
+        got = frames(fields)
+        assert got[-1]["type"] == "done", got[-1]
+        return "".join(f["text"] for f in got if f["type"] == "delta")
+
+    def refused(fields: dict[str, Any]) -> tuple[int, str | None]:
+        error = frames(fields)[-1]
+        assert error["type"] == "error", error
+        return (400 if error["code"] == "invalid_request" else 0), error.get("param")
+
+    check_sampling_knobs(ws_service.state.runtime.tokenizer, reply, refused)
