@@ -116,6 +116,7 @@ class ToolCallStreamParser:
         self._has_content = False
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
+        self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls
         # hermes: outside a block, inside one (buffer = text after <tool_call>), or inside
         # one known to be content whose end (the first </tool_call>) is not yet seen.
         self._mode = "start" if fmt == LLAMA3_JSON else "outside"
@@ -175,6 +176,13 @@ class ToolCallStreamParser:
         out.append(ContentDelta(text))
 
     def _emit_call(self, out: list[StreamEvent], name: str, arguments: str) -> None:
+        """A complete call, unless the output already made the same one (same name and
+        arguments, keys in any order): a client would run the tool twice. Small models under
+        a grammar that allows several calls repeat the first one."""
+        same = (name, json.dumps(json.loads(arguments), sort_keys=True))
+        if same in self._made:
+            return
+        self._made.add(same)
         call = ToolCall(new_tool_call_id(), name, arguments)
         index = len(self._calls)
         self._calls.append(call)

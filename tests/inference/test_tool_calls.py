@@ -479,3 +479,31 @@ def test_scanner_agrees_with_json_on_mutations(value: dict, edits: list[tuple[in
 )
 def test_scanner_decides_as_early_as_it_can(text: str, status: str) -> None:
     assert scan(text).status == status
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_a_repeated_call_is_made_once(fmt: str) -> None:
+    """The same name and arguments (keys in any order) twice in one output: one call; the
+    same tool with other arguments is another call."""
+    if fmt == "hermes":
+        block = '<tool_call>{{"name": "get_weather", "arguments": {}}}</tool_call>'
+        text = "".join(
+            block.format(a)
+            for a in ('{"city": "Paris", "unit": "c"}', '{"unit": "c", "city": "Paris"}')
+        ) + block.format('{"city": "Tokyo", "unit": "c"}')
+    else:
+        call = '{{"name": "get_weather", "parameters": {}}}'
+        text = "; ".join(
+            call.format(a)
+            for a in (
+                '{"city": "Paris", "unit": "c"}',
+                '{"unit": "c", "city": "Paris"}',
+                '{"city": "Tokyo", "unit": "c"}',
+            )
+        )
+    expected = [
+        ("get_weather", '{"city":"Paris","unit":"c"}'),
+        ("get_weather", '{"city":"Tokyo","unit":"c"}'),
+    ]
+    assert parse(text, fmt) == (None, expected)
+    assert stream([text[i : i + 7] for i in range(0, len(text), 7)], fmt) == (None, expected)
