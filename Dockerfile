@@ -17,6 +17,6 @@ COPY bench bench
 # A wheel install (not editable): kvchat/ symlinks the folders above into the kvchat namespace.
 RUN pip install --no-cache-dir -c constraints.txt . && rm -rf build
 ENV PYTHONSAFEPATH=1
-ENV KVCHAT_HOST=0.0.0.0 KVCHAT_PORT=8000 KVCHAT_MODEL=/models/dev KVCHAT_DATA_DIR=/data
+ENV KVCHAT_HOST=0.0.0.0 KVCHAT_PORT=8000 KVCHAT_MODEL=/models/smollm2-135m-instruct KVCHAT_DATA_DIR=/data
 EXPOSE 8000
 CMD ["sh", "-c", "kvchat db upgrade && kvchat serve"]
