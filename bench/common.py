@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,3 +92,20 @@ def ensure_model(path: Path, preset: str) -> Path:
         print(f"creating the {preset} model in {path}")
         init_model(path, preset, seed=0)
     return path
+
+
+def serve_command(model: Path, port: int, *flags: str) -> list[str]:
+    """`kvchat serve` of `model` on `port` as a subprocess's argv, with this interpreter (its
+    venv's kvchat), safe-path (-P: the working directory never shadows an import)."""
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvchat.app.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *flags,
+    ]

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, machine_header, markdown_table
+from kvchat.bench.common import REPO, RESULTS, machine_header, markdown_table, serve_command
 from kvchat.bench.startup import free_port, wait_ready
 
 VARIANTS = {"adaptive": "true", "all threads": "false"}
@@ -69,16 +69,9 @@ def server(model: Path, adaptive: str, dtype: str, work: Path) -> Iterator[tuple
     """A fresh `kvchat serve` (its own SQLite database); yields its URL and admin key."""
     data = Path(tempfile.mkdtemp(dir=work, prefix="data-"))
     port = free_port()
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvchat.app.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
+    command = serve_command(
+        model,
+        port,
         "--dtype",
         dtype,
         "--data-dir",
@@ -89,7 +82,7 @@ def server(model: Path, adaptive: str, dtype: str, work: Path) -> Iterator[tuple
         str(256 * 2**20),
         "--linear-plan-dir",
         str(work / "linear_plans"),
-    ]
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     log_path = data / "serve.log"
     with log_path.open("w") as log:

@@ -34,7 +34,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -45,7 +44,14 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    serve_command,
+)
 from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -321,17 +327,7 @@ class KVChatServer(Server):
             "OMP_NUM_THREADS": str(threads),
         }
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "kvchat.app.cli",
-                "serve",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(port),
-            ],
+            serve_command(model_dir, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,

@@ -19,7 +19,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,14 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    serve_command,
+)
 
 WORDS = [
     "river",
@@ -165,17 +171,7 @@ def start_server(model: Path, data_dir: Path, port: int) -> tuple[subprocess.Pop
         "PYTHONUNBUFFERED": "1",
     }
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-P",
-            "-m",
-            "kvchat.app.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-        ],
+        serve_command(model, port),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

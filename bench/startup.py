@@ -28,7 +28,14 @@ from pathlib import Path
 
 import httpx
 
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    serve_command,
+)
 from kvchat.kernels.cpu_ops import load_cpu_ops
 
 READY_TIMEOUT_S = 900.0
@@ -55,16 +62,9 @@ def start_once(model: Path, dtype: str, plan_dir: Path, work: Path) -> Start:
     data = Path(tempfile.mkdtemp(dir=work, prefix="data-"))
     log_path = data / "serve.log"
     port = free_port()
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvchat.app.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
+    command = serve_command(
+        model,
+        port,
         "--dtype",
         dtype,
         "--data-dir",
@@ -75,7 +75,7 @@ def start_once(model: Path, dtype: str, plan_dir: Path, work: Path) -> Start:
         str(64 * 2**20),
         "--host-cache-bytes",
         str(32 * 2**20),
-    ]
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     with log_path.open("w") as log:
         begun = time.perf_counter()

@@ -20,7 +20,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +30,14 @@ import httpx
 import websockets
 from tqdm import tqdm
 
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    serve_command,
+)
 
 KEY_LINE = re.compile(r"created an admin API key \(shown once, keep it\): (\S+)")
 EARLY = (5, 15)  # 1-based turns the last ten are compared with
@@ -88,17 +94,7 @@ def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[s
         "KVCHAT_LOG_LEVEL": "warning",
     }
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-P",
-            "-m",
-            "kvchat.app.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-        ],
+        serve_command(model, port),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -32,13 +32,16 @@ def served(
         yield client, state, record, key
 
 
+def new_conversation(client: TestClient, key: str) -> str:
+    r = client.post("/v1/conversations", json={}, headers={"Authorization": f"Bearer {key}"})
+    return str(r.json()["id"])
+
+
 def test_the_next_turn_waits_for_the_ended_turn_to_release_its_lock(
     served: tuple[TestClient, Any, Any, str],
 ) -> None:
     client, state, record, key = served
-    conv = client.post(
-        "/v1/conversations", json={}, headers={"Authorization": f"Bearer {key}"}
-    ).json()["id"]
+    conv = new_conversation(client, key)
     fields = SamplingFields(max_tokens=2, temperature=0)
 
     async def scenario() -> tuple[list[str], str, str]:
@@ -86,9 +89,7 @@ def test_a_turn_while_one_generates_is_refused_at_once(
     served: tuple[TestClient, Any, Any, str],
 ) -> None:
     client, state, record, key = served
-    conv = client.post(
-        "/v1/conversations", json={}, headers={"Authorization": f"Bearer {key}"}
-    ).json()["id"]
+    conv = new_conversation(client, key)
 
     async def scenario() -> APIError:
         def start(text: str, max_tokens: int) -> Any:
