@@ -54,6 +54,13 @@ class Settings(BaseSettings):
         description="Where measured linear plans are kept "
         "(default: $XDG_CACHE_HOME/kvchat/linear_plans, else ~/.cache/kvchat/linear_plans).",
     )
+    linear_plan_busy_cpus: float = Field(
+        0.3,
+        ge=0,
+        description="A linear plan measured while other processes kept more than this many "
+        "CPUs busy on average (its timings are off) serves that run and is not kept: the next "
+        "start measures again.",
+    )
     block_size: int = Field(16, description="Tokens per KV-cache block.")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="KV-cache element type (auto: the model's dtype)."
@@ -268,6 +275,7 @@ class Settings(BaseSettings):
             if self.linear_plan_cache == "off"
             else str(self.linear_plan_dir or default_plan_dir()),
             linear_plan_refresh=self.linear_plan_cache == "refresh",
+            linear_plan_busy_cpus=self.linear_plan_busy_cpus,
             max_model_len=self.max_model_len,
             seed=self.seed,
             grammar_checks_first=self.grammar_checks_first,

@@ -240,15 +240,18 @@ def converter_dir(cache_dir: Path, package: str, version: str) -> Path:
     return root
 
 
-def convert(side_dir: Path, out_file: Path, outtype: str, converter: Path) -> Path:
-    """Run the converter (--outtype f32 | f16 | bf16) unless `out_file` exists."""
+def convert(
+    side_dir: Path, out_file: Path, outtype: str, converter: Path, python: Path | None = None
+) -> Path:
+    """Run the converter (--outtype f32 | f16 | bf16) unless `out_file` exists, with `python`
+    (default: this interpreter; it needs the [peers] extra's packages)."""
     if out_file.is_file():
         return out_file
     tmp = out_file.with_suffix(".partial")
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     subprocess.run(
         [
-            sys.executable,
+            str(python or sys.executable),
             str(converter / "convert_hf_to_gguf.py"),
             str(side_dir),
             "--outtype",
@@ -265,12 +268,23 @@ def convert(side_dir: Path, out_file: Path, outtype: str, converter: Path) -> Pa
 
 
 def gguf_files(
-    model_dir: Path, cache_dir: Path, package: str, version: str, outtypes: tuple[str, ...]
+    model_dir: Path,
+    cache_dir: Path,
+    package: str,
+    version: str,
+    outtypes: tuple[str, ...],
+    python: Path | None = None,
 ) -> dict[str, Path]:
-    """{outtype: GGUF path} for the model, converted once per weights hash."""
+    """{outtype: GGUF path} for the model, converted once per weights hash. A model folder
+    with a Hugging Face tokenizer.json (a real model) is converted as it is; one on the
+    bundled cl100k tokenizer (the dev and bench presets) through a side folder holding
+    that tokenizer as tokenizer.json, checked token for token first."""
     work = cache_dir / weights_key(model_dir)
-    side = work / "hf"
-    make_side_folder(model_dir, side)
-    check_side_tokenizer(side, model_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        source = model_dir
+    else:
+        source = work / "hf"
+        make_side_folder(model_dir, source)
+        check_side_tokenizer(source, model_dir)
     converter = converter_dir(cache_dir, package, version)
-    return {t: convert(side, work / f"model-{t}.gguf", t, converter) for t in outtypes}
+    return {t: convert(source, work / f"model-{t}.gguf", t, converter, python) for t in outtypes}

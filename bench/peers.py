@@ -386,7 +386,18 @@ def main() -> int:
         help="kvchat's half-precision dtype (auto: the one this CPU runs natively)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "peers.md")
+    ap.add_argument(
+        "--served",
+        action="store_true",
+        help="measure only the served single stream (kvchat serve, vLLM, llama-server on the "
+        "real model) and replace that section of --out",
+    )
+    ap.add_argument("--served-model", type=Path, default=REPO / "models" / "smollm2-135m-instruct")
+    ap.add_argument("--served-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--served-rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.served:
+        return served_only(args)
 
     if importlib.util.find_spec("llama_cpp") is None:
         print(INSTALL_HINT)
@@ -503,6 +514,132 @@ def main() -> int:
     print(report)
     plot(timings, args, args.out.with_suffix(".png"))
     return 0
+
+
+SERVED_BEGIN = "<!-- served single stream: python bench/peers.py --served -->"
+SERVED_END = "<!-- end of the served single stream -->"
+SERVED_LENGTHS = (128, 512, 2000)
+SERVED_NEW_TOKENS = 128
+
+
+def served_only(args: argparse.Namespace) -> int:
+    """Measure the served single stream and put its section into --out (replacing the one
+    there; the in-process sections are left as they were measured)."""
+    section = served_section(args)
+    old = args.out.read_text() if args.out.exists() else ""
+    if SERVED_BEGIN in old and SERVED_END in old:
+        head, rest = old.split(SERVED_BEGIN, 1)
+        text = head + section + rest.split(SERVED_END, 1)[1]
+    else:
+        text = old.rstrip("\n") + "\n\n" + section + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(section)
+    return 0
+
+
+def served_section(args: argparse.Namespace) -> str:
+    """kvchat serve, vLLM and llama-server on the real model, one request at a time through
+    the same streaming Chat Completions client: TTFT at 128, 512 and 2,000-token prompts
+    (fresh ones, nothing cached) and the decode rate of 128 greedy tokens."""
+    import asyncio
+    import tempfile
+
+    from kvchat.bench import vllm_server
+    from kvchat.bench.peers_serving import (
+        SERVERS,
+        OneStream,
+        one_stream,
+        peer_files,
+        start_server,
+    )
+
+    load_start, started = os.getloadavg(), time.gmtime()
+    model_dir = ensure_model(args.served_model, args.served_model.name)
+    gguf, binary = peer_files(model_dir, args.served_dtype, list(SERVERS))
+    # about one token a word; the chat template adds its own (the table gives the counts)
+    lengths = list(SERVED_LENGTHS)
+    words = {n: max(8, n - 40) for n in lengths}
+    results: dict[str, OneStream] = {}
+    total = len(SERVERS) * len(lengths) * args.served_rounds
+    with (
+        tqdm(total=total, desc="served single stream", unit="req") as bar,
+        tempfile.TemporaryDirectory(prefix="kvchat-peers-") as tmp,
+    ):
+        for name in SERVERS:
+            server = start_server(
+                name, model_dir, args.served_dtype, args.threads, Path(tmp) / name, gguf, binary
+            )
+            result = results[name] = OneStream(name)
+            try:
+                asyncio.run(
+                    one_stream(
+                        server,
+                        list(words.values()),
+                        SERVED_NEW_TOKENS,
+                        args.served_rounds,
+                        result,
+                        bar,
+                    )
+                )
+            finally:
+                server.stop()
+    load_end = os.getloadavg()
+    rows = []
+    for name, r in results.items():
+        rows.append(
+            [name]
+            + [
+                f"{median(r.ttft_ms[w]):,.0f} ({int(statistics.median(r.prompt_tokens[w]))})"
+                for w in (words[n] for n in lengths)
+            ]
+            + [f"{median(r.decode_tok_s):.1f}", f"{r.cached_tokens}"]
+        )
+    mine, vllm = results["kvchat"], results["vllm"]
+    goals = []
+    for n in (512, 2000):
+        ratio = median(mine.ttft_ms[words[n]]) / median(vllm.ttft_ms[words[n]])
+        goals.append(
+            [
+                f"TTFT at ~{n:,}-token prompts, kvchat / vLLM",
+                f"{ratio:.2f}x",
+                "<= 1.0x",
+                "met" if ratio <= 1.0 else "missed",
+            ]
+        )
+    ratio = median(mine.decode_tok_s) / median(vllm.decode_tok_s)
+    met = "met" if ratio >= 1.5 else "missed"
+    goals.append(["decode tok/s, kvchat / vLLM", f"{ratio:.2f}x", ">= 1.5x", met])
+    header = machine_header(
+        "Served, one stream: kvchat serve, vLLM and llama-server",
+        {
+            "model": f"{model_dir.name}, {args.served_dtype} weights in every server",
+            "vllm": f"{vllm_server.PACKAGE} {vllm_server.VERSION}, OpenAI server, prefix caching",
+            "requests": f"one at a time, streamed Chat Completions; fresh prompts of about "
+            f"{', '.join(f'{n:,}' for n in lengths)} tokens, {SERVED_NEW_TOKENS} greedy tokens "
+            f"(ignore_eos); medians of {args.served_rounds} requests each; a fresh server each",
+            "command": "python bench/peers.py --served",
+        },
+        started=started,
+        load_start=load_start,
+        load_end=load_end,
+    ).replace("# Served", "## Served", 1)
+    table = markdown_table(
+        ["server"]
+        + [f"TTFT ~{n:,} tokens, ms (prompt tokens)" for n in lengths]
+        + ["decode tok/s", "prompt tokens cached"],
+        rows,
+    )
+    return (
+        SERVED_BEGIN
+        + "\n"
+        + header
+        + "\n"
+        + table
+        + "\n"
+        + markdown_table(["measure", "measured", "goal", ""], goals)
+        + SERVED_END
+    )
 
 
 def median(xs: list[float]) -> float:

@@ -97,7 +97,11 @@ class Engine:
         )
         weights = load_weights(config.model, mc, self.dtype, self.device)
         plan_cache = (
-            LinearPlanCache(Path(config.linear_plan_dir), refresh=config.linear_plan_refresh)
+            LinearPlanCache(
+                Path(config.linear_plan_dir),
+                refresh=config.linear_plan_refresh,
+                busy_cpus=config.linear_plan_busy_cpus,
+            )
             if config.linear_plan_dir is not None
             else None
         )

@@ -30,6 +30,8 @@ class EngineConfig:
     # them at the next start (inference/linear_plan_cache.py); None: measure at every start.
     linear_plan_dir: str | None = None
     linear_plan_refresh: bool = False  # measure even when a plan is kept, and keep the new one
+    # a plan measured while other processes kept more CPUs busy than this is not kept
+    linear_plan_busy_cpus: float = 0.3
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = 0  # for requests without their own seed
     # Structured output: check a constrained row's draws against its grammar before computing

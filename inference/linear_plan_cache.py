@@ -77,6 +77,9 @@ class LinearPlanCache:
 
     directory: Path
     refresh: bool = False
+    # A plan measured while other processes kept more than this many CPUs busy on average
+    # serves its run and is not kept.
+    busy_cpus: float = 0.3
 
     def path_for(self, key: dict[str, object]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -137,18 +140,36 @@ def load_or_measure(
     cache: LinearPlanCache | None,
     measure: MeasureFn = measure_plan,
 ) -> LinearPlan:
-    """The plan kept for these weights' shapes on this machine, or a measured one (then kept).
-    `cache` None: measure, keep nothing."""
+    """The plan kept for these weights' shapes on this machine, or a measured one, kept when
+    the machine was quiet while it was measured (other processes kept at most the cache's
+    `busy_cpus` CPUs busy on average). `cache` None: measure, keep nothing."""
     key = plan_key([tuple(w.shape) for w in layer_weights], dtype) if cache else None
     if cache is not None and key is not None and not cache.refresh:
         plan = cache.load(key)
         if plan is not None:
             log.info("linear layers (cached in %s): %s", plan.cache_file, plan.summary())
             return plan
-    start = time.perf_counter()
+    start, others_before = time.perf_counter(), other_cpu_seconds()
     plan = measure(layer_weights, dtype)
     seconds = time.perf_counter() - start
-    kept = cache.store(key, plan, seconds) if cache is not None and key is not None else None
+    others_after = other_cpu_seconds()
+    # CPUs other processes kept busy on average while the probe ran: timings taken beside
+    # them are off (by 5-10x on two cores), so such a plan serves this run and is not kept.
+    busy = (
+        (others_after - others_before) / seconds
+        if others_before is not None and others_after is not None and seconds > 0
+        else 0.0
+    )
+    kept = None
+    if busy > (cache.busy_cpus if cache is not None else BUSY_CPUS):
+        log.warning(
+            "linear layers measured while other processes kept %.1f CPUs busy: the plan "
+            "serves this run and is not kept (the next start measures again)",
+            busy,
+        )
+        plan = replace(plan, reason=f"measured beside {busy:.1f} busy CPUs, not kept")
+    elif cache is not None and key is not None:
+        kept = cache.store(key, plan, seconds)
     if kept is not None:
         plan = replace(plan, cache_file=str(kept))
     log.info(
@@ -158,6 +179,26 @@ def load_or_measure(
         plan.summary(),
     )
     return plan
+
+
+BUSY_CPUS = LinearPlanCache.busy_cpus
+
+
+def other_cpu_seconds() -> float | None:
+    """CPU seconds every other process on the machine has used since boot (the machine's
+    busy time in /proc/stat less this process's own); None where /proc/stat is not there."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+    ticks = [int(v) for v in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    own = sum(os.times()[:2])
+    return busy / os.sysconf("SC_CLK_TCK") - own
 
 
 _PLANS: dict[tuple[Any, ...], LinearPlan] = {}

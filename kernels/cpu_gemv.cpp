@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
@@ -118,6 +119,7 @@ inline Vec load_w(const void* w, int64_t i) {
   }
 }
 inline Vec load_x(const float* x) { return _mm512_loadu_ps(x); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
@@ -141,6 +143,7 @@ inline Vec load_w(const void* w, int64_t i) {
   }
 }
 inline Vec load_x(const float* x) { return _mm256_loadu_ps(x); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
@@ -435,6 +438,46 @@ inline void widen_tile_n(int rn, const void* w, const float* x, int64_t in_featu
   }
 }
 
+// Widens weight rows [n0, n0 + n) into `panel` ([n, in_features] float32).
+template <WeightType WT>
+void widen_panel(const void* w, int64_t n0, int64_t n, int64_t in_features, float* panel) {
+  const int64_t count = n * in_features;
+  const int64_t base = n0 * in_features;
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  for (; i + LANES <= count; i += LANES) vstore(panel + i, load_w<WT>(w, base + i));
+#endif
+  const uint16_t* h = static_cast<const uint16_t*>(w) + base;
+  for (; i < count; ++i)
+    panel[i] = WT == WeightType::bf16 ? bf16_to_float(h[i]) : f16_to_float(h[i]);
+}
+
+// Many rows of x (a prefill chunk): each task widens a panel of PANEL_N weight rows into a
+// float32 buffer of its own (a few hundred KiB, in L2) and multiplies all of x by it with
+// the float32 GEMM, which blocks x and the panel for the caches as the tile loop above
+// cannot (x itself is too large for L2 at prefill sizes: each tile re-read it from L3).
+// The GEMM runs single-threaded inside the task; tasks split the panels between threads.
+constexpr int64_t PANEL_N = 128;
+constexpr int64_t PANEL_MIN_ROWS = 32;  // fewer rows of x: the tile loop (x fits in cache)
+
+template <WeightType WT>
+void widen_gemm_panels(const void* w, const at::Tensor& x32, int64_t in_features,
+                       int64_t panel_n, int64_t first_panel, int64_t last_panel,
+                       int64_t out_features, at::Tensor& y32) {
+  // The op's own tensors, on a pool thread that does not carry the caller's mode: an
+  // inference tensor made in inference mode is written here, which needs the mode too.
+  c10::InferenceMode guard;
+  at::Tensor panel = at::empty({panel_n, in_features}, x32.options());
+  for (int64_t p = first_panel; p < last_panel; ++p) {
+    const int64_t n0 = p * panel_n;
+    if (n0 >= out_features) break;
+    const int64_t n = std::min(panel_n, out_features - n0);
+    widen_panel<WT>(w, n0, n, in_features, panel.data_ptr<float>());
+    at::Tensor out = y32.narrow(1, n0, n);
+    at::mm_out(out, x32, panel.narrow(0, 0, n).t());
+  }
+}
+
 template <WeightType WT>
 void widen_gemm_rows(const void* w, const float* x, int64_t num_x, int64_t in_features,
                      int64_t out_features, int64_t first_group, int64_t last_group, void* y,
@@ -479,6 +522,27 @@ at::Tensor widen_gemm(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor b;
   const void* bp = bias_data(bias, out_features, dtype, b);
   const void* wp = weight.data_ptr();
+  if (num_x >= PANEL_MIN_ROWS) {
+    at::Tensor y32 = at::empty({num_x, out_features}, x32.options());
+    // As many panels per thread for every thread, each at most PANEL_N rows (a multiple of
+    // 16): an uneven split would leave a thread idle for a whole panel's GEMM.
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t per_thread = (out_features + threads * PANEL_N - 1) / (threads * PANEL_N);
+    const int64_t panels = threads * per_thread;
+    const int64_t panel_n = ((out_features + panels - 1) / panels + 15) / 16 * 16;
+    at::parallel_for(0, panels, per_thread, [&](int64_t first, int64_t last) {
+      if (dtype == at::kBFloat16) {
+        widen_gemm_panels<WeightType::bf16>(wp, x32, in_features, panel_n, first, last,
+                                            out_features, y32);
+      } else {
+        widen_gemm_panels<WeightType::f16>(wp, x32, in_features, panel_n, first, last,
+                                           out_features, y32);
+      }
+    });
+    if (bias.has_value() && bias->defined()) y32.add_(bias->to(dtype).to(at::kFloat));
+    y.view({num_x, out_features}).copy_(y32);
+    return y;
+  }
   void* yp = y.data_ptr();
   // Each thread takes whole groups of weight rows: it reads its share of the weight once.
   at::parallel_for(0, (out_features + GROUP_N - 1) / GROUP_N, 1, [&](int64_t first, int64_t last) {

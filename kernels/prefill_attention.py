@@ -66,6 +66,17 @@ def paged_prefill_attention_ref(
         k = gather_kv(key_cache, key_scale_cache, table, dtype)[:seq_len]  # [L, Hkv, D]
         v = gather_kv(value_cache, value_scale_cache, table, dtype)[:seq_len]
         q = query[q_start:q_end].to(dtype)  # [Q, H, D]
+        if sliding_window is None and query.device.type == "cpu":
+            # [1, H, Q, D] over [1, Hkv, L, D]: the CPU flash kernel takes the head groups
+            # as they are (no copies of K and V per query head)
+            o = causal_attention_cpu(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                scale,
+            )[0]
+            out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+            continue
         if q_len == seq_len and sliding_window is None:
             # A whole sequence, plain causal attention: no mask to build or read.
             mask, causal = None, True
@@ -86,6 +97,29 @@ def paged_prefill_attention_ref(
         )[0]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def causal_attention_cpu(
+    q: torch.Tensor,  # [1, H, Q, D]: the last Q of the L tokens
+    k: torch.Tensor,  # [1, Hkv, L, D], H a multiple of Hkv (consecutive query heads share one)
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk's Q new tokens over all L tokens of their sequence, with no
+    mask: the L - Q keys before the chunk, which every new token sees, in one unmasked call;
+    the chunk's own keys, a square causal block (the kernel skips the tiles above its
+    diagonal), in another; the two merged by their log-sum-exps. A mask of the same shape is
+    read by the kernel at every tile, and none of its tiles are skipped."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    past = k.shape[2] - q.shape[2]
+    own, own_lse = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
+    if past == 0:
+        return own
+    before, before_lse = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
+    lse = torch.logaddexp(before_lse, own_lse).unsqueeze(-1)  # [1, H, Q, 1] float32
+    merged = before.float() * (before_lse.unsqueeze(-1) - lse).exp()
+    merged += own.float() * (own_lse.unsqueeze(-1) - lse).exp()
+    return merged.to(q.dtype)
 
 
 @triton.jit

@@ -25,7 +25,8 @@ from kvchat.kernels.cpu_ops import GEMV_MAX_ROWS, load_gemv, load_widen_gemm
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # in_features around the vector widths (8 and 16 float32, 32 bfloat16 per dot-product step)
 # and the unrolled steps (64); out_features from one row up.
-SHAPES = [(1, 1), (3, 15), (37, 16), (5, 17), (16, 33), (96, 80), (17, 127), (64, 768)]
+# (out, in); (1000, 40): several panels of the widen path's many-row GEMM, the last one short
+SHAPES = [(1, 1), (3, 15), (37, 16), (5, 17), (16, 33), (96, 80), (17, 127), (64, 768), (1000, 40)]
 CPU = torch.device("cpu")
 
 

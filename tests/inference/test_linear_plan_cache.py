@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from kvchat.app.settings import Settings
+from kvchat.inference import linear_plan_cache
 from kvchat.inference.linear_plan import LinearPlan, measure_plan
 from kvchat.inference.linear_plan_cache import (
     LinearPlanCache,
@@ -26,6 +28,7 @@ from kvchat.inference.linear_plan_cache import (
 )
 
 CPU = torch.device("cpu")
+machine_other_cpu_seconds = linear_plan_cache.other_cpu_seconds  # before quiet_machine patches
 LAYER_SHAPES = [(96, 64), (64, 64), (256, 64), (64, 128)] * 2
 
 
@@ -38,6 +41,23 @@ class CountingProbe:
     def __call__(self, weights: Sequence[torch.Tensor], dtype: torch.dtype) -> LinearPlan:
         self.calls += 1
         return measure_plan(weights, dtype)
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests run beside each other: in-process probes see a quiet machine (other
+    processes' CPU time does not move), unless a test says otherwise."""
+    monkeypatch.setattr(linear_plan_cache, "other_cpu_seconds", lambda: 0.0)
+
+
+class BusyNeighbours:
+    """Other processes' CPU seconds, advancing `cpus` seconds per second of the probe."""
+
+    def __init__(self, cpus: float) -> None:
+        self.cpus, self.start = cpus, time.perf_counter()
+
+    def __call__(self) -> float:
+        return self.cpus * (time.perf_counter() - self.start)
 
 
 def layers(
@@ -77,6 +97,47 @@ def test_a_second_build_with_the_same_key_loads_the_plan_without_probing(tmp_pat
     }
     assert second.as_dict()["cached"] is True
     assert kept.read_bytes() == written
+
+
+def test_a_plan_measured_beside_busy_processes_serves_its_run_and_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache, probe = LinearPlanCache(tmp_path / "plans"), CountingProbe()
+    monkeypatch.setattr(linear_plan_cache, "other_cpu_seconds", BusyNeighbours(1.0))
+    with caplog.at_level(logging.WARNING, logger=linear_plan_cache.log.name):
+        busy = load_or_measure(layers(), torch.float32, cache, probe)
+    assert probe.calls == 1 and busy.cache_file is None and not busy.cached
+    assert busy.reason.startswith("measured beside 1.0 busy CPUs")
+    assert not (tmp_path / "plans").exists() or list((tmp_path / "plans").iterdir()) == []
+    assert "not kept" in caplog.text
+
+    # The next start measures again; on a quiet machine its plan is kept.
+    monkeypatch.setattr(linear_plan_cache, "other_cpu_seconds", BusyNeighbours(0.1))
+    quiet = load_or_measure(layers(), torch.float32, cache, probe)
+    assert probe.calls == 2 and quiet.cache_file is not None and quiet.reason == "measured"
+    assert load_or_measure(layers(), torch.float32, cache, probe).cached and probe.calls == 2
+
+    # An operator whose machine is never quiet raises the bar.
+    tolerant = LinearPlanCache(tmp_path / "tolerant", busy_cpus=2.0)
+    monkeypatch.setattr(linear_plan_cache, "other_cpu_seconds", BusyNeighbours(1.0))
+    assert load_or_measure(layers(), torch.float32, tolerant, probe).cache_file is not None
+
+
+def test_other_processes_cpu_time_is_read_from_the_machine() -> None:
+    """A process beside this one spinning for a while shows in other_cpu_seconds; this
+    process's own CPU time does not."""
+    before = machine_other_cpu_seconds()
+    spin = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass",
+        ],
+        timeout=60,
+    )
+    assert spin.returncode == 0
+    after = machine_other_cpu_seconds()
+    assert before is not None and after is not None and after - before >= 0.4
 
 
 def test_another_dtype_or_shape_probes_again(tmp_path: Path) -> None:
@@ -198,7 +259,9 @@ import json, sys
 from pathlib import Path
 from kvchat.app.settings import Settings
 from kvchat.inference import Engine
-settings = Settings(model=Path(sys.argv[1]), linear_plan_dir=Path(sys.argv[2]), max_model_len=256)
+# the test runs beside others: their CPU use does not stop the plan from being kept here
+settings = Settings(model=Path(sys.argv[1]), linear_plan_dir=Path(sys.argv[2]), max_model_len=256,
+                    linear_plan_busy_cpus=64)
 print(json.dumps(Engine(settings.engine_config()).model.linear_plan.as_dict()))
 """
 

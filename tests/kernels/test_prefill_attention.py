@@ -22,6 +22,7 @@ import torch
 
 from kvchat.kernels.prefill_attention import (
     PrefillConfig,
+    causal_attention_cpu,
     paged_prefill_attention,
     paged_prefill_attention_ref,
     paged_prefill_attention_with_config,
@@ -207,3 +208,42 @@ def test_prefill_rejects_bad_arguments(kv, change, message: str) -> None:
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(**args)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention written out in float64 with an explicit bottom-right causal mask:
+    query i (of Q, the last Q of L positions) sees keys 0 .. L - Q + i."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    num_new, total = q.shape[2], k.shape[2]
+    scores = (q.double() @ k.transpose(-1, -2)) * scale  # [1, H, Q, L]
+    query_pos = torch.arange(total - num_new, total).view(-1, 1)
+    scores = scores.masked_fill(torch.arange(total).view(1, -1) > query_pos, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize(
+    ("num_new", "total", "heads", "kv_heads", "dtype"),
+    [
+        (7, 7, 4, 4, torch.float32),  # a whole prompt: the square causal block alone
+        (5, 40, 6, 2, torch.float32),  # a later chunk after 35 cached tokens, head groups
+        (33, 100, 9, 3, torch.float32),
+        (1, 16, 3, 1, torch.float32),  # one new token over a long past
+        (64, 200, 9, 3, torch.bfloat16),
+    ],
+)
+def test_causal_attention_cpu_merges_the_past_and_the_chunk_exactly(
+    num_new: int, total: int, heads: int, kv_heads: int, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(num_new * 1000 + total)
+    q = torch.randn(1, heads, num_new, 64, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, total, 64, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, total, 64, generator=g).to(dtype)
+    out = causal_attention_cpu(q, k, v, 0.125)
+    ref = masked_attention(q, k, v, 0.125)
+    assert out.shape == ref.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
