@@ -35,11 +35,9 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +53,7 @@ from kvchat.bench.common import (
     markdown_table,
     serve_command,
 )
+from kvchat.bench.contention import neighbours
 from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -531,20 +530,6 @@ async def one_stream(
 
 
 COLORS = {"kvchat": "#2a7ab9", "vllm": "#d95f02", "llama-server": "#999999"}
-
-
-@contextlib.contextmanager
-def neighbours(count: int) -> Iterator[None]:
-    """`count` CPU-bound processes (`python -c 'while True: pass'`) while the block runs."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        if spinners:
-            time.sleep(1.0)
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def main() -> int:
