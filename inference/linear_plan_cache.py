@@ -161,7 +161,7 @@ def load_or_measure(
         else 0.0
     )
     kept = None
-    if busy > (cache.busy_cpus if cache is not None else BUSY_CPUS):
+    if busy > (cache.busy_cpus if cache is not None else LinearPlanCache.busy_cpus):
         log.warning(
             "linear layers measured while other processes kept %.1f CPUs busy: the plan "
             "serves this run and is not kept (the next start measures again)",
@@ -179,9 +179,6 @@ def load_or_measure(
         plan.summary(),
     )
     return plan
-
-
-BUSY_CPUS = LinearPlanCache.busy_cpus
 
 
 def other_cpu_seconds() -> float | None:

@@ -539,7 +539,7 @@ at::Tensor widen_gemm(const at::Tensor& x, const at::Tensor& weight,
                                            out_features, y32);
       }
     });
-    if (bias.has_value() && bias->defined()) y32.add_(bias->to(dtype).to(at::kFloat));
+    if (bp != nullptr) y32.add_(b.to(at::kFloat));  // the bias in the weight's dtype, widened
     y.view({num_x, out_features}).copy_(y32);
     return y;
   }
