@@ -634,6 +634,16 @@ def main() -> int:
     return 0
 
 
+def knee(runs: list[RateRun]) -> float:
+    """The highest offered rate sustained below the first one that was not."""
+    best = 0.0
+    for run in sorted(runs, key=lambda r: r.rate):
+        if not run.sustained:
+            break
+        best = run.rate
+    return best
+
+
 def scenario_name(count: int) -> str:
     return "quiet" if count == 0 else f"{count} CPU-bound beside"
 
@@ -779,6 +789,22 @@ def build_report(
                     "met" if ratio <= 1.0 else "missed",
                 ]
             )
+    # The highest rate each server sustained in each scenario (a lower bound where it kept
+    # up with every rate it was sent)
+    knees = markdown_table(
+        ["machine", "server", "highest sustained req/s"],
+        [
+            [
+                scenario_name(count),
+                server,
+                (">= " if all(r.sustained for r in scenario_runs) else "")
+                + f"{knee(scenario_runs):g}",
+            ]
+            for count in sorted({r.neighbours for r in runs})
+            for server in servers
+            if (scenario_runs := [r for r in runs if r.server == server and r.neighbours == count])
+        ],
+    )
     return (
         header + "\nSustained: every request answered, served >= 90% of the offered rate, and the "
         "last round's requests started (p50) less than half a user's interval (users / rate) "
@@ -790,6 +816,8 @@ def build_report(
         + table
         + "\n## TTFT by round, p50 / p90 (ms)\n\n"
         + by_round
+        + "\n## Highest sustained rate\n\n"
+        + knees
         + "\n## Goals\n\n"
         + markdown_table(["measure", "measured", "goal", ""], goals)
         + "\n![served rate and TTFT, quiet and contended](peers_serving.png)\n"

@@ -162,12 +162,12 @@ def load_or_measure(
     )
     kept = None
     if busy > (cache.busy_cpus if cache is not None else LinearPlanCache.busy_cpus):
-        log.warning(
+        # info, not a warning: a CLI's stderr stays its own (the plan still serves this run)
+        log.info(
             "linear layers measured while other processes kept %.1f CPUs busy: the plan "
             "serves this run and is not kept (the next start measures again)",
             busy,
         )
-        plan = replace(plan, reason=f"measured beside {busy:.1f} busy CPUs, not kept")
     elif cache is not None and key is not None:
         kept = cache.store(key, plan, seconds)
     if kept is not None:
