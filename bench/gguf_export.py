@@ -248,7 +248,11 @@ def convert(
     if out_file.is_file():
         return out_file
     tmp = out_file.with_suffix(".partial")
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
+    # The converter imports its own folder's modules (conversion/, gguf-py/): the folder must
+    # be on its path, so a safe-path setting (PYTHONSAFEPATH, as the Makefile exports) is dropped
+    path = os.pathsep.join([str(converter), str(converter / "gguf-py")])
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("PYTHONSAFEPATH", None)
     subprocess.run(
         [
             str(python or sys.executable),
@@ -280,6 +284,7 @@ def gguf_files(
     bundled cl100k tokenizer (the dev and bench presets) through a side folder holding
     that tokenizer as tokenizer.json, checked token for token first."""
     work = cache_dir / weights_key(model_dir)
+    work.mkdir(parents=True, exist_ok=True)
     if (model_dir / "tokenizer.json").is_file():
         source = model_dir
     else:
