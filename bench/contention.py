@@ -1,15 +1,17 @@
 """kvchat serve on a shared CPU: adaptive CPU threads (inference/cpu_threads.py) against always
-all of torch's threads, on a quiet machine and beside CPU-bound processes, in one run.
+all of torch's threads, each with OpenMP's default (spinning) wait policy and with
+OMP_WAIT_POLICY=PASSIVE, on a quiet machine and beside CPU-bound processes, in one run.
 
 For each neighbourhood (quiet, then one or more `python -c "while True: pass"` beside the
 server) and each variant, a fresh `kvchat serve` of the model answers, one request at a time:
 a long prompt's time to first token (streamed; a new prompt each time, so nothing is cached)
 and a reply's decode rate (`ignore_eos`, so every reply has the same length), after one short
 warm-up request (a server that has served). The variants
-alternate round by round, so both see the same machine; medians of the rounds, and the
-adaptive / all-threads ratios.
+alternate round by round, so all see the same machine; medians of the rounds, and each
+variant's ratio to the first (the default: adaptive threads, OpenMP's own wait policy).
 
     python bench/contention.py [--model models/smollm2-135m-instruct] [--rounds 3]
+        [--variants "adaptive,all threads"]
 
 Writes bench/results/contention.md."""
 
@@ -36,7 +38,13 @@ from tqdm import tqdm
 from kvchat.bench.common import REPO, RESULTS, machine_header, markdown_table, serve_command
 from kvchat.bench.startup import free_port, wait_ready
 
-VARIANTS = {"adaptive": "true", "all threads": "false"}
+# name -> (--adaptive-cpu-threads, environment added); names hold no commas (--variants)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "adaptive": ("true", {}),
+    "adaptive + passive OpenMP": ("true", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "all threads": ("false", {}),
+    "all threads + passive OpenMP": ("false", {"OMP_WAIT_POLICY": "PASSIVE"}),
+}
 WARMUP_TOKENS = 32
 PARAGRAPH = (
     "The history of the printing press begins in Mainz, where craftsmen worked with metal "
@@ -65,8 +73,11 @@ def neighbours(count: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def server(model: Path, adaptive: str, dtype: str, work: Path) -> Iterator[tuple[str, str]]:
+def server(
+    model: Path, variant: tuple[str, dict[str, str]], dtype: str, work: Path
+) -> Iterator[tuple[str, str]]:
     """A fresh `kvchat serve` (its own SQLite database); yields its URL and admin key."""
+    adaptive, extra_env = variant
     data = Path(tempfile.mkdtemp(dir=work, prefix="data-"))
     port = free_port()
     command = serve_command(
@@ -83,7 +94,7 @@ def server(model: Path, adaptive: str, dtype: str, work: Path) -> Iterator[tuple
         "--linear-plan-dir",
         str(work / "linear_plans"),
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", **extra_env}
     log_path = data / "serve.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -173,12 +184,21 @@ def main() -> None:
     parser.add_argument("--neighbours", default="0,1", help="CPU-bound processes, per row")
     parser.add_argument("--prompt-words", type=int, default=700)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, the first the base of the ratios; of: {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "contention.md")
     args = parser.parse_args()
     counts = [int(c) for c in args.neighbours.split(",")]
+    variants = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
 
     results: dict[tuple[int, str], Served] = {}
-    runs = [(n, r, v) for n in counts for r in range(args.rounds) for v in VARIANTS]
+    runs = [(n, r, v) for n in counts for r in range(args.rounds) for v in variants]
     with tempfile.TemporaryDirectory(prefix="kvchat-contention-") as tmp:
         work = Path(tmp)
         for count, round_, variant in tqdm(runs, desc="servers", unit="server"):
@@ -203,39 +223,44 @@ def main() -> None:
                 statistics.median(results[(count, v)].ttft_s),
                 statistics.median(results[(count, v)].decode_tok_s),
             )
-            for v in VARIANTS
+            for v in variants
         }
-        (a_ttft, a_rate), (f_ttft, f_rate) = medians["adaptive"], medians["all threads"]
-        rows.append(
-            [
-                "quiet" if count == 0 else f"{count} CPU-bound beside",
-                round(a_ttft * 1000),
-                round(f_ttft * 1000),
-                f"{a_ttft / f_ttft:.2f}x",
-                round(a_rate, 1),
-                round(f_rate, 1),
-                f"{a_rate / f_rate:.2f}x",
-            ]
-        )
+        base_ttft, base_rate = medians[variants[0]]
+        for v in variants:
+            ttft, rate = medians[v]
+            rows.append(
+                [
+                    "quiet" if count == 0 else f"{count} CPU-bound beside",
+                    v,
+                    round(ttft * 1000),
+                    f"{ttft / base_ttft:.2f}x",
+                    round(rate, 1),
+                    f"{rate / base_rate:.2f}x",
+                ]
+            )
     header = [
         "machine",
-        "TTFT adaptive (ms)",
-        "TTFT all threads (ms)",
-        "TTFT adaptive / all",
-        "decode adaptive (tok/s)",
-        "decode all threads (tok/s)",
-        "decode adaptive / all",
+        "variant",
+        "TTFT (ms)",
+        f"TTFT / {variants[0]}",
+        "decode (tok/s)",
+        f"decode / {variants[0]}",
     ]
     table = markdown_table(header, rows)
     print(table)
     text = machine_header(
-        "kvchat serve on a shared CPU: adaptive threads vs all threads (bench/contention.py)",
+        "kvchat serve on a shared CPU: CPU threads and OpenMP's wait policy (bench/contention.py)",
         {
             "model": f"{args.model.name} ({args.dtype})",
             "requests": f"one at a time; TTFT of a ~{args.prompt_words}-word prompt (new each "
             f"time), streamed; decode of {args.decode_tokens} tokens (ignore_eos)",
             "rounds": f"{args.rounds}, variants alternating, a fresh server each, which first "
             f"answers one {WARMUP_TOKENS}-token warm-up request; medians of 2 requests per round",
+            "variants": "; ".join(
+                f"{v}: --adaptive-cpu-threads {VARIANTS[v][0]}"
+                + "".join(f", {k}={val}" for k, val in VARIANTS[v][1].items())
+                for v in variants
+            ),
             "neighbours": "`python -c 'while True: pass'`, started 1 s before the server",
             "command": "python bench/contention.py " + " ".join(sys.argv[1:]),
         },
