@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -686,7 +687,7 @@ def build_report(
             f"weights), -np {args.slots}, --cache-reuse 256, --cache-ram 4096, ChatML, "
             f"{args.threads} threads"
         )
-    about["command"] = "python bench/peers_serving.py"
+    about["command"] = " ".join(["python bench/peers_serving.py", *sys.argv[1:]])
     header = machine_header(
         "Serving against vLLM and llama-server: multi-round chat at a fixed request rate",
         about,
