@@ -38,8 +38,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def get_attention_ops(backend: str, device: torch.device) -> AttentionOps:
     name = resolve_backend(backend, device)
     if name == "torch":
-        from .prefill_attention import paged_prefill_attention_ref
-        from .torch_ops import StepCacheWrite, StepDecode, rotary_cache_write_cpu
+        from .torch_ops import StepCacheWrite, StepDecode, StepPrefill, rotary_cache_write_cpu
 
         # The references, with what the layers of a step share derived once (per engine); on
         # the CPU, kvchat's C++ ops where they apply.
@@ -47,7 +46,7 @@ def get_attention_ops(backend: str, device: torch.device) -> AttentionOps:
             "torch",
             StepCacheWrite(),
             StepDecode(),
-            paged_prefill_attention_ref,
+            StepPrefill(),
             rotary_cache_write_cpu if device.type == "cpu" else None,
         )
     from .cache_write import write_kv_cache

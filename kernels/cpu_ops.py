@@ -8,6 +8,8 @@
   chunk's linears where the CPU has no native half-precision GEMM;
 - `decode_attention(...)` (kernels/cpu_decode_attention.cpp): paged decode attention read in
   place through the block table;
+- `prefill_attention(...)` (kernels/cpu_prefill_attention.cpp): paged prefill / extend
+  attention (a chunk against its cached prefix, causal within), read in place the same way;
 - `rms_norm(x, weight, eps)` (kernels/cpu_rms_norm.cpp): RMSNorm with torch's rounding, one op;
 - `rotary_cache_write(...)`, `silu_mul(gate_up)` (kernels/cpu_layer_ops.cpp): RoPE on
   q and k with the KV cache write, and the MLP's activation, one op each.
@@ -39,6 +41,7 @@ SOURCES = tuple(
     for name in (
         "cpu_gemv.cpp",
         "cpu_decode_attention.cpp",
+        "cpu_prefill_attention.cpp",
         "cpu_rms_norm.cpp",
         "cpu_layer_ops.cpp",
     )

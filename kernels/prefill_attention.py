@@ -46,8 +46,9 @@ def paged_prefill_attention_ref(
     value_scale_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:
-    """Torch reference (and the CPU path): one sequence at a time. The new tokens' K/V must
-    already be in the cache (the cache write runs first)."""
+    """Torch reference (and the CPU path where kvchat's C++ kernel does not apply: see
+    `torch_ops.StepPrefill`): one sequence at a time. The new tokens' K/V must already be in
+    the cache (the cache write runs first)."""
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -14,6 +14,7 @@ import torch
 from .cache_write import write_kv_slots_ref
 from .cpu_ops import load_cpu_ops
 from .decode_attention import DecodeGather, paged_decode_attention_gathered, plan_decode_gather
+from .prefill_attention import paged_prefill_attention_ref
 
 
 def _stamp(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -23,6 +24,25 @@ def _stamp(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
 
 def _same(stamp: tuple[torch.Tensor, int | None] | None, t: torch.Tensor) -> bool:
     return stamp is not None and stamp[0] is t and stamp == _stamp(t)
+
+
+def cpu_kernel_applies(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+    key_scale_cache: torch.Tensor | None,
+) -> bool:
+    """Whether kvchat's C++ attention kernels take this call: full attention over a plain cache
+    of the query's dtype, on the CPU, where the ops could be built."""
+    return (
+        sliding_window is None
+        and num_sink_tokens == 0
+        and key_scale_cache is None
+        and query.device.type == "cpu"
+        and query.dtype == key_cache.dtype
+        and load_cpu_ops()
+    )
 
 
 class StepDecode:
@@ -52,14 +72,8 @@ class StepDecode:
         value_scale_cache: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (
-            self.use_cpu_kernel
-            and sliding_window is None
-            and num_sink_tokens == 0
-            and key_scale_cache is None
-            and query.device.type == "cpu"
-            and query.dtype == key_cache.dtype
-            and load_cpu_ops()
+        if self.use_cpu_kernel and cpu_kernel_applies(
+            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache
         ):
             if out is None:
                 out = torch.empty_like(query)
@@ -88,6 +102,60 @@ class StepDecode:
             value_cache,
             plan,
             scale,
+            key_scale_cache=key_scale_cache,
+            value_scale_cache=value_scale_cache,
+            out=out,
+        )
+
+
+class StepPrefill:
+    """`paged_prefill_attention_ref`, except on the CPU, where full attention over a plain cache
+    runs kvchat's C++ kernel (kernels/cpu_prefill_attention.cpp: the chunk's tokens against the
+    cached prefix and causally against each other, read in place through the block table; the
+    same float32 arithmetic, up to summation order), 2-3x torch's flash kernel on a prefill."""
+
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        num_sink_tokens: int = 0,
+        key_scale_cache: torch.Tensor | None = None,
+        value_scale_cache: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (
+            self.use_cpu_kernel
+            and cpu_kernel_applies(
+                query, key_cache, sliding_window, num_sink_tokens, key_scale_cache
+            )
+            and torch.ops.kvchat_cpu.prefill_attention_supported(query.shape[-1])
+        ):
+            if out is None:
+                out = torch.empty_like(query)
+            torch.ops.kvchat_cpu.prefill_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+            )
+            return out
+        return paged_prefill_attention_ref(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            sliding_window=sliding_window,
+            num_sink_tokens=num_sink_tokens,
             key_scale_cache=key_scale_cache,
             value_scale_cache=value_scale_cache,
             out=out,

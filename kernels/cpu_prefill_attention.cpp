@@ -1,0 +1,299 @@
+// kvchat's paged prefill attention for the CPU: a chunk of new tokens of each sequence against
+// the sequence's cached prefix and, causally, against each other, read in place through the
+// block table.
+//
+// torch's CPU flash kernel (what the reference calls) runs a 2,000-token prefill of a 64-wide
+// head at 85-170 GFLOP/s on AVX-512, where the model's linear layers run at ~850 through
+// oneDNN: most of a long prompt's time to first token went there. Here a task is (sequence,
+// KV head, tile of BQ new tokens): its rows are the tile's tokens times the GQA group's query
+// heads (scaled once, in float32), so every key and value row brought into registers serves
+// all of them. The keys are walked KT at a time (as far as the tile's last token sees): the
+// tile's K rows are widened to float32 and transposed into a [D][KT] panel, the scores of R
+// rows at once are broadcast FMAs into KT / LANES vectors of keys each, an online softmax in
+// float32 keeps each row's running maximum and sum, and the weighted V rows are added into
+// the rows' float32 accumulators, R rows by the head's D / LANES vectors in registers. The
+// arithmetic is float32 throughout, like the reference's, up to summation order.
+//
+// Plain caches (the model's dtype), full attention only, head sizes a multiple of the vector
+// width; anything else takes the reference (kernels/torch_ops.py decides).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace kvchat_cpu_vec;  // kernels/cpu_vec.h
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool HAS_VECTORS = true;
+// Keys per tile, as vectors of scores per row: 64 keys on AVX-512, 32 on AVX2 (the row's
+// maximum, sum and rescale are paid once per tile, so wider is cheaper, up to the registers).
+constexpr int NKV = LANES == 16 ? 4 : 4;
+constexpr int64_t KT = NKV * LANES;
+constexpr int64_t R = LANES == 16 ? 4 : 2;  // rows whose scores are in registers together
+constexpr int64_t BQ = 32;         // new tokens per task
+
+// One task: tokens [t0, t1) of a sequence's Q new ones, KV head h. NV vectors per head row.
+template <typename T, int NV>
+void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* key_cache,
+                 const T* value_cache, int64_t stride_cb, int64_t stride_ct, int64_t stride_ch,
+                 const int32_t* table, int64_t block_size, int64_t seq_len, int64_t q_len,
+                 int64_t t0, int64_t t1, int64_t h, int64_t group, float scale, T* out,
+                 int64_t stride_ot, int64_t stride_oh, std::vector<float>& buf) {
+  constexpr int64_t D = NV * LANES;
+  constexpr int PVC = NV < 4 ? NV : 4;  // R x PVC accumulators stay in registers
+  static_assert(NV % PVC == 0, "head vectors in whole groups");
+  const int64_t past = seq_len - q_len;  // tokens cached before the chunk
+  const int64_t rows = (t1 - t0) * group;
+  const int64_t rows_pad = (rows + R - 1) / R * R;
+  buf.resize(rows_pad * D * 2 + rows_pad * 2 + D * KT * 2);
+  float* q = buf.data();                  // [rows_pad, D] scaled query rows
+  float* acc = q + rows_pad * D;          // [rows_pad, D]
+  float* row_max = acc + rows_pad * D;    // [rows_pad]
+  float* row_sum = row_max + rows_pad;    // [rows_pad]
+  float* kt = row_sum + rows_pad;         // [D, KT] the key tile, transposed
+  float* vt = kt + D * KT;                // [KT, D] the value tile
+  // row r = token (t0 + r / group), query head (h * group + r % group)
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    float* qr = q + r * D;
+    if (r < rows) {
+      const T* src = query + (t0 + r / group) * stride_qt + (h * group + r % group) * stride_qh;
+      for (int i = 0; i < NV; ++i) vstore(qr + i * LANES, vmul(load_row(src + i * LANES), vset1(scale)));
+    } else {
+      std::fill(qr, qr + D, 0.0f);
+    }
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.0f;
+  }
+  const int64_t end = past + t1;  // keys the tile's last token sees
+  const Vec lowest = vset1(std::numeric_limits<float>::lowest());  // above -inf: masked keys
+  alignas(64) float s[R][KT];
+  for (int64_t k0 = 0; k0 < end; k0 += KT) {
+    const int64_t nk = std::min(KT, end - k0);
+    // the tile's keys and values, widened; keys past `end` are zero (and masked below)
+    for (int64_t j = 0; j < KT; ++j) {
+      if (j < nk) {
+        const int64_t t = k0 + j;
+        const int64_t slot = table[t / block_size] * stride_cb + (t % block_size) * stride_ct +
+                             h * stride_ch;
+        const T* kr = key_cache + slot;
+        const T* vr = value_cache + slot;
+        alignas(64) float krow[D];
+        for (int i = 0; i < NV; ++i) {
+          vstore(krow + i * LANES, load_row(kr + i * LANES));
+          vstore(vt + j * D + i * LANES, load_row(vr + i * LANES));
+        }
+        for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = krow[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = 0.0f;
+        std::fill(vt + j * D, vt + (j + 1) * D, 0.0f);
+      }
+    }
+    // the first token (by position) that sees the whole tile: earlier ones need the mask
+    const int64_t unmasked_from = k0 + KT - 1 - past;  // token index within the chunk
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += R) {
+      // scores of R rows against the KT keys: 2 * R accumulators
+      Vec a[R][NKV];
+      for (int64_t i = 0; i < R; ++i)
+        for (int c = 0; c < NKV; ++c) a[i][c] = vzero();
+      for (int64_t d = 0; d < D; ++d) {
+        Vec kv[NKV];
+        for (int c = 0; c < NKV; ++c) kv[c] = vload(kt + d * KT + c * LANES);
+        for (int64_t i = 0; i < R; ++i) {
+          const Vec qv = vset1(q[(r0 + i) * D + d]);
+          for (int c = 0; c < NKV; ++c) a[i][c] = vfma(qv, kv[c], a[i][c]);
+        }
+      }
+      for (int64_t i = 0; i < R; ++i)
+        for (int c = 0; c < NKV; ++c) vstore(s[i] + c * LANES, a[i][c]);
+      // the causal mask (and keys past the tile's end): a token sees keys up to its position
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        const int64_t tok = t0 + std::min(r, rows - 1) / group;
+        if (tok < unmasked_from || nk < KT) {
+          const int64_t visible = std::min(past + tok + 1 - k0, nk);  // keys this row sees
+          for (int64_t j = std::max<int64_t>(visible, 0); j < KT; ++j)
+            s[i][j] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      // online softmax: rescale each row's accumulator by exp(old max - new max)
+      float alpha[R];
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        Vec mt = vload(s[i]);
+        for (int c = 1; c < NKV; ++c) mt = vmax(mt, vload(s[i] + c * LANES));
+        const float m_tile = vhmax(mt);
+        const float m_new = std::max(row_max[r], m_tile);
+        if (m_new == -std::numeric_limits<float>::infinity()) {  // sees none of these keys
+          alpha[i] = 1.0f;
+          for (int c = 0; c < NKV; ++c) vstore(s[i] + c * LANES, vzero());
+          continue;
+        }
+        alpha[i] = row_max[r] == -std::numeric_limits<float>::infinity()
+                       ? 0.0f
+                       : std::exp(row_max[r] - m_new);
+        const Vec mv = vset1(-m_new);
+        // vexp clamps its argument (exp(-inf) is not zero there): masked keys are zeroed here
+        Vec sum = vzero();
+        for (int c = 0; c < NKV; ++c) {
+          const Vec e = vload(s[i] + c * LANES);
+          const Vec pv = vblend_ge(e, lowest, vexp(vadd(e, mv)), vzero());
+          vstore(s[i] + c * LANES, pv);
+          sum = vadd(sum, pv);
+        }
+        row_sum[r] = row_sum[r] * alpha[i] + vhsum(sum);
+        row_max[r] = m_new;
+      }
+      // acc[r] = acc[r] * alpha + sum_j p[r][j] * v[j], PVC vectors of the row at a time
+      for (int c0 = 0; c0 < NV; c0 += PVC) {
+        Vec o[R][PVC];
+        for (int64_t i = 0; i < R; ++i) {
+          const Vec al = vset1(alpha[i]);
+          for (int v = 0; v < PVC; ++v)
+            o[i][v] = vmul(vload(acc + (r0 + i) * D + (c0 + v) * LANES), al);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          Vec vv[PVC];
+          for (int v = 0; v < PVC; ++v) vv[v] = vload(vt + j * D + (c0 + v) * LANES);
+          for (int64_t i = 0; i < R; ++i) {
+            const Vec p = vset1(s[i][j]);
+            for (int v = 0; v < PVC; ++v) o[i][v] = vfma(p, vv[v], o[i][v]);
+          }
+        }
+        for (int64_t i = 0; i < R; ++i)
+          for (int v = 0; v < PVC; ++v) vstore(acc + (r0 + i) * D + (c0 + v) * LANES, o[i][v]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (t0 + r / group) * stride_ot + (h * group + r % group) * stride_oh;
+    const float inv = 1.0f / row_sum[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const T*, int64_t, int64_t, const T*, const T*, int64_t, int64_t,
+                        int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, float, T*, int64_t, int64_t, std::vector<float>&);
+
+template <typename T>
+TileFn<T> tile_fn(int64_t head_dim) {
+  if (head_dim % LANES != 0) return nullptr;
+  switch (head_dim / LANES) {
+    case 1: return attend_tile<T, 1>;
+    case 2: return attend_tile<T, 2>;
+    case 4: return attend_tile<T, 4>;
+    case 8: return attend_tile<T, 8>;
+    case 16: return attend_tile<T, 16>;
+    default: return nullptr;
+  }
+}
+#else
+constexpr bool HAS_VECTORS = false;
+constexpr int64_t BQ = 32;
+#endif
+
+// Whether this build runs a head of `head_dim` here (else the caller takes the reference).
+bool prefill_attention_supported(int64_t head_dim) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  return HAS_VECTORS && head_dim % LANES == 0 && tile_fn<float>(head_dim) != nullptr;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                       double scale, at::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], cache [B, T, Hkv, D]");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && value_cache.sizes() == key_cache.sizes(),
+              "cache shape");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides(), "key and value caches share strides");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(prefill_attention_supported(head_dim), "head_dim ", head_dim,
+              " is not supported by this build");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && out.stride(2) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, cache and out share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block tables, seq lens and query starts are int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "int32 tables contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out has the query's shape");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc has num_seqs + 1 entries");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  // tasks: (sequence, first new token of the tile); each runs every KV head
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, ": more new tokens than its length");
+    for (int64_t t = 0; t < q_len; t += BQ) tiles.emplace_back(s, t);
+  }
+  if (tiles.empty()) return;
+  const int64_t group = num_heads / num_kv_heads;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
+                                  "prefill_attention", [&] {
+    const TileFn<scalar_t> fn = tile_fn<scalar_t>(head_dim);
+    const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+    // A tile's cost grows with its position in the chunk (it sees more keys): the threads take
+    // the tasks in turn (thread i: tasks i, i + n, ...), not in contiguous runs, so each gets
+    // short and long ones alike.
+    const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+    at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t lane = begin; lane < end; ++lane) {
+        for (int64_t task = lane; task < num_tasks; task += num_threads) {
+          const auto [s, t0] = tiles[task / num_kv_heads];
+          const int64_t h = task % num_kv_heads;
+          const int64_t q_len = starts[s + 1] - starts[s];
+          const int64_t t1 = std::min(t0 + BQ, q_len);
+          const scalar_t* q = query.data_ptr<scalar_t>() + starts[s] * query.stride(0);
+          scalar_t* o = out.data_ptr<scalar_t>() + starts[s] * out.stride(0);
+          fn(q, query.stride(0), query.stride(1), key_cache.data_ptr<scalar_t>(),
+             value_cache.data_ptr<scalar_t>(), key_cache.stride(0), key_cache.stride(1),
+             key_cache.stride(2), tables + s * block_tables.stride(0), block_size, lens[s],
+             q_len, t0, t1, h, group, static_cast<float>(scale), o, out.stride(0),
+             out.stride(1), buf);
+        }
+      }
+    });
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvchat_cpu, m) {
+  m.def("prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.def("prefill_attention_supported(int head_dim) -> bool", &prefill_attention_supported);
+}
+
+TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
