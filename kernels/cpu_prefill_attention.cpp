@@ -12,7 +12,13 @@
 // rows at once are broadcast FMAs into KT / LANES vectors of keys each, an online softmax in
 // float32 keeps each row's running maximum and sum, and the weighted V rows are added into
 // the rows' float32 accumulators, R rows by the head's D / LANES vectors in registers. The
-// arithmetic is float32 throughout, like the reference's, up to summation order.
+// arithmetic is float32 throughout, like the reference's, up to summation order. bfloat16
+// caches on CPUs with AVX512-BF16 take attend_tile_bf16 instead: pairs of products in one
+// instruction, the probabilities rounded to bfloat16 for P V as torch's kernel rounds them.
+//
+// Tasks are taken by the threads as they come free, the longest first: a thread whose core
+// another process shares takes fewer, where a fixed split would hold every other thread at the
+// end of the call for it.
 //
 // Plain caches (the model's dtype), full attention only, head sizes a multiple of the vector
 // width; anything else takes the reference (kernels/torch_ops.py decides).
@@ -27,23 +33,32 @@
 #include "cpu_vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
 
 using namespace kvchat_cpu_vec;  // kernels/cpu_vec.h
 
+constexpr int64_t BQ = 32;  // new tokens per task
+
+// A thread's working memory, reused from task to task.
+struct Scratch {
+  std::vector<float> f;
+  std::vector<uint32_t> w;  // bfloat16 pairs
+};
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-constexpr bool HAS_VECTORS = true;
 // Keys per tile, as vectors of scores per row: 64 keys on AVX-512, 32 on AVX2 (the row's
 // maximum, sum and rescale are paid once per tile, so wider is cheaper, up to the registers).
-constexpr int NKV = LANES == 16 ? 4 : 4;
+constexpr int NKV = 4;
 constexpr int64_t KT = NKV * LANES;
 constexpr int64_t R = LANES == 16 ? 4 : 2;  // rows whose scores are in registers together
-constexpr int64_t BQ = 32;         // new tokens per task
 
 // One task: tokens [t0, t1) of a sequence's Q new ones, KV head h. NV vectors per head row.
 template <typename T, int NV>
@@ -51,8 +66,9 @@ void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* 
                  const T* value_cache, int64_t stride_cb, int64_t stride_ct, int64_t stride_ch,
                  const int32_t* table, int64_t block_size, int64_t seq_len, int64_t q_len,
                  int64_t t0, int64_t t1, int64_t h, int64_t group, float scale, T* out,
-                 int64_t stride_ot, int64_t stride_oh, std::vector<float>& buf) {
+                 int64_t stride_ot, int64_t stride_oh, Scratch& scratch) {
   constexpr int64_t D = NV * LANES;
+  std::vector<float>& buf = scratch.f;
   constexpr int PVC = NV < 4 ? NV : 4;  // R x PVC accumulators stay in registers
   static_assert(NV % PVC == 0, "head vectors in whole groups");
   const int64_t past = seq_len - q_len;  // tokens cached before the chunk
@@ -185,14 +201,223 @@ void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* 
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 caches on CPUs with AVX512-BF16: the dot products as VDPBF16PS, which multiplies
+// pairs of bfloat16 values exactly and adds both products into a float32 lane, so one
+// instruction does the work of two float32 FMAs and nothing is widened. The layout turns so
+// that the scores' lanes are rows: q's rows are transposed once per task into [D / 2][rows]
+// pairs, each key's pairs are broadcast from the cache in place (no key tile is built), and
+// the online softmax runs down the lanes, each row's maximum and sum in a lane of its own
+// (no horizontal reductions). The probabilities are rounded to bfloat16 for P V, as torch's
+// CPU flash kernel and flash attention on GPUs do, each pair of keys' values interleaved
+// once per tile; the maximum, the sums and the accumulators stay float32.
+constexpr int64_t BKT = 64;  // keys per tile
+constexpr int64_t JB = 4;    // keys whose scores are in registers together
+constexpr int64_t RVB = 4;   // row vectors whose scores are in registers together
+
+inline uint32_t load_pair(const c10::BFloat16* p) {  // two adjacent values as one word
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// Scores of row vectors [rv0, rv0 + RB) against keys j0..j0 + JB of the tile, scaled.
+template <int RB, int64_t DP>
+inline void score_block(const uint32_t* qt, int64_t rows_pad, const c10::BFloat16* const* keys,
+                        int64_t rv0, int64_t j0, __m512 scale, float* s) {
+  __m512 a[JB][RB];
+  for (int j = 0; j < JB; ++j)
+    for (int b = 0; b < RB; ++b) a[j][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < DP; ++p) {
+    __m512i qv[RB];
+    for (int b = 0; b < RB; ++b)
+      qv[b] = _mm512_loadu_si512(qt + p * rows_pad + (rv0 + b) * 16);
+    for (int j = 0; j < JB; ++j) {
+      const __m512i kb = _mm512_set1_epi32(static_cast<int>(load_pair(keys[j0 + j] + 2 * p)));
+      for (int b = 0; b < RB; ++b) a[j][b] = dot_pairs(a[j][b], kb, qv[b]);
+    }
+  }
+  for (int j = 0; j < JB; ++j)
+    for (int b = 0; b < RB; ++b)
+      _mm512_storeu_ps(s + (j0 + j) * rows_pad + (rv0 + b) * 16, _mm512_mul_ps(a[j][b], scale));
+}
+
+template <int NV>
+void attend_tile_bf16(const c10::BFloat16* query, int64_t stride_qt, int64_t stride_qh,
+                      const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
+                      int64_t stride_cb, int64_t stride_ct, int64_t stride_ch,
+                      const int32_t* table, int64_t block_size, int64_t seq_len, int64_t q_len,
+                      int64_t t0, int64_t t1, int64_t h, int64_t group, float scale,
+                      c10::BFloat16* out, int64_t stride_ot, int64_t stride_oh,
+                      Scratch& scratch) {
+  constexpr int64_t D = NV * 16;
+  constexpr int64_t DP = D / 2;  // pairs of a head row
+  constexpr int PVC = NV < 4 ? NV : 4;
+  constexpr int64_t R = 4;  // rows whose P V accumulators are in registers together
+  static_assert(NV % PVC == 0, "head vectors in whole groups");
+  const int64_t past = seq_len - q_len;
+  const int64_t rows = (t1 - t0) * group;
+  const int64_t nrv = (rows + 15) / 16;
+  const int64_t rows_pad = nrv * 16;
+  scratch.f.resize(rows_pad * D + rows_pad * 4 + BKT * rows_pad);
+  scratch.w.resize(DP * rows_pad + BKT / 2 * rows_pad + BKT / 2 * D);
+  float* acc = scratch.f.data();          // [rows_pad, D]
+  float* row_max = acc + rows_pad * D;    // [rows_pad]
+  float* row_sum = row_max + rows_pad;    // [rows_pad]
+  float* alpha = row_sum + rows_pad;      // [rows_pad] this tile's rescale
+  float* sees = alpha + rows_pad;         // [rows_pad] the last key (by position) a row sees
+  float* s = sees + rows_pad;             // [BKT, rows_pad] scores, rows in lanes
+  static const c10::BFloat16 zero[D] = {};  // the rows of keys past the tile's end
+  uint32_t* qt = scratch.w.data();        // [DP, rows_pad] query pairs, transposed
+  uint32_t* pw = qt + DP * rows_pad;      // [BKT / 2, rows_pad] probability pairs
+  uint32_t* vw = pw + BKT / 2 * rows_pad; // [BKT / 2, D] value pairs, interleaved by key
+  // row r = token (t0 + r / group), query head (h * group + r % group)
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    if (r < rows) {
+      const c10::BFloat16* src =
+          query + (t0 + r / group) * stride_qt + (h * group + r % group) * stride_qh;
+      for (int64_t p = 0; p < DP; ++p) qt[p * rows_pad + r] = load_pair(src + 2 * p);
+      sees[r] = static_cast<float>(past + t0 + r / group);
+    } else {
+      for (int64_t p = 0; p < DP; ++p) qt[p * rows_pad + r] = 0;
+      sees[r] = static_cast<float>(past + t1 - 1);
+    }
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.0f;
+  }
+  std::fill(acc, acc + rows_pad * D, 0.0f);
+  const int64_t end = past + t1;  // keys the tile's last token sees
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  // words 2i and 2i + 1 of the interleave: key 2p's and key 2p + 1's probability of row i
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  const c10::BFloat16* keys[BKT];
+  const c10::BFloat16* values[BKT];
+  for (int64_t k0 = 0; k0 < end; k0 += BKT) {
+    const int64_t nk = std::min(BKT, end - k0);
+    const int64_t nk_up = (nk + JB - 1) / JB * JB;  // keys scored (the rest read the zero row)
+    for (int64_t j = 0; j < BKT; ++j) {
+      if (j < nk) {
+        const int64_t t = k0 + j;
+        const int64_t slot =
+            table[t / block_size] * stride_cb + (t % block_size) * stride_ct + h * stride_ch;
+        keys[j] = key_cache + slot;
+        values[j] = value_cache + slot;
+      } else {
+        keys[j] = values[j] = zero;
+      }
+    }
+    // values of keys 2p and 2p + 1 interleaved: word d of pair p holds both keys' element d
+    const int64_t pairs = (nk + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t c = 0; c < NV; ++c) {
+        const __m512i lo = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * p] + c * 16)));
+        const __m512i hi = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * p + 1] + c * 16)));
+        _mm512_storeu_si512(vw + p * D + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    for (int64_t j0 = 0; j0 < nk_up; j0 += JB) {
+      int64_t rv0 = 0;
+      for (; rv0 + RVB <= nrv; rv0 += RVB) score_block<RVB, DP>(qt, rows_pad, keys, rv0, j0, scale_v, s);
+      switch (nrv - rv0) {
+        case 3: score_block<3, DP>(qt, rows_pad, keys, rv0, j0, scale_v, s); break;
+        case 2: score_block<2, DP>(qt, rows_pad, keys, rv0, j0, scale_v, s); break;
+        case 1: score_block<1, DP>(qt, rows_pad, keys, rv0, j0, scale_v, s); break;
+        default: break;
+      }
+    }
+    // the causal mask is needed where the task's first token does not see the whole tile
+    const bool masked = k0 + nk - 1 > past + t0;
+    for (int64_t rv = 0; rv < nrv; ++rv) {
+      const __m512 last = _mm512_sub_ps(_mm512_loadu_ps(sees + rv * 16),
+                                        _mm512_set1_ps(static_cast<float>(k0)));
+      __mmask16 seen[BKT];  // rows that see key j
+      __m512 m_tile = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < nk; ++j) {
+        seen[j] = masked ? _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j)), last, _CMP_LE_OQ)
+                         : static_cast<__mmask16>(0xFFFF);
+        m_tile = _mm512_mask_max_ps(m_tile, seen[j], m_tile, _mm512_loadu_ps(s + j * rows_pad + rv * 16));
+      }
+      // every row sees key 0 of the first tile: the maximum is finite from then on
+      const __m512 m_old = _mm512_loadu_ps(row_max + rv * 16);
+      const __m512 m_new = _mm512_max_ps(m_old, m_tile);
+      const __m512 al = vexp(_mm512_sub_ps(m_old, m_new));  // m_old = -inf: ~0, on a zero sum
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512 e[2];
+        for (int k = 0; k < 2; ++k) {
+          const int64_t j = 2 * p + k;
+          e[k] = j < nk ? _mm512_maskz_mov_ps(seen[j], vexp(_mm512_sub_ps(
+                                                            _mm512_loadu_ps(s + j * rows_pad + rv * 16), m_new)))
+                        : _mm512_setzero_ps();
+          sum = _mm512_add_ps(sum, e[k]);
+        }
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
+        _mm512_storeu_si512(pw + p * rows_pad + rv * 16, _mm512_permutexvar_epi16(interleave, both));
+      }
+      _mm512_storeu_ps(row_sum + rv * 16,
+                       _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + rv * 16), al, sum));
+      _mm512_storeu_ps(row_max + rv * 16, m_new);
+      _mm512_storeu_ps(alpha + rv * 16, al);
+    }
+    // acc[r] = acc[r] * alpha[r] + sum_p (p[r][2p] v[2p] + p[r][2p + 1] v[2p + 1])
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += R) {
+      for (int c0 = 0; c0 < NV; c0 += PVC) {
+        __m512 o[R][PVC];
+        for (int64_t i = 0; i < R; ++i) {
+          const __m512 al = _mm512_set1_ps(alpha[r0 + i]);
+          for (int v = 0; v < PVC; ++v)
+            o[i][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + (c0 + v) * 16), al);
+        }
+        for (int64_t p = 0; p < pairs; ++p) {
+          __m512i vv[PVC];
+          for (int v = 0; v < PVC; ++v) vv[v] = _mm512_loadu_si512(vw + p * D + (c0 + v) * 16);
+          for (int64_t i = 0; i < R; ++i) {
+            const __m512i pb = _mm512_set1_epi32(static_cast<int>(pw[p * rows_pad + r0 + i]));
+            for (int v = 0; v < PVC; ++v) o[i][v] = dot_pairs(o[i][v], pb, vv[v]);
+          }
+        }
+        for (int64_t i = 0; i < R; ++i)
+          for (int v = 0; v < PVC; ++v)
+            _mm512_storeu_ps(acc + (r0 + i) * D + (c0 + v) * 16, o[i][v]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* dst = out + (t0 + r / group) * stride_ot + (h * group + r % group) * stride_oh;
+    const float sr = 1.0f / row_sum[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(acc[r * D + d] * sr);
+  }
+}
+#endif
+
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, int64_t, const T*, const T*, int64_t, int64_t,
                         int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, float, T*, int64_t, int64_t, std::vector<float>&);
+                        int64_t, int64_t, float, T*, int64_t, int64_t, Scratch&);
 
 template <typename T>
 TileFn<T> tile_fn(int64_t head_dim) {
   if (head_dim % LANES != 0) return nullptr;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    switch (head_dim / 16) {
+      case 1: return attend_tile_bf16<1>;
+      case 2: return attend_tile_bf16<2>;
+      case 4: return attend_tile_bf16<4>;
+      case 8: return attend_tile_bf16<8>;
+      case 16: return attend_tile_bf16<16>;
+      default: return nullptr;
+    }
+  }
+#endif
   switch (head_dim / LANES) {
     case 1: return attend_tile<T, 1>;
     case 2: return attend_tile<T, 2>;
@@ -202,15 +427,12 @@ TileFn<T> tile_fn(int64_t head_dim) {
     default: return nullptr;
   }
 }
-#else
-constexpr bool HAS_VECTORS = false;
-constexpr int64_t BQ = 32;
 #endif
 
 // Whether this build runs a head of `head_dim` here (else the caller takes the reference).
 bool prefill_attention_supported(int64_t head_dim) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  return HAS_VECTORS && head_dim % LANES == 0 && tile_fn<float>(head_dim) != nullptr;
+  return tile_fn<float>(head_dim) != nullptr;
 #else
   (void)head_dim;
   return false;
@@ -260,27 +482,36 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
                                   "prefill_attention", [&] {
     const TileFn<scalar_t> fn = tile_fn<scalar_t>(head_dim);
+    // A task's cost grows with the keys its tile sees: the longest go first, and each thread
+    // takes the next task when it is free, so a thread slowed by other work on its core takes
+    // fewer of them instead of holding the others at the end of the call.
     const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_kv_heads;
-    // A tile's cost grows with its position in the chunk (it sees more keys): the threads take
-    // the tasks in turn (thread i: tasks i, i + n, ...), not in contiguous runs, so each gets
-    // short and long ones alike.
-    const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-    at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      for (int64_t lane = begin; lane < end; ++lane) {
-        for (int64_t task = lane; task < num_tasks; task += num_threads) {
-          const auto [s, t0] = tiles[task / num_kv_heads];
-          const int64_t h = task % num_kv_heads;
-          const int64_t q_len = starts[s + 1] - starts[s];
-          const int64_t t1 = std::min(t0 + BQ, q_len);
-          const scalar_t* q = query.data_ptr<scalar_t>() + starts[s] * query.stride(0);
-          scalar_t* o = out.data_ptr<scalar_t>() + starts[s] * out.stride(0);
-          fn(q, query.stride(0), query.stride(1), key_cache.data_ptr<scalar_t>(),
-             value_cache.data_ptr<scalar_t>(), key_cache.stride(0), key_cache.stride(1),
-             key_cache.stride(2), tables + s * block_tables.stride(0), block_size, lens[s],
-             q_len, t0, t1, h, group, static_cast<float>(scale), o, out.stride(0),
-             out.stride(1), buf);
-        }
+    std::vector<int64_t> order(tiles.size());
+    std::iota(order.begin(), order.end(), 0);
+    auto keys_seen = [&](int64_t i) {
+      const auto [s, t0] = tiles[i];
+      const int64_t q_len = starts[s + 1] - starts[s];
+      return lens[s] - q_len + std::min(t0 + BQ, q_len);
+    };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return keys_seen(a) > keys_seen(b); });
+    std::atomic<int64_t> next{0};
+    const int64_t num_threads =
+        std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+      Scratch scratch;
+      for (int64_t task = next++; task < num_tasks; task = next++) {
+        const auto [s, t0] = tiles[order[task / num_kv_heads]];
+        const int64_t h = task % num_kv_heads;
+        const int64_t q_len = starts[s + 1] - starts[s];
+        const int64_t t1 = std::min(t0 + BQ, q_len);
+        const scalar_t* q = query.data_ptr<scalar_t>() + starts[s] * query.stride(0);
+        scalar_t* o = out.data_ptr<scalar_t>() + starts[s] * out.stride(0);
+        fn(q, query.stride(0), query.stride(1), key_cache.data_ptr<scalar_t>(),
+           value_cache.data_ptr<scalar_t>(), key_cache.stride(0), key_cache.stride(1),
+           key_cache.stride(2), tables + s * block_tables.stride(0), block_size, lens[s], q_len,
+           t0, t1, h, group, static_cast<float>(scale), o, out.stride(0), out.stride(1),
+           scratch);
       }
     });
   });
