@@ -307,6 +307,8 @@ class Engine:
         so see what the step left (a finished turn's last token pinned); publish the stats."""
         outputs, calls = self._take_inbox()
         batch = self.scheduler.schedule()
+        if self.kv_store is not None:  # the write-behind waits out prefills (memory/kv_store.py)
+            self.kv_store.set_prefilling(batch.num_decode < len(batch.seqs))
         for seq in batch.out_of_memory:
             self._release(seq)
             outputs.append(self.output_processor.finish(seq, "length"))

@@ -82,16 +82,13 @@ class KVCache:
             return []
         kv, scales = (self.host_kv, self.host_scales) if on_host else (self.kv, self.scales)
         index = torch.tensor(list(ids), dtype=torch.long, device=kv.device)
-        kv_bytes = _bytes(kv).index_select(2, index).to("cpu")
+        # One copy, blocks first: each block's bytes are a contiguous slice of it.
+        kv_bytes = _bytes(kv).movedim(2, 0).index_select(0, index).to("cpu")
         scale_bytes = None
         if scales is not None:
-            scale_bytes = _bytes(scales).index_select(2, index).to("cpu")
+            scale_bytes = _bytes(scales).movedim(2, 0).index_select(0, index).to("cpu")
         return [
-            (
-                kv_bytes[:, :, i].clone(),
-                None if scale_bytes is None else scale_bytes[:, :, i].clone(),
-            )
-            for i in range(len(ids))
+            (kv_bytes[i], None if scale_bytes is None else scale_bytes[i]) for i in range(len(ids))
         ]
 
     def write_block(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:

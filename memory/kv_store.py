@@ -30,8 +30,12 @@ tries again; while off, lookups miss and nothing is queued.
 
 Writes are behind: `put` queues copies made by the caller and returns; one writer thread
 serializes them, so a turn never waits for the disk, and a SIGKILL leaves every block whose
-write finished. The queue holds at most `max_pending_bytes`: past it the oldest copies are
-dropped (counted). `flush` waits for the queue (a drain). The byte cap evicts least recently
+write finished. The writer's hashing and copying take CPU, which on a small machine is the
+prefill's: while the engine's steps prefill (`set_prefilling`) the writer waits for a step
+without one, up to HOLD_SECONDS of unbroken prefill, so a finished turn's blocks are written
+while the next turn decodes or the engine idles, not while it waits for its first token.
+The queue holds at most `max_pending_bytes`: past it the oldest copies are dropped
+(counted). `flush` waits for the queue (a drain). The byte cap evicts least recently
 used files (a load or a write marks a file used, through its mtime, which is what other
 processes sharing the directory see too)."""
 
@@ -73,6 +77,9 @@ FAILURES_TO_DISABLE = 8
 RETRY_SECONDS = 60.0
 # Copies the writer may have queued (bytes): past it the oldest are dropped.
 MAX_PENDING_BYTES = 64 << 20
+# Longest the writer holds back while the engine prefills (seconds of one unbroken stretch of
+# prefill steps); past it, writes go on beside the prefill.
+HOLD_SECONDS = 5.0
 # Faults of one file, not of the store: they never turn the store off.
 FILE_FAULTS = frozenset({"EISDIR", "ELOOP", "ENOTEMPTY", "ENXIO", "not_regular"})
 # Header bytes a block file may have beyond its tensors' (the JSON header is ~0.5 KiB).
@@ -177,6 +184,8 @@ class KVStore:
         self._logged: set[tuple[str, str]] = set()
         self._failures = 0  # I/O faults in a row
         self._disabled_until: float | None = None
+        self._prefilling_since: float | None = None  # the engine's steps prefill since then
+        self._flushing = 0  # flush() calls waiting: nothing is held back
         tokens_bytes = (kv_shape[2] if len(kv_shape) > 2 else 0) * 8
         self._max_file_bytes = (
             _numel(self.kv_shape)
@@ -213,6 +222,21 @@ class KVStore:
                 or block_hash in self._pending
                 or block_hash in self._unusable
             )
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the engine said its steps prefill now (the writer holds back)."""
+        with self._lock:
+            return self._prefilling_since is not None
+
+    def set_prefilling(self, prefilling: bool) -> None:
+        """Whether the engine's steps prefill now: the writer holds back while they do."""
+        with self._lock:
+            if prefilling == (self._prefilling_since is not None):
+                return
+            self._prefilling_since = self._clock() if prefilling else None
+            if not prefilling:
+                self._wake.notify_all()
 
     def note_copy(self, seconds: float) -> None:
         """The caller spent `seconds` copying blocks out for `put` (the turn's share of the
@@ -296,12 +320,17 @@ class KVStore:
         first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wake.wait(0.05 if left is None else min(left, 0.05))
-            return True
+            self._flushing += 1
+            self._wake.notify_all()
+            try:
+                while self._pending:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._wake.wait(0.05 if left is None else min(left, 0.05))
+                return True
+            finally:
+                self._flushing -= 1
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write what is queued (up to `timeout`), then stop the writer."""
@@ -480,6 +509,7 @@ class KVStore:
             with self._lock:
                 while not self._queue:
                     self._wake.wait()
+                self._hold_locked()
                 block = self._queue.popleft()
                 if block is None:
                     return
@@ -501,6 +531,20 @@ class KVStore:
                 self._pending.discard(block.block_hash)
                 self.stats.write_seconds += time.perf_counter() - began
                 self._wake.notify_all()
+
+    def _hold_locked(self) -> None:
+        """Wait while the engine prefills (up to HOLD_SECONDS of it), unless a flush or a stop
+        is waiting."""
+        while (
+            self._prefilling_since is not None
+            and not self._flushing
+            and self._queue
+            and self._queue[-1] is not None  # a stop request is queued last
+        ):
+            left = self._prefilling_since + HOLD_SECONDS - self._clock()
+            if left <= 0:
+                return
+            self._wake.wait(min(left, 0.05))
 
     def _write(self, block: BlockData) -> int | None:
         """Write one block (temporary name, then rename); its size, or None (counted)."""

@@ -13,10 +13,19 @@ import pytest
 import torch
 
 from kvchat.inference.engine import Engine
+from kvchat.memory import kv_store
 from kvchat.memory.kv_store import BlockData, KVStore, weights_fingerprint
 from kvchat.memory.prefix_cache import hash_block
 from kvchat_testing.engines import random_prompt
-from kvchat_testing.session_engines import BLOCK, NEW, ForwardCounter, cold, make_engine, turn
+from kvchat_testing.session_engines import (
+    BLOCK,
+    GREEDY,
+    NEW,
+    ForwardCounter,
+    cold,
+    make_engine,
+    turn,
+)
 
 KV_SHAPE = (2, 2, 4, 2, 8)
 
@@ -110,6 +119,50 @@ def test_the_byte_cap_evicts_the_least_recently_used(tmp_path: Path) -> None:
     store.close()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_for_writes(store: KVStore, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while store.snapshot().writes < n:
+        assert time.monotonic() < deadline, f"{store.snapshot().writes} writes, waited for {n}"
+        time.sleep(0.01)
+
+
+def test_writes_wait_while_the_engine_prefills(tmp_path: Path) -> None:
+    """The writer takes the CPU a prefill needs on a small machine: while the engine's steps
+    prefill it holds back, until a step without one, HOLD_SECONDS of unbroken prefill, or a
+    flush."""
+    clock = Clock()
+    store = KVStore(tmp_path, "fp", 1 << 20, KV_SHAPE, None, clock=clock)
+    store.set_prefilling(True)
+    assert store.prefilling
+    store.put([block(1)])
+    time.sleep(0.3)  # the writer is free to run: it holds the block
+    assert store.snapshot().writes == 0 and store.snapshot().pending_bytes > 0
+    store.set_prefilling(False)  # a decode step: the block is written
+    wait_for_writes(store, 1)
+
+    store.set_prefilling(True)  # a long stretch of prefill...
+    store.put([block(2)])
+    time.sleep(0.1)
+    assert store.snapshot().writes == 1
+    clock.now += kv_store.HOLD_SECONDS  # ...past the hold: written beside it
+    wait_for_writes(store, 2)
+
+    store.set_prefilling(False)
+    store.set_prefilling(True)  # a new stretch: held again, but a flush is not kept waiting
+    store.put([block(3)])
+    assert store.flush(30)
+    assert store.snapshot().writes == 3
+    store.close()
+
+
 def test_the_fingerprint_follows_the_weights(tiny_llama: tuple[Path, Any], tmp_path: Path) -> None:
     path, _ = tiny_llama
     copy = tmp_path / "copy"
@@ -155,6 +208,22 @@ def test_a_restarted_engine_loads_the_conversation_and_computes_only_the_new_tok
     other = turn(second, "t3", p2, session="bob", salt="bob")
     assert other.num_cached_tokens == 0
     second.close_kv_store()
+
+
+def test_the_engine_holds_the_writer_back_while_it_prefills(
+    tiny_llama: tuple[Path, Any], tmp_path: Path
+) -> None:
+    path, _ = tiny_llama
+    engine = stored_engine(path, tmp_path)
+    assert engine.kv_store is not None
+    engine.add_request("r", random_prompt(3 * BLOCK, seed=51), GREEDY)
+    engine.step()  # the prompt
+    assert engine.kv_store.prefilling
+    engine.step()  # a decode step
+    assert not engine.kv_store.prefilling
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close_kv_store()
 
 
 def test_a_store_of_another_kv_dtype_is_not_used(
