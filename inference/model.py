@@ -39,13 +39,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-# Rows up to which the CPU's silu_mul op beats torch's vectorised silu and multiply.
-SILU_MUL_MAX_ROWS = 16
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] -> silu(gate) * up [T, I]; a decode step's few rows in one C++ op on the CPU."""
-    if gate_up.device.type == "cpu" and gate_up.shape[0] <= SILU_MUL_MAX_ROWS and load_cpu_ops():
+    """[T, 2 I] -> silu(gate) * up [T, I]; one C++ op on the CPU (one pass over the rows where
+    torch's chunk, silu and multiply make two: 1.6-1.9x faster from 1 to 512 rows of 1,536 on
+    AVX-512, torch's result to its rounding)."""
+    if gate_up.device.type == "cpu" and load_cpu_ops():
         out: torch.Tensor = torch.ops.kvchat_cpu.silu_mul(gate_up)
         return out
     gate, up = gate_up.chunk(2, dim=-1)

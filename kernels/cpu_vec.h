@@ -1,6 +1,7 @@
 // Float vectors for kvchat's CPU kernels: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes) by the
 // flags the build targets (-march=native), LANES 0 without either (callers keep a scalar
-// path); loads that widen bfloat16 / float16 rows; vexp, a vector exp for x <= 0.
+// path); loads that widen bfloat16 / float16 rows and stores that round to them (to nearest
+// even, as c10 rounds); vexp, a vector exp for x <= 0.
 
 #pragma once
 
@@ -47,6 +48,35 @@ inline Vec load_row(const T* p) {  // LANES elements of the cache's type, widene
 }
 inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2i(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+// float32 lanes as bfloat16 bits (in the low half of each 32-bit lane), rounded to nearest
+// even as c10's conversion rounds; a NaN stays a (quiet) NaN
+inline __m512i bf16_bits(Vec v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+}
+template <typename T>
+inline void store_row(T* p, Vec v) {  // LANES elements, rounded to the cache's type
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+template <typename T>
+inline Vec vround_to(Vec v) {  // v rounded to T's precision, as float32
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int LANES = 8;
 using Vec = __m256;
@@ -91,6 +121,35 @@ inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT |
 inline Vec vpow2i(Vec p, Vec n) {  // n in [-126, 0] here: the exponent field built directly
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline __m256i bf16_bits(Vec v) {  // as on AVX-512
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+template <typename T>
+inline void store_row(T* p, Vec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i r = bf16_bits(v);  // each value < 2^16: packus keeps it
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+template <typename T>
+inline Vec vround_to(Vec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 }
 #else
 constexpr int LANES = 0;

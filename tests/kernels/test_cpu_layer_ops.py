@@ -65,7 +65,7 @@ def test_rotary_cache_write_declines_a_quantized_cache() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
 def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
     gate_up = (torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(rows)) * 4).to(
         dtype
