@@ -6,6 +6,7 @@ hooks at shutdown."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,15 @@ def chat(service: Service, messages: list[dict[str, Any]], key: str | None = Non
     return r.json()
 
 
+def wait_until_pinned(service: Service, timeout: float = 60.0) -> None:
+    """Until no finished turn waits for its last token's KV (the engine's FINISHING step)."""
+    scheduler = service.state.runtime.engine.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.finishing:
+        assert time.monotonic() < deadline, "a finished turn was never pinned"
+        time.sleep(0.005)
+
+
 def test_every_response_names_the_replica_that_served_it(replica: Service) -> None:
     for response in (
         replica.client.get("/healthz"),
@@ -77,6 +87,10 @@ def test_a_keyless_client_resending_its_history_reuses_all_of_it(replica: Servic
     previous = None
     for turn in range(4):
         usage = (body := chat(replica, messages))["usage"]
+        # A turn's last sampled token gets its KV in a step after the reply is out; a next turn
+        # arriving before that step computes it itself (one token less cached, by design).
+        # Wait for the pin, so the count below is exact on a loaded machine too.
+        wait_until_pinned(replica)
         if previous is not None:
             assert usage["prompt_tokens_details"]["cached_tokens"] == (
                 previous["prompt_tokens"] + previous["completion_tokens"]
