@@ -88,6 +88,13 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens (prefill chunks and decodes) in one engine step at most."
     )
+    max_solo_prefill_tokens: int | None = Field(
+        2048,
+        ge=1,
+        description="Tokens one engine step may prefill while no request is generating (none "
+        "has its next token waiting on the step): a prompt arriving alone runs in fewer, larger "
+        "steps. Null: every step takes max_num_batched_tokens at most.",
+    )
     max_queued_requests: int = Field(
         256, description="Waiting requests above this answer 503 with Retry-After."
     )
@@ -293,6 +300,8 @@ class Settings(BaseSettings):
                 ),
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_solo_prefill_tokens=self.max_solo_prefill_tokens,
             ),
         )

@@ -124,7 +124,7 @@ class Engine:
             self.kv_spec,
             self.model,
             self.ops,
-            min(config.scheduler.max_num_batched_tokens, self.max_model_len),
+            min(config.scheduler.max_step_tokens, self.max_model_len),
             self.device,
         )
         self.kv_cache = KVCache(

@@ -2,7 +2,10 @@
 
 Each step: running sequences first (oldest first; a decode needs one token, a prompt being
 prefilled takes a chunk), then swapped-out ones come back, then waiting ones are admitted
-while the token budget, the sequence limit and free blocks allow. Before a new sequence
+while the token budget, the sequence limit and free blocks allow. The budget is
+max_num_batched_tokens, or max_solo_prefill_tokens in a step where no request is generating
+(vLLM's CPU server takes 2,048 for every step; kvchat keeps decodes' stalls short and gives
+a prompt that arrives alone the large steps). Before a new sequence
 prefills anything, the KV it can reuse is looked up: its session's pinned blocks, then the
 prefix cache.
 
@@ -39,6 +42,10 @@ from .sequence import PrefillAccounting, Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # A step in which no request is generating may prefill this many tokens (when larger):
+    # chunks bound how long a prefill stalls other requests' next tokens, and with none to
+    # stall, a prompt that arrives alone runs in fewer, larger steps. None: no larger step.
+    max_solo_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +54,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_solo_prefill_tokens is not None and self.max_solo_prefill_tokens < 1:
+            raise ValueError(
+                f"max_solo_prefill_tokens must be >= 1, got {self.max_solo_prefill_tokens}"
+            )
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens any one step runs (what activations are sized for)."""
+        return max(self.max_num_batched_tokens, self.max_solo_prefill_tokens or 0)
 
 
 @dataclass
@@ -174,7 +190,7 @@ class Scheduler:
         """Normal requests get the step's token budget and blocks first (running, then swapped
         and waiting ones); background requests get what is left."""
         self.sessions.maintain()
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = _Step(budget=self._step_budget())
         self._plan_finishing(step)
         running = sorted(self.running, key=lambda s: s.priority)  # oldest first within one
         normal = [s for s in running if s.priority == PRIORITY_NORMAL]
@@ -194,6 +210,14 @@ class Scheduler:
                 step,
             )
         return step.batch()
+
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, or the solo prefill budget when no request is generating
+        (none running with output, none swapped out): no one's next token waits on the step."""
+        config = self.config
+        if self.swapped or any(s.num_output_tokens for s in self.running):
+            return config.max_num_batched_tokens
+        return config.max_step_tokens
 
     def _plan_finishing(self, step: _Step) -> None:
         """Last tokens of finished session turns: one each, in free blocks only (otherwise

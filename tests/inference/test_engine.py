@@ -58,6 +58,34 @@ def test_small_token_budget_chunks_prefill_without_changing_tokens(
         assert out.output_token_ids == solo_tokens[n], f"prompt length {n}"
 
 
+def test_a_prompt_alone_takes_the_solo_budget_and_a_generating_request_the_small_one(
+    tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
+) -> None:
+    """No request generating: a step prefills up to max_solo_prefill_tokens. Once one is
+    generating, every step keeps to max_num_batched_tokens, its decode included."""
+    path, _ = tiny_llama
+    engine = make_engine(path, max_num_batched_tokens=7, max_solo_prefill_tokens=40)
+    long = 3 * BLOCK + 5
+    engine.add_request("alone", random_prompt(long, seed=long), GREEDY)
+
+    def computed(request_id: str) -> int:
+        return next(
+            s for s in engine.scheduler.running if s.request_id == request_id
+        ).kv.num_computed_tokens
+
+    engine.step()
+    assert computed("alone") == 40
+    first = engine.step()  # the rest of the prompt, and its first token
+    assert computed("alone") == long and first[0].new_token_ids
+    engine.add_request("joins", random_prompt(BLOCK + 1, seed=BLOCK + 1), GREEDY)
+    engine.step()
+    assert computed("alone") == long + 1  # its decode
+    assert computed("joins") == 6  # the 7-token budget's rest
+    finals = run_until_done(engine)
+    assert finals["alone"].output_token_ids == solo_tokens[long]
+    assert finals["joins"].output_token_ids == solo_tokens[BLOCK + 1]
+
+
 def test_request_joining_mid_batch_changes_no_other_tokens(
     tiny_llama: tuple[Path, Any], solo_tokens: dict[int, list[int]]
 ) -> None:
