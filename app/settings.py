@@ -132,6 +132,13 @@ class Settings(BaseSettings):
         None, description="Tool results are cut to this many tokens in prompts (None: never cut)."
     )
     max_summary_tokens: int = Field(512, description="Length of a summary of dropped turns.")
+    summarizer: Literal["model", "extractive"] = Field(
+        "model",
+        description="How running summaries are made: model (the served model writes them; one "
+        "that is empty, copies the transcript, repeats itself or loses a number or name is "
+        "replaced by the extract) or extractive (the dropped user messages' sentences, "
+        "nothing generated).",
+    )
     default_max_tokens: int = Field(
         512, description="Reply budget reserved when a request gives no max_tokens."
     )

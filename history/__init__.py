@@ -4,7 +4,8 @@ counts: imports no torch, no HTTP, no SQL (the service plans every turn with it 
 
 - history.planner: plan_context and its rules (watermarks, units, tool-result caps);
 - history.policy: HistoryPolicy, and the one place context and reply budgets are resolved;
-- history.summaries: the running summary, its prompt, its share, what a new one folds in;
+- history.summaries: the running summary, its prompt, its share, what a new one folds in,
+  the checks a generated one passes and the extract that replaces one that fails;
 - history.errors: what planning raises, each naming the field.
 """
 
@@ -28,12 +29,20 @@ from kvchat.history.policy import (
     reply_budget,
 )
 from kvchat.history.summaries import (
+    SUMMARIZERS,
     SUMMARY_INSTRUCTION,
     SummaryState,
+    end_at_sentence,
+    extract_lines,
+    facts,
     merge_summary,
+    missing_facts,
+    sentences,
     summarization_messages,
+    summary_defect,
     summary_max_new_tokens,
     summary_targets,
+    with_period,
 )
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "MIN_TOOL_RESULT_TOKENS",
     "POLICIES",
     "ROLES",
+    "SUMMARIZERS",
     "SUMMARY_INSTRUCTION",
     "SUMMARY_SHARE",
     "TOOL_CUT_MARKER",
@@ -52,12 +62,19 @@ __all__ = [
     "InvalidHistoryError",
     "SummaryState",
     "context_budget",
+    "end_at_sentence",
+    "extract_lines",
+    "facts",
     "merge_summary",
+    "missing_facts",
     "plan_context",
     "reply_budget",
+    "sentences",
     "summarization_messages",
+    "summary_defect",
     "summary_max_new_tokens",
     "summary_targets",
     "tool_cap_split",
     "units",
+    "with_period",
 ]

@@ -1,8 +1,20 @@
 """The running summary: what the dropped messages become under the `summarize` policy, the
-prompt that makes it, how much of it to generate, and which messages a new one folds in."""
+prompt that makes it, how much of it to generate, which messages a new one folds in, and the
+checks a generated one must pass before it replaces what it summarizes.
+
+A running summary is rebuilt from the previous summary plus the newly dropped messages, and
+it is all that remains of them, so a generated one is kept only if it keeps what it claims to
+cover: it must not be empty, a copy of the transcript or a loop of one phrase, and it must
+keep every fact (number or name) of the previous summary and of the dropped user messages
+(`summary_defect`). One cut by its token limit ends at its last whole sentence. Otherwise the
+summary is extracted instead (`extract_lines`): the previous summary, then what each dropped
+user message stated, sentence by sentence; assistant replies, the model's own words, are left
+out. A summary covers a message only when the stored text holds what it stated.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -96,3 +108,111 @@ def merge_summary(
             "newly_covered repeats messages the previous summary covers", "newly_covered"
         )
     return SummaryState(text=text, num_tokens=num_tokens, covers=before + tuple(newly_covered))
+
+
+# -- checking a generated summary --------------------------------------------------------------
+
+SUMMARIZERS = ("model", "extractive")
+
+# A sentence ends at . ! ? or an ellipsis (and any closing quotes or brackets after it) followed
+# by white space or the end, or at a line break.
+_SENTENCE_END = re.compile(r"""[.!?\u2026]+["'\u2019\u201d)\]]*(?=\s|$)|\n""")
+_NUMBER = re.compile(r"\d+(?:[.,:/-]\d+)*")
+_WORD = re.compile(r"[^\W\d_]+(?:['\u2019-][^\W\d_]+)*")
+_POSSESSIVE = re.compile(r"['\u2019]s$")
+_ROLE_LINE = re.compile(r"^\s*(user|assistant|tool|system)\s*:", re.IGNORECASE | re.MULTILINE)
+# Capitalized words that are not names: pronouns, articles, sentence openers, greetings.
+_NOT_NAMES = frozenset(
+    """I I'm I've I'll I'd A An The My Me Mine We Our You Your He His Him She Her It Its They
+    Their Them This That These Those There Here What Where When Who Whom Whose Which Why How
+    And But Or So Yet If Then Also Please Thanks Thank Hi Hello Hey Yes No Not Okay OK Sure
+    Well Now Today Is Are Was Were Do Does Did Can Could Will Would Should Shall May Might
+    Must Let Let's Have Has Had Be Been Being At In On Of For From To With By As About After
+    Before Since Until While Because Although Though User Assistant Summary Previous
+    Messages Good
+    """.split()  # noqa: SIM905
+)
+COPY_NGRAM = 8  # a generated summary whose word 8-grams mostly occur in the transcript copies it
+COPY_SHARE = 0.5
+REPEAT_NGRAM = 3  # ... whose word 3-grams are less than half distinct repeats itself
+REPEAT_DISTINCT = 0.5
+
+
+def end_at_sentence(text: str) -> str:
+    """`text` up to the end of its last whole sentence ('' when it has none)."""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+    return text[: ends[-1]].strip() if ends else ""
+
+
+def with_period(text: str) -> str:
+    """`text` ending as a sentence does: a period added when it ends on a word."""
+    text = text.strip()
+    if text and not _SENTENCE_END.search(text[-1:] + " ") and text[-1] not in "\"')]:;":
+        return text + "."
+    return text
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text`, each stripped and ending as a sentence does."""
+    out, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        piece = text[start : m.end()].strip()
+        if piece:
+            out.append(with_period(piece))
+        start = m.end()
+    rest = text[start:].strip()
+    if rest:
+        out.append(with_period(rest))
+    return out
+
+
+def facts(text: str) -> set[str]:
+    """The facts a summary must keep from `text`: its numbers and its names (capitalized words
+    other than pronouns and sentence openers), as written."""
+    names = {_POSSESSIVE.sub("", w) for w in _WORD.findall(text) if w[0].isupper()}
+    return set(_NUMBER.findall(text)) | {w for w in names - _NOT_NAMES if len(w) > 1}
+
+
+def missing_facts(summary: str, required: set[str]) -> list[str]:
+    """The facts in `required` that `summary` does not state (case-insensitive, whole words)."""
+    words = _WORD.findall(summary)
+    have = {w.lower() for w in words} | {_POSSESSIVE.sub("", w).lower() for w in words}
+    have |= set(_NUMBER.findall(summary))
+    return sorted(f for f in required if (f if f[0].isdigit() else f.lower()) not in have)
+
+
+def summary_defect(
+    summary: str, previous_summary: str | None, dropped: Sequence[tuple[str, str]]
+) -> str | None:
+    """Why a generated summary of `dropped` (role, content) pairs, folded into the previous
+    summary, must not replace them; None when it may."""
+    if not summary.strip():
+        return "empty"
+    if _ROLE_LINE.search(summary):
+        return "copies the transcript"
+    words = _WORD.findall(summary.lower())
+    transcript = " ".join(_WORD.findall(" ".join(c for _, c in dropped).lower()))
+    grams = _ngrams(words, COPY_NGRAM)
+    if grams and sum(g in transcript for g in grams) >= COPY_SHARE * len(grams):
+        return "copies the transcript"
+    grams = _ngrams(words, REPEAT_NGRAM)
+    if len(grams) >= 4 and len(set(grams)) < REPEAT_DISTINCT * len(grams):
+        return "repeats itself"
+    required = facts(previous_summary or "")
+    for role, content in dropped:
+        if role == "user":
+            required |= facts(content)
+    missing = missing_facts(summary, required)
+    if missing:
+        return "leaves out " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+    return None
+
+
+def _ngrams(words: list[str], n: int) -> list[str]:
+    return [" ".join(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def extract_lines(role: str, content: str) -> list[str]:
+    """What the extracted summary keeps of one dropped message: a user message's sentences
+    (nothing of the assistant's replies or tool results)."""
+    return sentences(content) if role == "user" else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvchat.history import (
@@ -26,9 +26,16 @@ from kvchat.history import (
     HistoryMessage,
     HistoryPolicy,
     SummaryState,
+    end_at_sentence,
+    extract_lines,
+    facts,
+    merge_summary,
+    sentences,
     summarization_messages,
+    summary_defect,
     summary_max_new_tokens,
     tool_cap_split,
+    with_period,
 )
 
 from .chat_template import ChatMessage, ChatTemplate, MessageKey, message_key
@@ -36,7 +43,17 @@ from .segment_renderer import SegmentRenderer
 from .tokenizer import Tokenizer
 
 SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
+EXTRACT_PREFIX = "The user said: "  # a line of an extracted summary: one dropped user message
 Tools = Sequence[Mapping[str, Any]] | None  # OpenAI tool objects offered to the template
+
+
+@dataclass(frozen=True)
+class SettledSummary:
+    """The running summary that replaces the previous one, and how it was made."""
+
+    state: SummaryState
+    extracted: bool  # the dropped user messages' sentences, not the generated text
+    defect: str | None  # why the generated text was not kept (None: it was, or none was made)
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,72 @@ class ContextBuilder:
         markup = self._summary_state(system, "", ()).num_tokens
         return summary_max_new_tokens(policy, max_context_tokens, markup)
 
+    def settle_summary(
+        self,
+        system: str | None,
+        previous: SummaryState | None,
+        newly: Sequence[tuple[str, ChatMessage]],
+        generated: str | None,
+        cut_by_length: bool,
+        max_num_tokens: int,
+        earlier: Sequence[tuple[str, ChatMessage]] | None = None,
+    ) -> SettledSummary | None:
+        """The running summary that replaces `previous` and the newly dropped `(id, message)`
+        pairs, oldest first, within `max_num_tokens` as placed (history.summaries says what
+        one must keep): the `generated` text (None: none was made) when it passes
+        summary_defect, ended at its last whole sentence if `cut_by_length` or cut to fit;
+        otherwise extracted, covering the dropped messages, oldest first, whose facts fit.
+        `earlier`, the messages `previous` covers: when the previous summary's facts no longer
+        fit (the budget was lowered), the extract starts afresh from them. None when not one
+        more message can be covered."""
+        if not newly:
+            raise ValueError("a running summary needs newly dropped messages")
+        ids = [message_id for message_id, _ in newly]
+        pairs = [(m.role, self._text(m)) for _, m in newly]
+        before = previous.text if previous is not None else None
+        defect = None
+        if generated is not None:
+            text = end_at_sentence(generated) if cut_by_length else with_period(generated)
+            measured = self.summary_state(system, text, (), max_num_tokens=max_num_tokens)
+            if measured.text != text:  # cut to fit: end it at a sentence again
+                measured = self._summary_state(system, end_at_sentence(measured.text), ())
+            defect = summary_defect(measured.text, before, pairs)
+            if defect is None:
+                state = merge_summary(previous, measured.text, measured.num_tokens, ids)
+                return SettledSummary(state, extracted=False, defect=None)
+        # The extract: the previous summary's lines, then one line per dropped user message.
+        # When a line does not fit, sentences that state no fact make room (_make_room).
+        lines = [_line(text) for text in before.split("\n")] if before else []
+        size = self._summary_state(system, _render(lines), ()).num_tokens
+        while size > max_num_tokens and _make_room(lines):
+            size = self._summary_state(system, _render(lines), ()).num_tokens
+        if size > max_num_tokens:  # its facts alone no longer fit: the budget was lowered
+            if previous is None or earlier is None:
+                return None
+            if [i for i, _ in earlier] != list(previous.covers):
+                raise ValueError("earlier must be the messages the previous summary covers")
+            fresh = self.settle_summary(system, None, [*earlier, *newly], None, False,
+                                        max_num_tokens)  # fmt: skip
+            return replace(fresh, defect=defect) if fresh is not None else None
+        covered: list[str] = []
+        for message_id, (role, content) in zip(ids, pairs):
+            kept = extract_lines(role, content)
+            if kept:
+                candidate = [(p, list(said)) for p, said in lines] + [(EXTRACT_PREFIX, kept)]
+                size = self._summary_state(system, _render(candidate), ()).num_tokens
+                while size > max_num_tokens and _make_room(candidate):
+                    size = self._summary_state(system, _render(candidate), ()).num_tokens
+                if size > max_num_tokens:
+                    break  # its facts do not fit: the summary covers what came before
+                lines = candidate
+            covered.append(message_id)
+        if not covered:
+            return None
+        text = _render(lines)
+        num_tokens = self._summary_state(system, text, ()).num_tokens
+        state = merge_summary(previous, text, num_tokens, covered)
+        return SettledSummary(state, extracted=True, defect=defect)
+
     def _summary_state(self, system: str | None, text: str, covers: Sequence[str]) -> SummaryState:
         head = [ChatMessage("system", system)] if system else []
         summary = ChatMessage("system", SUMMARY_PREFIX + text)
@@ -260,3 +343,27 @@ def history_message(message_id: str, message: ChatMessage, counts: MessageCounts
         tool_call_ids=call_ids if message.role == "assistant" else (),
         tool_call_id=message.tool_call_id if message.role == "tool" else None,
     )
+
+
+Line = tuple[str, list[str]]  # a line of an extracted summary: its prefix and its sentences
+
+
+def _line(text: str) -> Line:
+    prefix = EXTRACT_PREFIX if text.startswith(EXTRACT_PREFIX) else ""
+    return prefix, sentences(text[len(prefix) :])
+
+
+def _render(lines: Sequence[Line]) -> str:
+    return "\n".join(prefix + " ".join(said) for prefix, said in lines if said)
+
+
+def _make_room(lines: list[Line]) -> bool:
+    """Drop the oldest question that states no fact, else the oldest such statement (what was
+    asked was answered; what was stated may matter later). False: every sentence states one."""
+    for wanted in (True, False):
+        for _, said in lines:
+            for i, sentence in enumerate(said):
+                if sentence.endswith("?") == wanted and not facts(sentence):
+                    del said[i]
+                    return True
+    return False

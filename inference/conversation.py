@@ -22,7 +22,6 @@ from kvchat.history import (
     HistoryPolicy,
     SummaryState,
     context_budget,
-    merge_summary,
     summary_targets,
 )
 from kvchat.memory.stats import HistoryStats
@@ -68,7 +67,9 @@ class Conversation:
     summary: SummaryState | None = None
     pending_summary: _PendingSummary | None = None
     summaries: list[SummaryState] = field(default_factory=list)  # every summary made, in order
+    summary_defects: list[str | None] = field(default_factory=list)  # why each was extracted
     summary_params: SamplingParams | None = None  # default: greedy, within the summary's share
+    summarizer: str = "model"  # or "extractive": nothing generated (history.SUMMARIZERS)
     # What history planning did for this conversation (the service keeps these per session
     # in app.ops.history_counters; the engine counts none).
     history_stats: HistoryStats = field(default_factory=HistoryStats)
@@ -151,6 +152,9 @@ class Conversation:
                                                      self.max_context_tokens)  # fmt: skip
         if max_tokens < 1:
             return False  # the budget leaves no room for a summary
+        if self.summarizer == "extractive":
+            self._settle(newly, None, cut_by_length=False, num_generated=0)
+            return True
         text = previous.text if previous is not None else None
         prompt = self.builder.summarization_prompt(text, [self.messages[i] for i in newly])
         request_id = f"{self.session_id}-summary{next(_ids)}"
@@ -172,20 +176,33 @@ class Conversation:
         if output.finished:
             self.pending_summary = None
             if output.finish_reason in ("stop", "length") and output.text is not None:
-                share = self.policy.summary_share_tokens(self.max_context_tokens)
-                measured = self.builder.summary_state(self.system, output.text.strip(), (),
-                                                      max_num_tokens=share)  # fmt: skip
-                self.summary = merge_summary(
-                    self.summary, measured.text, measured.num_tokens, pending.covers
-                )
-                self.summaries.append(self.summary)
-                self.history_stats.add(
-                    HistoryStats(
-                        summaries=1,
-                        summary_tokens=output.num_output_tokens,
-                    )
-                )
+                self._settle(pending.covers, output.text, output.finish_reason == "length",
+                             output.num_output_tokens)  # fmt: skip
         return True
+
+    def _settle(
+        self, newly: tuple[str, ...], text: str | None, cut_by_length: bool, num_generated: int
+    ) -> None:
+        """Replace the running summary (history.summaries: the generated text if it keeps what
+        it covers, else the extract)."""
+        share = self.policy.summary_share_tokens(self.max_context_tokens)
+        settled = self.builder.settle_summary(self.system, self.summary,
+                                              [(i, self.messages[i]) for i in newly],
+                                              text, cut_by_length, share,
+                                              [(i, self.messages[i]) for i in self.summary.covers]
+                                              if self.summary is not None else None)  # fmt: skip
+        if settled is None:
+            return  # not one more message fits the summary's share
+        self.summary = settled.state
+        self.summaries.append(self.summary)
+        self.summary_defects.append(settled.defect)
+        self.history_stats.add(
+            HistoryStats(
+                summaries=1,
+                summary_tokens=num_generated,
+                summaries_extracted=int(settled.extracted),
+            )
+        )
 
     def turn(
         self,

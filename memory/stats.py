@@ -87,15 +87,18 @@ class HistoryStats:
     counts them: app.ops.history_counters).
 
     trims: trim events (the prompt's first kept message moved); dropped_tokens: prompt tokens
-    those events removed; summaries / summary_tokens: running summaries generated and their
-    generated tokens; tool_results_capped: tool results cut to their cap in a prompt (counted
-    per turn); window_turns: turns that ran in sink + window mode.
+    those events removed; summaries / summary_tokens: running summaries made and the tokens
+    generated for them; summaries_extracted: those extracted from the dropped user messages
+    instead (no generation, or a generated one failed its checks); tool_results_capped: tool
+    results cut to their cap in a prompt (counted per turn); window_turns: turns that ran in sink +
+    window mode.
     """
 
     trims: int = 0
     dropped_tokens: int = 0
     summaries: int = 0
     summary_tokens: int = 0
+    summaries_extracted: int = 0
     tool_results_capped: int = 0
     window_turns: int = 0
 

@@ -247,7 +247,13 @@ class EngineCollector(Collector):
         yield counter(
             "history_dropped_tokens", "Prompt tokens dropped by trims.", history.dropped_tokens
         )
-        yield counter("history_summaries", "Running summaries generated.", history.summaries)
+        yield counter("history_summaries", "Running summaries made.", history.summaries)
+        yield counter(
+            "history_summaries_extracted",
+            "Running summaries extracted from the dropped user messages (no generation, or "
+            "the generated one lost facts, copied the transcript or repeated itself).",
+            history.summaries_extracted,
+        )
         yield counter(
             "history_window_turns", "Turns run in sink + window mode.", history.window_turns
         )

@@ -34,7 +34,6 @@ from kvchat.history import (
     HistoryPolicy,
     HistoryPolicyError,
     SummaryState,
-    merge_summary,
     summary_targets,
 )
 from kvchat.history import context_budget as resolve_context_budget
@@ -381,6 +380,9 @@ def _counts(m: MessageRecord) -> MessageCounts:
     return MessageCounts(m.num_tokens or 0, m.content_tokens or 0)
 
 
+MAX_UNSUMMARIZED = 4096  # conversations whose last summary job could not make one, remembered
+
+
 def summary_job(
     state: AppState,
     conv: ConversationRecord,
@@ -397,13 +399,16 @@ def summary_job(
     by_id = {m.id: c for m, c in zip(branch, chat)}
     if not newly or any(i not in by_id for i in newly):
         return None
+    inputs = (previous.covers if previous is not None else (), tuple(newly))
+    if state.turns.unsummarized.get(conv.id) == inputs:
+        return None  # the same inputs made no summary last time (none would fit its share)
 
     async def job() -> None:
         held = await state.turns.locks.acquire(f"summary:{conv.id}", purpose="summary")
         if not isinstance(held, HeldLock):
             return  # a summary of this conversation is already being made
         try:
-            await summarize(state, conv, policy, previous, list(newly), [by_id[i] for i in newly])
+            await summarize(state, conv, policy, previous, list(newly), by_id)
         except Exception:
             log.exception("summary of %s failed", conv.id)
         finally:
@@ -418,13 +423,14 @@ async def summarize(
     policy: HistoryPolicy,
     previous: SummaryState | None,
     newly: list[str],
-    messages: list[ChatMessage],
+    by_id: dict[str, ChatMessage],
 ) -> None:
+    """Fold the newly dropped messages (and the previous summary) into a new running summary
+    and store it (history.summaries: the model's, if it keeps what it covers, else the
+    extract); `by_id` holds the branch's messages."""
+    messages = [by_id[i] for i in newly]
     runtime = state.runtime
     builder = runtime.builder
-    prompt = await runtime.run_cpu(
-        builder.summarization_prompt, previous.text if previous else None, messages
-    )
     # Within its share of the budget, so the summary that lands fits beside the next turns.
     budget = context_budget(state, conv)
     max_tokens = await runtime.run_cpu(
@@ -432,24 +438,44 @@ async def summarize(
     )
     if max_tokens < 1:
         return  # the budget leaves no room for a summary
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    text, num_generated = "", 0
-    async for out in runtime.async_engine.generate(
-        f"summary-{uuid.uuid4().hex}",
-        runtime.engine.check_request(prompt, params),
-        cache_salt=conv.owner,
-        priority=PRIORITY_LOW,
-    ):
-        if out.finished:
-            text, num_generated = (out.text or "").strip(), out.num_output_tokens
-    measured = await runtime.run_cpu(
-        builder.summary_state,
+    generated: str | None = None
+    cut_by_length, num_generated = False, 0
+    if state.settings.summarizer == "model":
+        prompt = await runtime.run_cpu(
+            builder.summarization_prompt, previous.text if previous else None, messages
+        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for out in runtime.async_engine.generate(
+            f"summary-{uuid.uuid4().hex}",
+            runtime.engine.check_request(prompt, params),
+            cache_salt=conv.owner,
+            priority=PRIORITY_LOW,
+        ):
+            if out.finished:
+                generated, num_generated = out.text or "", out.num_output_tokens
+                cut_by_length = out.finish_reason == "length"
+    covers = previous.covers if previous is not None else ()
+    earlier = [(i, by_id[i]) for i in covers] if all(i in by_id for i in covers) else None
+    settled = await runtime.run_cpu(
+        builder.settle_summary,
         conv.system_prompt,
-        text,
-        (),
-        max_num_tokens=policy.summary_share_tokens(budget),
+        previous,
+        list(zip(newly, messages)),
+        generated,
+        cut_by_length,
+        policy.summary_share_tokens(budget),
+        earlier,
     )
-    merged = merge_summary(previous, measured.text, measured.num_tokens, newly)
+    unsummarized = state.turns.unsummarized
+    unsummarized.pop(conv.id, None)
+    if settled is None:  # not one more message fits the summary's share
+        unsummarized[conv.id] = (covers, tuple(newly))
+        while len(unsummarized) > MAX_UNSUMMARIZED:
+            unsummarized.popitem(last=False)
+        return
+    if settled.defect is not None:
+        log.info("summary of %s extracted: the generated one %s", conv.id, settled.defect)
+    merged = settled.state
     try:
         await state.store.add_summary(
             conv.id, text=merged.text, num_tokens=merged.num_tokens, covers=list(merged.covers)
@@ -457,4 +483,11 @@ async def summarize(
     except LookupError:  # deleted while its summary was being made: nothing left to keep
         log.debug("summary of %s dropped: the conversation was deleted", conv.id)
         return
-    runtime.history.record(conv.id, HistoryStats(summaries=1, summary_tokens=num_generated))
+    runtime.history.record(
+        conv.id,
+        HistoryStats(
+            summaries=1,
+            summary_tokens=num_generated,
+            summaries_extracted=int(settled.extracted),
+        ),
+    )

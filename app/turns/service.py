@@ -110,6 +110,9 @@ class TurnService:
         # Reply id -> the latest turns that ended here, newest last: a client resuming one
         # gets its events as they were published, not the stored reply's summary of them.
         self._recent: OrderedDict[str, Turn] = OrderedDict()
+        # Conversation id -> the (covered, newly dropped) ids its last summary job could not
+        # fold into a summary: the same job is not run again until a trim changes them.
+        self.unsummarized: OrderedDict[str, tuple[tuple[str, ...], tuple[str, ...]]] = OrderedDict()
 
     # -- lookups ---------------------------------------------------------------------------------
 

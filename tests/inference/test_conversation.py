@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.history import HistoryPolicy
-from kvchat.inference.chat_template import load_chat_template
+from kvchat.history import (
+    HistoryPolicy,
+    SummaryState,
+    end_at_sentence,
+    facts,
+    missing_facts,
+)
+from kvchat.inference.chat_template import ChatMessage, load_chat_template
 from kvchat.inference.context_builder import SUMMARY_PREFIX, ContextBuilder
 from kvchat.inference.conversation import Conversation, TurnResult
 from kvchat.inference.engine import Engine
@@ -236,6 +242,139 @@ def test_summaries_are_made_within_their_share_of_the_budget(dev_model: Path) ->
             assert request.params.max_tokens < conv.policy.max_summary_tokens
         if conv.pending_summary is None:
             break
-    # (Greedy, random weights write blank lines: what lands is the markup alone.)
+    # (Greedy, random weights write blank lines: what lands is the extract.)
     assert conv.summary is not None and conv.summary.covers == pending.covers
     assert conv.summary.num_tokens <= BUDGET // 4
+
+
+# -- running summaries keep what they claim to cover --------------------------------------------
+
+
+def chat(*pairs: tuple[str, str]) -> list[tuple[str, ChatMessage]]:
+    return [(f"m{i}", ChatMessage(role, content)) for i, (role, content) in enumerate(pairs)]
+
+
+FACTS = chat(
+    ("user", "My name is Ada Lovelace and I work as a nurse in Lyon."),
+    ("assistant", "Nice to meet you, Ada."),
+    ("user", "Since 2019. My friend Bruno lives in Porto."),
+    ("assistant", "Porto is a lovely city."),
+)
+
+
+def covered_facts_missing(summary: SummaryState, messages: dict[str, ChatMessage]) -> list[str]:
+    """The facts of the covered user messages that the summary's text does not state."""
+    required = set().union(
+        *(facts(messages[i].content or "") for i in summary.covers if messages[i].role == "user")
+    )
+    return missing_facts(summary.text, required)
+
+
+def test_a_generated_summary_is_kept_only_when_it_keeps_the_facts(dev_model: Path) -> None:
+    builder = conversation(make_engine(dev_model), HistoryPolicy(policy="summarize")).builder
+    system = "You are a terse assistant."
+    good = "Ada Lovelace is a nurse in Lyon since 2019; her friend Bruno lives in Porto."
+    settled = builder.settle_summary(system, None, FACTS, good, False, 64)
+    assert settled is not None and not settled.extracted and settled.defect is None
+    assert settled.state.text == good and settled.state.covers == ("m0", "m1", "m2", "m3")
+    assert settled.state.num_tokens == builder.summary_state(system, good, ()).num_tokens
+    # Cut by its token limit: ended at its last whole sentence (which still keeps every fact).
+    cut = builder.settle_summary(system, None, FACTS, good + " She asked about the", True, 64)
+    assert cut is not None and cut.state.text == good and not cut.extracted
+    # Ended early by the limit, the facts after the cut are lost: the summary is extracted.
+    early = "Ada Lovelace is a nurse in Lyon. Her friend Bru"
+    extracted = builder.settle_summary(system, None, FACTS, early, True, 64)
+    assert extracted is not None and extracted.extracted
+    assert extracted.defect == "leaves out 2019, Bruno, Porto"
+    assert extracted.state.text == (
+        "The user said: My name is Ada Lovelace and I work as a nurse in Lyon.\n"
+        "The user said: Since 2019. My friend Bruno lives in Porto."
+    )
+    assert extracted.state.covers == ("m0", "m1", "m2", "m3")
+    # The extract folds the previous summary in first, and covers what follows it.
+    previous = SummaryState("The user is 41.", 9, ("p0", "p1"))
+    more = builder.settle_summary(system, previous, FACTS[2:], None, False, 64)
+    assert more is not None and more.extracted and more.defect is None
+    assert (
+        more.state.text
+        == "The user is 41.\nThe user said: Since 2019. My friend Bruno lives in Porto."
+    )
+    assert more.state.covers == ("p0", "p1", "m2", "m3")
+
+
+def test_an_extract_covers_only_the_messages_whose_facts_it_holds(dev_model: Path) -> None:
+    builder = conversation(make_engine(dev_model), HistoryPolicy(policy="summarize")).builder
+    system = "You are a terse assistant."
+    first = builder.summary_state(system, "The user said: " + FACTS[0][1].content, ())
+    # Room for the first message's line alone: the summary covers it (and the reply after
+    # it) and stops before the message whose facts would not fit.
+    settled = builder.settle_summary(system, None, FACTS, None, False, first.num_tokens + 2)
+    assert settled is not None and settled.state.covers == ("m0", "m1")
+    assert settled.state.num_tokens <= first.num_tokens + 2
+    messages = dict(FACTS)
+    assert covered_facts_missing(settled.state, messages) == []
+    assert "Bruno" not in settled.state.text
+    # A long message whose facts fit: its other sentences are left out, its facts kept.
+    chatty = chat(
+        ("user", "I grew up by the sea. " * 6 + "My sister Ines was born in 1987."),
+    )
+    room = builder.summary_state(system, "The user said: My sister Ines was born in 1987.", ())
+    short = builder.settle_summary(system, None, chatty, None, False, room.num_tokens)
+    assert (
+        short is not None and short.state.text == "The user said: My sister Ines was born in 1987."
+    )
+    # Room is made by questions first (they were answered), then by other sentences that
+    # state no fact, oldest first; the facts stay.
+    previous = SummaryState("The user said: I work as a nurse. What is a good book?", 0, ("p0",))
+    line = "The user said: My friend Bruno lives in Porto."
+    text = "The user said: I work as a nurse.\n" + line
+    fits = builder.summary_state(system, text, ()).num_tokens
+    friend = chat(("user", "My friend Bruno lives in Porto."))
+    made = builder.settle_summary(system, previous, friend, None, False, fits)
+    assert made is not None and made.state.text == text
+    made = builder.settle_summary(system, previous, friend, None, False, fits - 3)
+    assert made is not None and made.state.text == line and made.state.covers == ("p0", "m0")
+    # Nothing fits: no summary (the one before stays, and covers no more than it holds).
+    assert builder.settle_summary(system, None, FACTS, None, False, 8) is None
+
+
+@pytest.mark.parametrize("summarizer", ["model", "extractive"])
+def test_every_running_summary_holds_the_facts_it_claims_to_cover(
+    dev_model: Path, summarizer: str
+) -> None:
+    engine = make_engine(dev_model)
+    conv = conversation(engine, HistoryPolicy(policy="summarize", max_summary_tokens=24))
+    conv.summarizer = summarizer
+    rng = random.Random(5)
+    people = ["Ada", "Bruno", "Carmen", "Dmitri", "Esther", "Farid", "Greta", "Hugo"]
+    for turn in range(36):
+        if turn % 4 == 0:  # a fact every fourth turn, the rest filler
+            person = people[turn // 4 % len(people)]
+            text = f"My friend {person} turned {20 + turn} last week."
+        else:
+            text = user_text(rng)
+        conv.turn(text, REPLY)
+        if len(conv.summaries) >= 4:
+            break
+    while conv.pending_summary is not None:
+        for out in engine.step():
+            conv.on_output(out)
+    assert len(conv.summaries) >= 3, "too few summaries were made"
+    covered: tuple[str, ...] = ()
+    for summary in conv.summaries:
+        # Each one extends the one before and covers a prefix of the branch ...
+        assert summary.covers[: len(covered)] == covered
+        assert summary.covers == tuple(conv.order[: len(summary.covers)])
+        covered = summary.covers
+        # ... states every fact of the user messages it covers, and ends a whole sentence.
+        assert covered_facts_missing(summary, conv.messages) == []
+        assert end_at_sentence(summary.text) == summary.text
+        assert summary.num_tokens <= BUDGET // 4
+    assert any("turned" in s.text for s in conv.summaries)
+    # Random weights write no summary worth keeping: every one is extracted, and says why.
+    assert conv.history_stats.summaries_extracted == len(conv.summaries)
+    if summarizer == "extractive":
+        assert conv.summary_defects == [None] * len(conv.summaries)
+        assert conv.history_stats.summary_tokens == 0
+    else:
+        assert all(d is not None for d in conv.summary_defects)
