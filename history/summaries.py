@@ -173,6 +173,19 @@ def facts(text: str) -> set[str]:
     return set(_NUMBER.findall(text)) | {w for w in names - _NOT_NAMES if len(w) > 1}
 
 
+def stated_facts(text: str) -> set[str]:
+    """The facts a generated summary is held to: `facts`, less the capitalized words that open
+    a sentence and are not written capitalized mid-sentence anywhere in `text` ("Tell me about
+    Rome." states Rome, not Tell)."""
+    found = facts(text)
+    openers, inside = set(), set()
+    for sentence in sentences(text):
+        words = [_POSSESSIVE.sub("", w) for w in _WORD.findall(sentence)]
+        openers.update(words[:1])
+        inside.update(words[1:])
+    return found - (openers - inside)
+
+
 def missing_facts(summary: str, required: set[str]) -> list[str]:
     """The facts in `required` that `summary` does not state (case-insensitive, whole words)."""
     words = _WORD.findall(summary)
@@ -198,10 +211,10 @@ def summary_defect(
     grams = _ngrams(words, REPEAT_NGRAM)
     if len(grams) >= 4 and len(set(grams)) < REPEAT_DISTINCT * len(grams):
         return "repeats itself"
-    required = facts(previous_summary or "")
+    required = stated_facts(previous_summary or "")
     for role, content in dropped:
         if role == "user":
-            required |= facts(content)
+            required |= stated_facts(content)
     missing = missing_facts(summary, required)
     if missing:
         return "leaves out " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

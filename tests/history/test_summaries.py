@@ -89,6 +89,14 @@ def test_a_generated_summary_that_does_not_keep_what_it_covers_is_refused(
     assert summary_defect(summary, previous, DROPPED) == defect
 
 
+def test_a_word_that_only_opens_a_sentence_is_not_a_fact_a_summary_must_keep() -> None:
+    dropped = [("user", "Tell me about Rome. Rome is old. Give me three tips, Tell.")]
+    assert summary_defect("The user asked about Rome.", None, dropped) == "leaves out Tell"
+    # The price: a name that only ever opens a sentence is not held either.
+    dropped = [("user", "Tell me about Rome. Lyon is where I live.")]
+    assert summary_defect("The user asked about Rome.", None, dropped) is None
+
+
 def test_only_the_users_facts_are_required() -> None:
     # What the assistant said is the model's own words: a summary need not keep its names.
     dropped = [("user", "I live in Lyon."), ("assistant", "Lyon is lovely, says Paul Bocuse.")]
