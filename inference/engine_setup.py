@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvchat.kernels import AttentionOps
+from kvchat.kernels.quant import KEY_ROTATION_SEED
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_cache import KVCache
 from kvchat.memory.kv_cache_manager import KVState
@@ -33,6 +34,7 @@ def kv_spec_for(model_config: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
         block_size=cache.block_size,
         model_dtype=dtype,
         kv_cache_dtype=cache.kv_cache_dtype,
+        rotate_keys=cache.rotate_keys,
     )
 
 
@@ -98,6 +100,9 @@ def open_kv_store(
     if not cache.kv_store_dir or cache.kv_store_bytes <= 0:
         return None
     kv_shape, scales_shape = kv.block_byte_shapes()
+    layout: dict[str, object] = {}
+    if spec.keys_rotated:  # keys turned by kernels.quant.key_rotation (its seed) when stored
+        layout["key_rotation"] = KEY_ROTATION_SEED
     fingerprint = store_fingerprint(
         weights_fingerprint(model_dir),
         {
@@ -108,6 +113,7 @@ def open_kv_store(
             "kv_shape": kv_shape,
             "scales_shape": scales_shape,
             "format": 2,  # 2: every file carries its block hash and a checksum
+            **layout,
         },
     )
     return KVStore(cache.kv_store_dir, fingerprint, cache.kv_store_bytes, kv_shape, scales_shape)

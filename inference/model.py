@@ -131,7 +131,10 @@ class DecoderLayer:
         meta: AttentionMetadata,
         kv_views: LayerKV,
         ops: AttentionOps,
+        key_rotation: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One decoder layer over the step's tokens. `key_rotation`: the cache stores keys
+        turned by it (kernels.quant.key_rotation); queries are turned alike, so q·k holds."""
         c = self.config
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
@@ -149,13 +152,15 @@ class DecoderLayer:
                 c.num_kv_heads,
                 key_scales,
             )
-            if ops.rotary_cache_write is not None
+            if ops.rotary_cache_write is not None and key_rotation is None
             else None
         )
         if q is None:
             # q and k heads side by side: one rotation for both. [T, Hq + Hkv, D]
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
             qk = apply_rotary(qk, cos, sin)
+            if key_rotation is not None:  # in float32: a half type would round what it turns
+                qk = (qk.float() @ key_rotation).to(qk.dtype)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             ops.write_kv_cache(
@@ -261,8 +266,9 @@ class LlamaModel:
         """-> hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.tables(positions)
+        turn = kv_cache.key_rotation
         for layer, kv_views in zip(self.layers, self._layer_views(kv_cache)):
-            x = layer.forward(x, cos, sin, meta, kv_views, ops)
+            x = layer.forward(x, cos, sin, meta, kv_views, ops, turn)
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
 
     def _layer_views(self, kv_cache: KVCache) -> list[LayerKV]:

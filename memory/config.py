@@ -46,6 +46,9 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    # A quantized cache stores keys turned by an orthogonal matrix (kernels.quant.key_rotation),
+    # which spreads their outlier channels before quantization; False stores them as they are.
+    rotate_keys: bool = True
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_blocks_override: int | None = None

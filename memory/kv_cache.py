@@ -3,7 +3,8 @@
 Layout: one tensor for all layers,
     kv:     [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
     scales: [num_layers, 2, num_blocks, block_size, num_kv_heads] float32 (int8 / fp8 only)
-so a block's whole KV (every layer) moves with one index along dim 2.
+so a block's whole KV (every layer) moves with one index along dim 2. A quantized cache holds
+keys turned by `key_rotation` (kernels.quant), and the model turns queries to match.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from kvchat.kernels.quant import key_rotation
 
 from .kv_spec import SCALE_BYTES, KVCacheSpec
 
@@ -28,6 +31,10 @@ class KVCache:
     ) -> None:
         self.spec = spec
         self.device = device
+        # What keys are turned by before they are stored, queries before attention (None:
+        # keys as they are).
+        rotation = key_rotation(spec.head_dim) if spec.keys_rotated else None
+        self.key_rotation = rotation.to(device) if rotation is not None else None
         self.kv, self.scales = self._allocate(num_blocks, device, pin=False)
         self.host_kv, self.host_scales = self._allocate(
             num_host_blocks, torch.device("cpu"), pin=device.type == "cuda"

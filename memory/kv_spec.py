@@ -34,6 +34,7 @@ class KVCacheSpec:
     block_size: int
     model_dtype: torch.dtype
     kv_cache_dtype: str = "auto"
+    rotate_keys: bool = True  # quantized caches store keys turned (kernels.quant.key_rotation)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -45,6 +46,13 @@ class KVCacheSpec:
     @property
     def is_quantized(self) -> bool:
         return self.kv_cache_dtype != "auto"
+
+    @property
+    def keys_rotated(self) -> bool:
+        """Keys are stored turned by kernels.quant.key_rotation: a quantized cache, unless
+        turned off, with a power-of-two head_dim."""
+        d = self.head_dim
+        return self.is_quantized and self.rotate_keys and d > 0 and d & (d - 1) == 0
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvchat.kernels.cache_write import write_kv_cache, write_kv_cache_ref
-from kvchat.kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
+from kvchat.kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized, key_rotation
 
 
 def _poison_value(dtype: torch.dtype) -> float:
@@ -256,3 +256,23 @@ def test_write_rejects_bad_arguments(change, message: str) -> None:
     change(args)
     with pytest.raises(ValueError, match=message):
         write_kv_cache(**args)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_the_key_rotation_is_orthogonal_fixed_and_spreads_an_outlier(head_dim: int) -> None:
+    r = key_rotation(head_dim)
+    assert r is not None and r.shape == (head_dim, head_dim) and r.dtype == torch.float32
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim), rtol=0, atol=1e-6)
+    assert torch.equal(r, key_rotation(head_dim))  # the stored format: the same every time
+    assert torch.equal(r.abs(), torch.full_like(r, head_dim**-0.5))
+    # A key whose one channel dwarfs the rest comes out with every channel alike.
+    k = torch.zeros(head_dim)
+    k[3] = 10.0
+    assert torch.allclose((k @ r).abs(), torch.full((head_dim,), 10.0 * head_dim**-0.5))
+    # q·k is kept.
+    q, k = torch.randn(2, head_dim, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose((q @ r) @ (k @ r), q @ k, atol=1e-5)
+
+
+def test_no_key_rotation_where_head_dim_is_not_a_power_of_two() -> None:
+    assert key_rotation(80) is None and key_rotation(96) is None

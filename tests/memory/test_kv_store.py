@@ -240,3 +240,27 @@ def test_a_store_of_another_kv_dtype_is_not_used(
     out = turn(quantized, "t2", p1 + [5, 6, 7], session="conv")
     assert out.num_cached_tokens == 0
     quantized.close_kv_store()
+
+
+def test_a_store_of_turned_keys_is_not_used_by_a_cache_storing_them_plain(
+    tiny_llama: tuple[Path, Any], tmp_path: Path
+) -> None:
+    # int8 blocks written with keys turned (kernels.quant.key_rotation) would read as garbage
+    # in a cache that stores keys as they are: the two are different stores.
+    path, _ = tiny_llama
+    turned = stored_engine(path, tmp_path, kv_cache_dtype="int8")
+    p1 = random_prompt(3 * BLOCK, seed=42)
+    turn(turned, "t1", p1, session="conv")
+    turned.close_kv_store()
+    plain = stored_engine(path, tmp_path, kv_cache_dtype="int8", rotate_keys=False)
+    assert plain.kv_store is not None and turned.kv_store is not None
+    assert plain.kv_store.dir != turned.kv_store.dir
+    assert turn(plain, "t2", p1 + [5, 6, 7], session="conv").num_cached_tokens == 0
+    plain.close_kv_store()
+    # An unquantized cache has no keys to turn: its store is the same either way.
+    auto = stored_engine(path, tmp_path)
+    also = stored_engine(path, tmp_path, rotate_keys=False)
+    assert auto.kv_store is not None and also.kv_store is not None
+    assert auto.kv_store.dir == also.kv_store.dir
+    auto.close_kv_store()
+    also.close_kv_store()
