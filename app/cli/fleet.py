@@ -128,6 +128,9 @@ def fleet_cmd(
         fail(str(e))
     fleet = Fleet(config)
     signal.signal(signal.SIGTERM, _interrupt)
+    # Explicitly, as uvicorn does for each replica: a shell without job control starts a
+    # background command with SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _interrupt)
     typer.echo(f"kvchat fleet: starting {replicas} replicas of {model.name} (logs in {run_dir}/)")
     try:
         fleet.start()

@@ -157,6 +157,16 @@ def test_kvchat_fleet_refuses_what_cannot_run(
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
+# Runs the command after it with SIGINT ignored, as a shell without job control starts
+# `kvchat fleet &` (an exec keeps an ignored signal ignored): SIGINT must stop it all the same.
+WITH_SIGINT_IGNORED = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -173,6 +183,7 @@ def test_kvchat_fleet_starts_a_fleet_an_openai_client_chats_through(
     port, stats = free_port(), free_port()
     process = subprocess.Popen(
         [
+            *WITH_SIGINT_IGNORED,
             sys.executable,
             "-P",
             "-m",
