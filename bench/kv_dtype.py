@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.kv_quality import run
 from kvchat.inference.engine import Engine
 from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
 from kvchat.memory.config import CacheConfig
 
 PROMPTS = [
@@ -33,34 +32,6 @@ PROMPTS = [
     "Paged attention stores the key and value cache in fixed-size blocks so that",
     "Once upon a time, in a village at the edge of a great forest, there lived",
 ]
-
-
-class ForcingSampler:
-    """Records the logits the engine produces and answers with given tokens (teacher forcing);
-    when no tokens are given it runs the real sampler."""
-
-    def __init__(self, sampler: Any, forced: list[int] | None = None) -> None:
-        self.sampler = sampler
-        self.forced = forced
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor, params: Any, generators: Any, **kwargs: Any) -> Any:
-        self.logits.append(logits[0].detach().float().clone())
-        out = self.sampler(logits, params, generators, **kwargs)
-        if self.forced is not None:
-            out.token_ids[0] = self.forced[len(self.logits) - 1]
-        return out
-
-
-def run(
-    engine: Engine, prompt: list[int], new_tokens: int, forced: list[int] | None
-) -> tuple[list[int], list[torch.Tensor]]:
-    sampler = ForcingSampler(engine.sampler, forced)
-    engine.sampler = sampler  # type: ignore[assignment]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    out = engine.generate([prompt], params)[0]
-    engine.sampler = sampler.sampler
-    return out.output_token_ids or [], sampler.logits
 
 
 def main() -> None:
@@ -94,18 +65,19 @@ def main() -> None:
     free_prefix: dict[str, list[int]] = {"int8": [], "fp8": []}
     with tqdm(total=len(prompts) * 5, desc="runs", unit="run") as bar:
         for prompt in prompts:
-            tokens, logits = run(engines["auto"], prompt, args.new_tokens, None)
+            ref = run(engines["auto"], prompt, args.new_tokens, None)
+            tokens, logits = ref.tokens, ref.logits
             reference.append((tokens, logits))
             bar.update(1)
             for kv in ("int8", "fp8"):
-                _, q_logits = run(engines[kv], prompt, args.new_tokens, tokens)
+                q_logits = run(engines[kv], prompt, args.new_tokens, tokens).logits
                 for p_logits, q in zip(logits, q_logits):
                     logp, logq = p_logits.log_softmax(-1), q.log_softmax(-1)
                     kl[kv].append(float((logp.exp() * (logp - logq)).sum()))
                 agree = [int(q.argmax()) == t for q, t in zip(q_logits, tokens)]
                 forced_agree[kv].append(sum(agree) / len(agree))
                 bar.update(1)
-                free, _ = run(engines[kv], prompt, args.new_tokens, None)
+                free = run(engines[kv], prompt, args.new_tokens, None).tokens
                 same = next(
                     (i for i, (a, b) in enumerate(zip(tokens, free)) if a != b), len(tokens)
                 )

@@ -208,10 +208,8 @@ class ContextBuilder:
         # The extract: the previous summary's lines, then one line per dropped user message.
         # When a line does not fit, sentences that state no fact make room (_make_room).
         lines = [_line(text) for text in before.split("\n")] if before else []
-        size = self._summary_state(system, _render(lines), ()).num_tokens
-        while size > max_num_tokens and _make_room(lines):
-            size = self._summary_state(system, _render(lines), ()).num_tokens
-        if size > max_num_tokens:  # its facts alone no longer fit: the budget was lowered
+        if self._fit(system, lines, max_num_tokens) > max_num_tokens:
+            # The previous summary's facts alone no longer fit: the budget was lowered.
             if previous is None or earlier is None:
                 return None
             if [i for i, _ in earlier] != list(previous.covers):
@@ -224,10 +222,7 @@ class ContextBuilder:
             kept = extract_lines(role, content)
             if kept:
                 candidate = [(p, list(said)) for p, said in lines] + [(EXTRACT_PREFIX, kept)]
-                size = self._summary_state(system, _render(candidate), ()).num_tokens
-                while size > max_num_tokens and _make_room(candidate):
-                    size = self._summary_state(system, _render(candidate), ()).num_tokens
-                if size > max_num_tokens:
+                if self._fit(system, candidate, max_num_tokens) > max_num_tokens:
                     break  # its facts do not fit: the summary covers what came before
                 lines = candidate
             covered.append(message_id)
@@ -237,6 +232,14 @@ class ContextBuilder:
         num_tokens = self._summary_state(system, text, ()).num_tokens
         state = merge_summary(previous, text, num_tokens, covered)
         return SettledSummary(state, extracted=True, defect=defect)
+
+    def _fit(self, system: str | None, lines: list[Line], max_num_tokens: int) -> int:
+        """Make room in an extract's `lines` (_make_room) until, placed, they take at most
+        `max_num_tokens` or no sentence without a fact is left; their size as placed."""
+        size = self._summary_state(system, _render(lines), ()).num_tokens
+        while size > max_num_tokens and _make_room(lines):
+            size = self._summary_state(system, _render(lines), ()).num_tokens
+        return size
 
     def _summary_state(self, system: str | None, text: str, covers: Sequence[str]) -> SummaryState:
         head = [ChatMessage("system", system)] if system else []
