@@ -5,11 +5,11 @@ are stopped and stored as interrupted before the engine thread goes)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,12 +37,14 @@ from kvchat.app.api import (
 from kvchat.app.api.request_checks import RequestChecks
 from kvchat.app.coord import ProcessIdentity, make_coordinator
 from kvchat.app.coord.leases import LeaseKeeper, default_replica_id
+from kvchat.app.deps import AppState
 from kvchat.app.errors import install_error_handlers
 from kvchat.app.ops import log_redaction, stacks
-from kvchat.app.ops.drain import bounded_close
+from kvchat.app.ops.drain import Drain, bounded_close, persist_pinned_sessions
+from kvchat.app.ops.limits import Limits
+from kvchat.app.ops.tasks import BackgroundTasks
 from kvchat.app.runtime import Runtime
 from kvchat.app.settings import Settings
-from kvchat.app.state import AppState
 from kvchat.app.store import Store
 from kvchat.app.turns.service import TurnService
 
@@ -74,15 +76,51 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await coord.start()
     identity = ProcessIdentity(settings.replica_id or default_replica_id(settings.port))
     runtime.metrics.name_replica(identity.replica_id)
-    state = AppState(
-        settings=settings, store=store, runtime=runtime, coord=coord, identity=identity
+    tasks = BackgroundTasks()
+    limits = Limits(settings, coord, runtime.metrics, lambda: runtime.num_waiting, tasks)
+    leases = LeaseKeeper(
+        coord,
+        runtime.engine_client,
+        identity.replica_id,
+        settings.lease_ttl,
+        on_move=runtime.metrics.session_moves.inc,
     )
-    state.turns = TurnService(state)
-    interrupted = await state.turns.recover()
+    turns = TurnService(
+        settings=settings,
+        defaults=settings.session_defaults(),
+        store=store,
+        runtime=runtime,
+        coord=coord,
+        identity=identity,
+        limits=limits,
+        tasks=tasks,
+        leases=leases,
+    )
+    drain = Drain(
+        settings.drain_grace,
+        settings.drain_probes,
+        exit_hooks=[
+            functools.partial(
+                persist_pinned_sessions, runtime.engine_client, settings.drain_timeout
+            )
+        ],
+    )
+    state = AppState(
+        settings=settings,
+        store=store,
+        runtime=runtime,
+        coord=coord,
+        identity=identity,
+        tasks=tasks,
+        limits=limits,
+        leases=leases,
+        turns=turns,
+        drain=drain,
+    )
+    interrupted = await turns.recover()
     if interrupted:
         log.warning("%d replies were cut off by a restart; stored as interrupted", len(interrupted))
-    state.leases = LeaseKeeper(coord, runtime, state.replica_id, settings.lease_ttl)
-    state.leases.start()
+    leases.start()
     app.state.kvchat = state
     if settings.is_embedded_database and await store.count_keys() == 0:
         _, plaintext = await store.create_key("default", admin=True)
@@ -98,11 +136,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # In-flight turns: the engine drains them (or aborts them as "shutdown"), then each
         # turn stores its reply before the store closes.
         await runtime.shutdown(settings.drain_timeout)
-        if state.background:
-            await asyncio.wait(set(state.background), timeout=settings.drain_timeout)
+        await tasks.wait(settings.drain_timeout)
         # The engine thread has stopped; its KV pool and pinned sessions are still here.
-        await state.drain.before_exit(state)
-        await bounded_close("releasing session leases", state.leases.close())
+        await drain.before_exit()
+        await bounded_close("releasing session leases", leases.close())
         await bounded_close("closing the coordinator", coord.close())
         runtime.close()
         identity.retire()
@@ -212,7 +249,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(module.router)
     app.mount("/static", pages.static_files(), name="static")
-    app.state.started_at = int(time.time())
     return app
 
 

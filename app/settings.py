@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvchat.history import POLICIES, HistoryPolicy
+from kvchat.app.session_settings import SessionSettings
 
 if TYPE_CHECKING:
     from kvchat.inference import EngineConfig
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, SessionSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVCHAT_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
     )
@@ -112,26 +112,8 @@ class Settings(BaseSettings):
         "then costs little; false always uses all.",
     )
 
-    # -- sessions and history (defaults of new conversations; operators override per session) --
-    max_context_tokens: int | None = Field(
-        None, description="Default prompt budget of a conversation (None: the model's context)."
-    )
-    max_kv_tokens: int | None = Field(None, description="Default pinned-KV cap per session.")
-    history_policy: str = Field(
-        "drop",
-        description="What a conversation past its budget loses: "
-        "summarize, drop, drop_oldest or none.",
-    )
-    high_watermark: float = Field(
-        0.8, description="Trim history once the prompt passes this fraction of its budget."
-    )
-    low_watermark: float = Field(
-        0.5, description="Trim down to this fraction (the gap keeps the prompt's prefix stable)."
-    )
-    max_tool_result_tokens: int | None = Field(
-        None, description="Tool results are cut to this many tokens in prompts (None: never cut)."
-    )
-    max_summary_tokens: int = Field(512, description="Length of a summary of dropped turns.")
+    # -- sessions and history: the defaults of conversations that set none of their own (the
+    # fields of SessionSettings, app/session_settings.py; operators change them per session) ---
     summarizer: Literal["model", "extractive"] = Field(
         "model",
         description="How running summaries are made: model (the served model writes them; one "
@@ -229,16 +211,12 @@ class Settings(BaseSettings):
     ws_max_connections_per_key: int = Field(16, description="Open WebSockets per API key at most.")
     ws_idle_timeout: float = Field(300.0, description="Close a socket silent this long.")
 
-    @field_validator("history_policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(POLICIES)}")
-        return value
-
     @model_validator(mode="after")
-    def _history_policy_valid(self) -> Settings:
-        self.default_history_policy()  # raises with the field named
+    def _history_policy_defaults(self) -> Settings:
+        """Checks the policy (raises with the field named) and writes its defaults in for
+        the fields left unset."""
+        for name, value in SessionSettings.of(self).filled().model_dump().items():
+            setattr(self, name, value)
         return self
 
     @property
@@ -261,14 +239,9 @@ class Settings(BaseSettings):
     def is_embedded_database(self) -> bool:
         return self.database.startswith("sqlite")
 
-    def default_history_policy(self) -> HistoryPolicy:
-        return HistoryPolicy(
-            policy=self.history_policy,
-            high_watermark=self.high_watermark,
-            low_watermark=self.low_watermark,
-            max_tool_result_tokens=self.max_tool_result_tokens,
-            max_summary_tokens=self.max_summary_tokens,
-        )
+    def session_defaults(self) -> SessionSettings:
+        """The settings of sessions that set none of their own."""
+        return SessionSettings.of(self)
 
     @property
     def kv_store_path(self) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvchat.history import HistoryPolicy
+from kvchat.app.session_settings import SessionSettings
 from kvchat.inference.chat_template import load_chat_template
 from kvchat.inference.context_builder import ContextBuilder
 from kvchat.inference.conversation import Conversation
@@ -134,7 +134,9 @@ def run_policy(model_dir: Path, dtype: str, config: LongConfig, policy: str) -> 
     )
     assert engine.tokenizer is not None
     builder = ContextBuilder(load_chat_template(model_dir, engine.tokenizer), engine.tokenizer)
-    hist = HistoryPolicy(policy=policy, max_summary_tokens=config.max_summary_tokens)
+    hist = SessionSettings(
+        history_policy=policy, max_summary_tokens=config.max_summary_tokens
+    ).policy()
     convs = []
     for i in range(config.conversations):
         session = f"long-{i}"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvchat.app.session_settings import SessionSettings
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from kvchat.history import HistoryPolicy
 from kvchat.inference.chat_template import load_chat_template
 from kvchat.inference.context_builder import ContextBuilder
 from kvchat.inference.conversation import Conversation
@@ -140,10 +140,10 @@ def run_policy(
             builder,
             session,
             system=SYSTEM,
-            policy=HistoryPolicy(
-                policy="none" if whole else policy.split()[0],
+            policy=SessionSettings(
+                history_policy="none" if whole else policy.split()[0],
                 max_summary_tokens=args.max_summary_tokens,
-            ),
+            ).policy(),
         )
         conv.summarizer = "extractive" if "extractive" in policy else "model"
         for text in [*persona.statements(), *filler]:

@@ -6,6 +6,12 @@ share (wall - engine total); while the turns run a second client asks /healthz e
 its latency is how long the event loop stalls for everyone else.
 
     python bench/turn_overhead.py [--turns 200] [--model models/dev] [--max-tokens 4]
+                                  [--against REV] [--rounds 1]
+
+`--against REV` measures the service at git revision REV too (its code exported from this
+repository, served by this venv), in the same run, alternating with this checkout round by
+round, and prints each transport's ratios: a change to the service is no slower when they
+hold at 1.0 within the noise.
 
 Goals (issue 20): median wall of turns 190-200 <= 1.3x that of turns 5-15; worst /healthz
 latency <= 50 ms; the service's share <= 15 ms per turn at turn 200 (median of 190-200).
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -25,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import websockets
@@ -86,9 +94,14 @@ class Probe:
         return self.latencies_ms
 
 
-def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    model: Path, data: Path, port: int, code: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`kvchat serve` on `port`: this checkout's code, or the tree at `code` (an exported
+    revision, put first on the server's path)."""
     env = {
         **os.environ,
+        **({"PYTHONPATH": str(code)} if code is not None else {}),
         "KVCHAT_DATA_DIR": str(data),
         "PYTHONUNBUFFERED": "1",
         "KVCHAT_LOG_LEVEL": "warning",
@@ -99,7 +112,7 @@ def start_server(model: Path, data: Path, port: int) -> tuple[subprocess.Popen[s
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        cwd=REPO,
+        cwd=REPO if code is None else code,
     )
     key = None
     assert process.stdout is not None
@@ -225,7 +238,7 @@ def plot(results: dict[str, list[Turn]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True)
     for ax, (name, turns) in zip(axes, results.items()):
         x = range(1, len(turns) + 1)
         ax.plot(x, [t.wall_ms for t in turns], label="wall (client)", lw=1)
@@ -241,21 +254,32 @@ def plot(results: dict[str, list[Turn]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--turns", type=int, default=200)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "dev")
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=RESULTS / "turn_overhead.md")
-    args = parser.parse_args()
-    if args.turns < EARLY[1] + 10:
-        parser.error(f"--turns must be at least {EARLY[1] + 10}")
-    load_start = os.getloadavg()
-    ensure_model(args.model, "dev")
+def git_revision() -> str:
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode
+    return head + (" with uncommitted changes" if dirty else "")
+
+
+def export(revision: str, stack: contextlib.ExitStack) -> Path:
+    """The tree of `revision`, exported from this repository into a temporary folder."""
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvchat-rev-")))
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", revision], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def measure(
+    args: argparse.Namespace, code: Path | None
+) -> tuple[dict[str, list[Turn]], dict[str, list[float]]]:
+    """One server (this checkout's code, or `code`), a conversation per transport."""
     from kvchat.bench.serve_rest import free_port
 
     with tempfile.TemporaryDirectory() as data:
-        process, key = start_server(args.model, Path(data), port := free_port())
+        process, key = start_server(args.model, Path(data), port := free_port(), code)
         url = f"http://127.0.0.1:{port}"
         try:
             results: dict[str, list[Turn]] = {}
@@ -273,6 +297,86 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(60)
+    return results, lags
+
+
+Runs = dict[str, list[tuple[dict[str, list[Turn]], dict[str, list[float]]]]]
+
+
+def pooled(variant_runs: list[Any], name: str, attr: str, last: int | None = None) -> float:
+    """The median of `attr` over transport `name`'s turns in every round (its last turns)."""
+    start = -last if last else 0
+    return statistics.median(
+        getattr(t, attr) for turns, _ in variant_runs for t in turns[name][start:]
+    )
+
+
+def compared(runs: Runs) -> str:
+    """Per transport: this checkout's medians over the other revision's, every round pooled."""
+    (_, ours), (theirs, other) = runs.items()
+    rows = []
+    for name in ("REST", "WebSocket"):
+
+        def ratio(attr: str, last: int | None = None, name: str = name) -> str:
+            return f"{pooled(ours, name, attr, last) / pooled(other, name, attr, last):.3f}"
+
+        rows.append(
+            [
+                name,
+                ratio("wall_ms"),
+                ratio("wall_ms", 10),
+                f"{pooled(ours, name, 'service_ms'):.1f} / {pooled(other, name, 'service_ms'):.1f}",
+                ratio("total_ms"),
+            ]
+        )
+    table = markdown_table(
+        [
+            "transport",
+            "wall p50, every turn: ours / theirs",
+            "wall p50, last 10 turns: ours / theirs",
+            "service share p50 (ms): ours / theirs",
+            "engine total p50: ours / theirs",
+        ],
+        rows,
+    )
+    return f"\nThis checkout against {theirs} (below 1: this checkout is faster):\n\n{table}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "dev")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS / "turn_overhead.md")
+    parser.add_argument(
+        "--against", help="a git revision whose service is measured too, in the same run"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per variant")
+    args = parser.parse_args()
+    if args.turns < EARLY[1] + 10:
+        parser.error(f"--turns must be at least {EARLY[1] + 10}")
+    load_start = os.getloadavg()
+    ensure_model(args.model, "dev")
+    variants: dict[str, Path | None] = {"this checkout": None}
+    with contextlib.ExitStack() as stack:
+        if args.against:
+            variants[args.against] = export(args.against, stack)
+        runs: Runs = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for variant, code in variants.items():
+                runs[variant].append(measure(args, code))
+    load_end = os.getloadavg()
+    # Each variant's last round is the one tabled in full; the ratios use every round.
+    results = {
+        name if len(variants) == 1 else f"{name} ({variant})": turns
+        for variant, variant_runs in runs.items()
+        for name, turns in variant_runs[-1][0].items()
+    }
+    lags = {
+        name if len(variants) == 1 else f"{name} ({variant})": lag
+        for variant, variant_runs in runs.items()
+        for name, lag in variant_runs[-1][1].items()
+    }
     load_end = os.getloadavg()
     rows, verdicts = [], {}
     for name, turns in results.items():
@@ -285,6 +389,14 @@ def main() -> None:
             "server": f"kvchat serve --model {args.model.name} (SQLite, in-process coordination)",
             "turns": f"{args.turns} per transport, {args.max_tokens}-token replies (greedy, "
             "ignore_eos), one conversation each",
+            **(
+                {
+                    "compared": f"this checkout ({git_revision()}) and {args.against}, "
+                    f"{args.rounds} round(s) each, alternating"
+                }
+                if args.against
+                else {}
+            ),
         },
         load_start=load_start,
         load_end=load_end,
@@ -320,6 +432,8 @@ def main() -> None:
         + table
         + "\n"
         + "\n".join(goals)
+        + "\n"
+        + (compared(runs) if args.against else "")
         + "\n\n"
         + (
             "The service's share is the client's wall time minus the engine's total for the "

@@ -232,6 +232,8 @@ class Engine:
         background work (see the scheduler)."""
         seq = self._make_sequence(request_id, request, cache_salt)
         seq.priority = priority
+        if request.session_id is not None and request.session_budget is not None:
+            self.sessions.set_budget(request.session_id, request.session_budget)
         self._enqueue([seq])
 
     def _make_sequence(

@@ -25,13 +25,17 @@ class CheckedRequest:
     max_total_tokens: the cap on prompt + generated tokens (the model's context, the session's
         max_context_tokens, prompt + max_tokens: the least of them).
     max_kv_tokens: the session's KV budget it was checked under (a turn that could outgrow it
-        runs with sink + window attention); None without a session or a cap."""
+        runs with sink + window attention); None without a session or a cap.
+    session_budget: the session's budget when the caller gave it (the service owns its
+        sessions' budgets): the engine records it for the session when the request is added,
+        so a turn carries its budget to the engine once."""
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     session_id: str | None
     max_total_tokens: int
     max_kv_tokens: int | None
+    session_budget: SessionBudget | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,9 +71,10 @@ class RequestChecker:
         budget: SessionBudget | None = None,
     ) -> CheckedRequest:
         """Check a prompt against the model and, in a session, its budget: `budget` when the
-        caller owns it (the service, which sets it on the engine before the turn runs), else
-        the one the engine holds for the session."""
+        caller owns it (the engine records it with the request), else the one the engine
+        holds for the session."""
         assert session_id is not None or budget is None, "a budget belongs to a session"
+        given = budget
         if session_id is not None and budget is None:
             budget = self.budget_of(session_id)
         if not prompt_token_ids:
@@ -137,4 +142,5 @@ class RequestChecker:
             session_id=session_id,
             max_total_tokens=limit,
             max_kv_tokens=None if budget is None else budget.max_kv_tokens,
+            session_budget=given,
         )

@@ -81,8 +81,3 @@ def quantize_per_token_head(
     else:
         q = scaled.clamp(-qmax, qmax).to(cache_dtype)
     return q, scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of quantize_per_token_head: q [..., head_dim], scale [...] -> dtype."""
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)

@@ -7,14 +7,20 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from kvchat.app.ops import operators
-from kvchat.app.schemas.conversations import SessionSettings
-from kvchat.app.state import AdminKey, StateDep
+from kvchat.app.deps import AdminKey, StateDep
+from kvchat.app.schemas.admin import (
+    AdminSession,
+    EngineReport,
+    MemoryReportOut,
+    SessionEvictionOut,
+)
+from kvchat.app.session_settings import SessionSettings
+from kvchat.app.transports import operators
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 
-@router.get("/memory")
+@router.get("/memory", response_model=MemoryReportOut)
 async def memory(key: AdminKey, state: StateDep) -> dict[str, Any]:
     """Pool and host pool usage, pinned sessions (each with its `session_id` and `kind`:
     `conversation`, or `stateless` for an `X-Session-Id` of chat completions), prefix-cache
@@ -23,14 +29,14 @@ async def memory(key: AdminKey, state: StateDep) -> dict[str, Any]:
     return await operators.memory(state)
 
 
-@router.get("/engine")
+@router.get("/engine", response_model=EngineReport)
 async def engine(key: AdminKey, state: StateDep) -> dict[str, Any]:
     """How this replica runs the model: dtype, device, attention backend, the CPU, and the
     paths its linear layers took (measured at start-up), with the probe's timings."""
     return operators.engine_report(state)
 
 
-@router.get("/sessions/{session_id}")
+@router.get("/sessions/{session_id}", response_model=AdminSession)
 async def get_session(session_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
     """A conversation's session (its id) or a stateless one (`sess_...`, as `GET /memory`
     lists it): settings stored and in effect, why a turn would be refused (`error`), the
@@ -38,7 +44,7 @@ async def get_session(session_id: str, key: AdminKey, state: StateDep) -> dict[s
     return await operators.session(state, session_id)
 
 
-@router.put("/sessions/{session_id}")
+@router.put("/sessions/{session_id}", response_model=AdminSession)
 async def put_session(
     session_id: str, body: SessionSettings, key: AdminKey, state: StateDep
 ) -> dict[str, Any]:
@@ -54,7 +60,7 @@ async def put_session(
     return await operators.update_session(state, session_id, body)
 
 
-@router.post("/sessions/{session_id}/evict")
+@router.post("/sessions/{session_id}/evict", response_model=SessionEvictionOut)
 async def evict(
     session_id: str,
     key: AdminKey,
@@ -66,14 +72,12 @@ async def evict(
     return await operators.evict(state, session_id, offload)
 
 
-@router.get("/defaults")
+@router.get("/defaults", response_model=SessionSettings)
 async def get_defaults(key: AdminKey, state: StateDep) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(state.defaults)
+    return state.defaults.model_dump()
 
 
-@router.put("/defaults")
+@router.put("/defaults", response_model=SessionSettings)
 async def put_defaults(body: SessionSettings, key: AdminKey, state: StateDep) -> dict[str, Any]:
     """The budget and history policy of sessions that set none of their own."""
     return operators.update_defaults(state, body)

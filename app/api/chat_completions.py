@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.deps import RateLimitedKey, StateDep
 from kvchat.app.schemas.chat import ChatCompletion, ChatCompletionRequest
-from kvchat.app.state import StateDep
+from kvchat.app.schemas.streams import event_stream
 from kvchat.app.transports import chat_completions as completions
 
 router = APIRouter(prefix="/v1", tags=["chat"])
@@ -17,13 +17,11 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 @router.post(
     "/chat/completions",
     response_model=ChatCompletion,
-    responses={
-        200: {
-            "content": {"text/event-stream": {}},
-            "description": "A chat.completion, or with stream=true chat.completion.chunk "
-            "events ending with `data: [DONE]`.",
-        }
-    },
+    responses=event_stream(
+        "A chat.completion, or with stream=true chat.completion.chunk "
+        "events ending with `data: [DONE]`.",
+        data="A chat.completion.chunk (JSON), or `[DONE]` last.",
+    ),
 )
 async def create_chat_completion(
     body: ChatCompletionRequest,

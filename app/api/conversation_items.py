@@ -9,15 +9,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.deps import CurrentKey, RateLimitedKey, StateDep
 from kvchat.app.schemas.conversations import ConversationOut
 from kvchat.app.schemas.present import conversation_out
 from kvchat.app.schemas.response_items import (
     ConversationUpdate,
+    Item,
     ItemList,
     ItemsCreate,
 )
-from kvchat.app.state import CurrentKey, StateDep
 from kvchat.app.transports import conversation_items
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
@@ -64,7 +64,7 @@ async def add_items(
     return await conversation_items.add_items(state, key.owner, conversation_id, body.items)
 
 
-@router.get("/{conversation_id}/items/{item_id}")
+@router.get("/{conversation_id}/items/{item_id}", response_model=Item)
 async def get_item(conversation_id: str, item_id: str, key: CurrentKey, state: StateDep) -> Any:
     return await conversation_items.get_item(state, key.owner, conversation_id, item_id)
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 
+from kvchat.app.deps import CurrentKey, RateLimitedKey, StateDep
 from kvchat.app.errors import invalid_request, not_found
-from kvchat.app.ops.limits import RateLimitedKey
 from kvchat.app.schemas.conversations import (
     SETTINGS_FIELDS,
     ConversationCreate,
+    ConversationDeleted,
     ConversationList,
     ConversationOut,
     ConversationPatch,
@@ -20,10 +20,11 @@ from kvchat.app.schemas.conversations import (
     MessageOut,
     PostMessage,
     Regenerate,
+    StopResult,
     check_session_settings,
 )
 from kvchat.app.schemas.present import conversation_out, message_out, newest_leaf, tree_children
-from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.schemas.streams import event_stream
 from kvchat.app.store import MessageRecord
 from kvchat.app.transports import conversation_items, sse
 from kvchat.app.turns.events import TurnEvent
@@ -43,7 +44,7 @@ async def create_conversation(
     """A new conversation; its settings are checked together, over the server defaults (400
     naming the field). OpenAI's Conversations API: `items` are its first items."""
     fields = body.model_dump(exclude={"title", "system", "metadata", "items"}, exclude_none=True)
-    check_session_settings({}, fields, asdict(state.defaults))
+    check_session_settings({}, fields, state.defaults.model_dump())
     conv = await conversation_items.create_conversation(state, key.owner, body, fields)
     return conversation_out(conv)
 
@@ -90,7 +91,7 @@ async def update_conversation(
         fields["system_prompt"] = fields.pop("system")
     settings = {name: fields[name] for name in SETTINGS_FIELDS if name in fields}
     if settings:
-        check_session_settings(conv.overrides, settings, asdict(state.defaults))
+        check_session_settings(conv.overrides, settings, state.defaults.model_dump())
     leaf = fields.get("current_leaf_id")
     if leaf is not None and await state.store.get_message(conversation_id, leaf) is None:
         raise not_found(f"message {leaf!r}", "current_leaf_id")
@@ -100,7 +101,7 @@ async def update_conversation(
     return conversation_out(updated)
 
 
-@router.delete("/{conversation_id}")
+@router.delete("/{conversation_id}", response_model=ConversationDeleted)
 async def delete_conversation(
     conversation_id: str, key: CurrentKey, state: StateDep
 ) -> dict[str, Any]:
@@ -148,13 +149,11 @@ async def list_messages(
     )
 
 
-TURN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "content": {"text/event-stream": {}},
-        "description": "The stored assistant message "
-        "(JSON), or with stream=true its events (SSE: start, delta, tool_call, done).",
-    },
-}
+TURN_RESPONSES = event_stream(
+    "The stored assistant message "
+    "(JSON), or with stream=true its events (SSE: start, delta, tool_call, done).",
+    data="A turn event (JSON): its `type` is start, delta, tool_call, done or error.",
+)
 
 
 @router.post("/{conversation_id}/messages", response_model=MessageOut, responses=TURN_RESPONSES)
@@ -185,7 +184,7 @@ async def post_message(
         )
     service = state.turns
     result = await run_once(
-        state,
+        state.turns,
         key.owner,
         conversation_id,
         idempotency_key,
@@ -225,7 +224,7 @@ async def regenerate(
     service = state.turns
     parent = await service.regenerate_parent(key.owner, conversation_id, body.message_id)
     result = await run_once(
-        state,
+        state.turns,
         key.owner,
         conversation_id,
         idempotency_key,
@@ -255,7 +254,7 @@ async def regenerate(
     return await _respond(state, request, result, body.stream)
 
 
-@router.post("/{conversation_id}/stop")
+@router.post("/{conversation_id}/stop", response_model=StopResult)
 async def stop(conversation_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     """Stop the reply being generated (it is stored as cancelled with what it has)."""
     stopped = await state.turns.stop(key.owner, conversation_id)

@@ -10,12 +10,17 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from kvchat.app.state import StateDep
+from kvchat.app.deps import StateDep
+from kvchat.app.schemas.health import Draining, EngineStopped, Live, NotReady, Ready
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get(
+    "/healthz",
+    response_model=Live,
+    responses={503: {"model": EngineStopped, "description": "The engine loop has stopped."}},
+)
 async def healthz(state: StateDep) -> JSONResponse:
     if not state.runtime.is_running:
         return JSONResponse(
@@ -24,7 +29,16 @@ async def healthz(state: StateDep) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=Ready,
+    responses={
+        503: {
+            "model": NotReady | Draining,
+            "description": "Not ready (database, migrations or engine down), or draining.",
+        }
+    },
+)
 async def readyz(state: StateDep) -> JSONResponse:
     if state.drain.is_draining:
         state.drain.probed()

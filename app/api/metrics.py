@@ -4,14 +4,18 @@ put it behind your proxy's auth if the port is public)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvchat.app.state import StateDep
+from kvchat.app.deps import StateDep
 
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text exposition format."}},
+)
 async def metrics(state: StateDep) -> Response:
     return Response(state.runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)

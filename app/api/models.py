@@ -6,8 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from kvchat.app.deps import CurrentKey, StateDep
 from kvchat.app.errors import APIError
-from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.schemas.models import ModelList, ModelObject
 
 router = APIRouter(prefix="/v1", tags=["models"])
 
@@ -22,12 +23,12 @@ def _model(state: StateDep) -> dict[str, Any]:
     }
 
 
-@router.get("/models")
+@router.get("/models", response_model=ModelList)
 async def list_models(key: CurrentKey, state: StateDep) -> dict[str, Any]:
     return {"object": "list", "data": [_model(state)]}
 
 
-@router.get("/models/{model_id}")
+@router.get("/models/{model_id}", response_model=ModelObject)
 async def get_model(model_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     if model_id != state.runtime.model_name:
         raise APIError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import Message, Receive, Scope, Send
 
@@ -45,12 +45,12 @@ def page(name: str) -> FileResponse:
     )
 
 
-@router.get("/")
+@router.get("/", response_class=HTMLResponse)
 async def chat_page() -> FileResponse:
     return page("index.html")
 
 
-@router.get("/admin")
+@router.get("/admin", response_class=HTMLResponse)
 async def admin_page() -> FileResponse:
     return page("admin.html")
 

@@ -23,9 +23,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvchat.app.deps import bearer_token
 from kvchat.app.errors import APIError, invalid_api_key, invalid_request, request_too_large
 from kvchat.app.schemas.json_input import JSONInputError, parse_json
-from kvchat.app.state import bearer_token
 
 AUTH_FIRST_BYTES = 64 * 1024  # bodies larger (or of unknown size) are read only with a key
 THREAD_CHECK_BYTES = 64 * 1024  # larger bodies are parsed and checked off the event loop

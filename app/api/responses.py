@@ -7,25 +7,23 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.deps import CurrentKey, RateLimitedKey, StateDep
 from kvchat.app.schemas.response_items import ItemList
 from kvchat.app.schemas.responses import (
     ResponseCreate,
     ResponseDeleted,
     ResponseObject,
 )
-from kvchat.app.state import CurrentKey, StateDep
+from kvchat.app.schemas.streams import event_stream
 from kvchat.app.transports import responses
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
-STREAM = {
-    200: {
-        "content": {"text/event-stream": {}},
-        "description": "The response object, or with stream=true its events (SSE: "
-        "response.created ... response.completed).",
-    }
-}
+STREAM = event_stream(
+    "The response object, or with stream=true its events (SSE: "
+    "response.created ... response.completed).",
+    data="A Responses API event (JSON); the event's name is its `type`.",
+)
 Order = Annotated[
     Literal["asc", "desc"], Query(description="By creation; OpenAI's default is desc.")
 ]
@@ -39,7 +37,7 @@ IdempotencyKey = Annotated[
 ]
 
 
-@router.post("", response_model=ResponseObject, responses=STREAM)  # type: ignore[arg-type]
+@router.post("", response_model=ResponseObject, responses=STREAM)
 async def create_response(
     body: ResponseCreate,
     request: Request,
@@ -50,7 +48,7 @@ async def create_response(
     return await responses.create(state, key, body, request, idempotency_key)
 
 
-@router.get("/{response_id}", response_model=ResponseObject, responses=STREAM)  # type: ignore[arg-type]
+@router.get("/{response_id}", response_model=ResponseObject, responses=STREAM)
 async def get_response(
     response_id: str,
     key: CurrentKey,

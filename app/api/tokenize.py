@@ -7,9 +7,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.deps import RateLimitedKey, StateDep
 from kvchat.app.schemas.chat import Message, Tool
-from kvchat.app.state import StateDep
 from kvchat.app.turns.prompting import chat_messages, offered_tools
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])

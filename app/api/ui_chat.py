@@ -15,10 +15,11 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
+from kvchat.app.deps import AppState, CurrentKey, RateLimitedKey, StateDep
 from kvchat.app.errors import not_found
-from kvchat.app.ops.limits import RateLimitedKey
+from kvchat.app.schemas.conversations import StopResult
+from kvchat.app.schemas.streams import event_stream
 from kvchat.app.schemas.ui_chat import UIChatRequest
-from kvchat.app.state import AppState, CurrentKey, StateDep
 from kvchat.app.transports import ui_chat as ui_messages
 from kvchat.app.transports import ui_stream
 from kvchat.app.transports.sse import SSE_HEADERS
@@ -26,15 +27,13 @@ from kvchat.app.turns.turn import Turn
 
 router = APIRouter(prefix="/v1/ui/chat", tags=["ai-sdk"])
 
-STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {
-        "content": {"text/event-stream": {}},
-        "description": "The reply as a UI message stream (SSE).",
-    },
-}
+STREAM_RESPONSE = event_stream(
+    "The reply as a UI message stream (SSE).",
+    data="A UI message stream part (JSON), or `[DONE]` last.",
+)
 
 
-@router.post("", responses=STREAM_RESPONSE)
+@router.post("", response_class=StreamingResponse, responses=STREAM_RESPONSE)
 async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -> Response:
     """useChat's request: `{id, messages, trigger, messageId}` (plus sampling fields)."""
     turn = await ui_messages.start_chat_turn(state, key, body)
@@ -43,6 +42,7 @@ async def post_chat(body: UIChatRequest, key: RateLimitedKey, state: StateDep) -
 
 @router.get(
     "/{chat_id}/stream",
+    response_class=StreamingResponse,
     responses={**STREAM_RESPONSE, 204: {"description": "Nothing is generating."}},
 )
 async def resume_chat(chat_id: str, key: CurrentKey, state: StateDep) -> Response:
@@ -54,7 +54,7 @@ async def resume_chat(chat_id: str, key: CurrentKey, state: StateDep) -> Respons
     return _stream(state, turn)
 
 
-@router.post("/{chat_id}/stop")
+@router.post("/{chat_id}/stop", response_model=StopResult)
 async def stop_chat(chat_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     """Stop the chat's reply; it is stored as cancelled with what it has."""
     conv = await ui_messages.find_chat(state, key.owner, chat_id)

@@ -93,7 +93,7 @@ def fleet_cmd(
     of /readyz, its stats page) in front of REPLICAS `kvchat serve` processes on free ports,
     the database migrated first. Every response names its replica in X-Kvchat-Replica. The
     other options are `kvchat serve`'s settings, passed on to every replica."""
-    from kvchat.app.cli.main import check_model
+    from kvchat.app.cli.model_check import check_model
     from kvchat.app.fleet import BALANCES, Fleet, FleetConfig, FleetError, haproxy_binary
     from kvchat.app.store import StoreError
 

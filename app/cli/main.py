@@ -13,6 +13,7 @@ import typer
 from kvchat.app.cli.admin import admin_app
 from kvchat.app.cli.db import db_app, keys_app
 from kvchat.app.cli.fleet import fleet_cmd
+from kvchat.app.cli.model_check import check_model
 from kvchat.app.cli.settings_flags import settings_from_flags, with_setting_flags
 from kvchat.app.settings import Settings
 
@@ -115,16 +116,6 @@ def _import_gguf(
     except _user_errors() as e:
         fail(str(e))
         raise  # fail() exits; this line is for the type checker
-
-
-def check_model(model_dir: Path) -> None:
-    """What the service needs of a model directory, checked before anything heavy: its
-    config and a tokenizer (errors name the file)."""
-    from kvchat.inference import ModelConfig, ModelLoadError, load_tokenizer
-
-    ModelConfig.from_dir(model_dir)
-    if load_tokenizer(model_dir) is None:
-        raise ModelLoadError(f"{model_dir} has no tokenizer files; the chat service needs one")
 
 
 def _parse_ids(text: str) -> list[int]:

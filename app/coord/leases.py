@@ -13,8 +13,8 @@ prompt is rendered from the stored history, including what other replicas added.
 those turns changed — new messages, an edit, a regenerated reply, a trim or a summary — makes
 the token ids diverge at the first changed token, and the KV past that point is released, never
 read; the KV before it is exactly what a recompute would produce. Windowed turns pin only KV
-that full attention would have computed (inference/scheduler.py, `remove`). So a stale copy is
-reused as far as it is right and no further, with no epoch to compare; the lease only says
+that full attention would have computed (inference/scheduler.py, `remove`). So a stale
+copy is reused as far as it is right and no further, with no epoch to compare; the lease only says
 where the newest copy is, and a turn that finds another replica held it counts in
 `kvchat:session_moves`."""
 
@@ -25,9 +25,10 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from kvchat.app.coord import Coordinator
-from kvchat.app.runtime import Runtime
+from kvchat.app.engine_client import EngineClient
 from kvchat.inference import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,17 @@ def default_replica_id(port: int) -> str:
 
 
 class LeaseKeeper:
-    def __init__(self, coord: Coordinator, runtime: Runtime, holder: str, ttl: float) -> None:
+    def __init__(
+        self,
+        coord: Coordinator,
+        engine: EngineClient,
+        holder: str,
+        ttl: float,
+        on_move: Callable[[], None] = lambda: None,
+    ) -> None:
         self.coord = coord
-        self.runtime = runtime
+        self.engine_client = engine
+        self.on_move = on_move  # a session came here from another replica (a metric counts)
         self.holder = holder
         self.ttl = ttl
         self.held: set[str] = set()
@@ -65,7 +74,7 @@ class LeaseKeeper:
         """Whether the session holds KV (on the device, the host, or in its running turn), as
         the engine thread answers; an engine that stopped holds none."""
         try:
-            info = await self.runtime.async_engine.session_info(conversation_id)
+            info = await self.engine_client.session_info(conversation_id)
         except EngineDeadError:
             return False
         return info is not None and info.holds_kv
@@ -79,7 +88,7 @@ class LeaseKeeper:
             )
             self.held.add(conversation_id)
             if previous is not None and previous != self.holder:
-                self.runtime.metrics.session_moves.inc()
+                self.on_move()
                 log.info("session %s moved here from %s", conversation_id, previous)
         else:
             await self.release(conversation_id)

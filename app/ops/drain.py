@@ -32,17 +32,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvchat.app.engine_client import EngineClient
 from kvchat.app.ops import stacks
+from kvchat.inference import MemoryReport
 from kvchat.memory import SessionState
-
-if TYPE_CHECKING:
-    from kvchat.app.state import AppState
 
 log = logging.getLogger(__name__)
 
-ExitHook = Callable[["AppState"], Awaitable[None]]
+ExitHook = Callable[[], Awaitable[None]]
 
 # The most seconds one close at exit (leases, the coordinator, the database) may take. The
 # fleet's bound on a replica's exit (app/fleet/processes.py) leaves 30 s for all of them.
@@ -124,11 +122,11 @@ class Drain:
             return True
         return self.clock() - self.since >= self.grace
 
-    async def before_exit(self, state: AppState) -> None:
+    async def before_exit(self) -> None:
         """Run the exit hooks in order; a failing hook is logged and the next ones run."""
         for hook in self.exit_hooks:
             try:
-                await hook(state)
+                await hook()
             except Exception:
                 log.exception("exit hook %s failed", getattr(hook, "__name__", hook))
 
@@ -141,23 +139,21 @@ class PinnedSessions:
     num_tokens: int
 
 
-def pinned_sessions(state: AppState) -> PinnedSessions:
-    """Read from the engine directly: the drain calls it once the engine thread has stopped."""
-    report = state.runtime.engine.memory_report()
+def pinned_sessions(report: MemoryReport) -> PinnedSessions:
     pinned = [
         s for s in report.sessions if s.state in (SessionState.RESIDENT, SessionState.OFFLOADED)
     ]
     return PinnedSessions(len(pinned), sum(s.num_tokens for s in pinned))
 
 
-async def persist_pinned_sessions(state: AppState) -> None:
+async def persist_pinned_sessions(engine: EngineClient, timeout: float) -> None:
     """Make sure every pinned session's KV blocks are in the KV store before the process
     exits, so the replica each conversation moves to (or this one, restarted) loads its KV
     instead of recomputing it. Each finished turn queued its blocks already (write-behind);
-    this queues what is left (none, normally) and waits for the writer."""
-    pinned = pinned_sessions(state)
-    engine = state.runtime.engine
-    if engine.kv_store is None:
+    this queues what is left (none, normally) and waits for the writer, at most `timeout`
+    seconds. The engine has stopped: it is read directly."""
+    pinned = pinned_sessions(await engine.memory_report())
+    if not engine.has_kv_store:
         if pinned.num_sessions:
             log.warning(
                 "exiting with %d pinned sessions (%d tokens of KV) and no KV store: "
@@ -167,7 +163,7 @@ async def persist_pinned_sessions(state: AppState) -> None:
             )
         return
     began = time.monotonic()
-    queued = await asyncio.to_thread(engine.persist_sessions, state.settings.drain_timeout)
+    queued = await engine.persist_sessions(timeout)
     log.info(
         "KV store: %d pinned sessions (%d tokens) kept on disk (%d blocks written at "
         "exit) in %.2f s",

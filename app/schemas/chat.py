@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvchat.app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN, wrap_int64
+from kvchat.app.ranges import INT32_MAX, INT64_MAX, INT64_MIN, wrap_int64
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_N = 16

@@ -6,40 +6,16 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError
 
 from kvchat.app.schemas.chat import SamplingFields, TextPart, ToolCall
-from kvchat.app.schemas.ranges import INT32_MAX
-from kvchat.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, HistoryPolicyError
+from kvchat.app.session_settings import SESSION_FIELDS, SessionSettings
+from kvchat.history import HistoryPolicyError
 
 ROOT = "root"  # parent_id that makes a new message a root (editing the first message)
 
 
-class SessionSettings(BaseModel):
-    """Per-conversation budget and history policy; unset fields take the server defaults.
-    Token counts are at most INT32_MAX (the columns they are stored in are 32-bit). Each field
-    is checked alone here; how they fit together (the watermarks' order), with what a
-    conversation already stores and with the defaults, by check_session_settings()."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_context_tokens: int | None = Field(None, ge=16, le=INT32_MAX)
-    max_kv_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    history_policy: str | None = Field(None, description=f"One of {', '.join(POLICIES)}.")
-    high_watermark: float | None = Field(None, ge=0.0, le=1.0)
-    low_watermark: float | None = Field(None, ge=0.0, le=1.0)
-    max_tool_result_tokens: int | None = Field(None, ge=MIN_TOOL_RESULT_TOKENS, le=INT32_MAX)
-    max_summary_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-
-    @field_validator("history_policy")
-    @classmethod
-    def _known_policy(cls, value: str | None) -> str | None:
-        if value is not None and value not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(POLICIES)}")
-        return value
-
-
-SETTINGS_FIELDS = tuple(SessionSettings.model_fields)
+SETTINGS_FIELDS = SESSION_FIELDS
 WATERMARKS = ("low_watermark", "high_watermark")
 
 
@@ -92,13 +68,7 @@ def check_session_settings(
         n: defaults[n] if merged[n] is None else merged[n] for n in SETTINGS_FIELDS
     }
     try:
-        HistoryPolicy(
-            policy=effective["history_policy"],
-            high_watermark=effective["high_watermark"],
-            low_watermark=effective["low_watermark"],
-            max_tool_result_tokens=effective["max_tool_result_tokens"],
-            max_summary_tokens=effective["max_summary_tokens"],
-        )
+        SessionSettings.of(effective).policy()
     except HistoryPolicyError as e:
         named = "history_policy" if e.field == "policy" else e.field
         involved = WATERMARKS if named in WATERMARKS else (named,)
@@ -109,19 +79,11 @@ def check_session_settings(
         raise InvalidSessionSettings(f"{message} ({sources})", blamed(involved, named)) from None
 
 
-def setting_in_range(name: str, value: Any) -> bool:
-    """Whether `value` passes the rules of the SessionSettings field `name`, alone."""
-    try:
-        SessionSettings.model_validate({name: value})
-    except ValidationError:
-        return False
-    return True
-
-
 class StoredSessionSettings(BaseModel):
-    """A conversation's settings as stored, in a response: types only, no ranges, so a row
-    that SessionSettings would refuse now (stored before settings were checked together, or
-    by hand) still lists and reads; a turn on it answers 400 naming the field."""
+    """A conversation's settings as stored, in a response: SessionSettings' fields with their
+    types only, no ranges, so a row that SessionSettings would refuse now (stored before
+    settings were checked together, or by hand) still lists and reads; a turn on it answers
+    400 naming the field. A test holds its fields to SessionSettings'."""
 
     max_context_tokens: int | None = None
     max_kv_tokens: int | None = None
@@ -170,6 +132,22 @@ class ConversationList(BaseModel):
     data: list[ConversationOut]
     has_more: bool
     next_cursor: str | None
+
+
+class ConversationDeleted(BaseModel):
+    """`DELETE /v1/conversations/{id}`, as OpenAI's Conversations API answers."""
+
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: bool
+
+
+class StopResult(BaseModel):
+    """`POST /v1/conversations/{id}/stop` (and `POST /v1/ui/chat/{id}/stop`, with the chat's
+    id): whether a reply was being generated (stopped, and stored as cancelled)."""
+
+    id: str
+    stopped: bool
 
 
 class MessageUsage(BaseModel):

@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvchat.app.ranges import INT32_MAX, INT64_MAX, INT64_MIN
 from kvchat.app.schemas.chat import NAME_PATTERN, token_id_keys
-from kvchat.app.schemas.ranges import INT32_MAX, INT64_MAX, INT64_MIN
 from kvchat.app.schemas.response_items import FunctionCall, OutputMessage
 
 MAX_METADATA_PAIRS = 16

@@ -5,13 +5,18 @@ from __future__ import annotations
 import base64
 import binascii
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 from sqlalchemy import CursorResult, and_, delete, or_, select, update
 
 from kvchat.app.store.column_types import utcnow
-from kvchat.app.store.queries import bump_tree, has_message, owned_conversation
-from kvchat.app.store.records import OVERRIDE_FIELDS, ConversationRecord
+from kvchat.app.store.queries import bump_tree, first_scalar, has_message, owned_conversation
+from kvchat.app.store.records import (
+    OVERRIDE_FIELDS,
+    ConversationOverrides,
+    ConversationRecord,
+    ConversationUpdate,
+)
 from kvchat.app.store.store_base import StoreBase, check_fields
 from kvchat.app.store.tables import Conversation, Message, new_id
 
@@ -24,6 +29,8 @@ UPDATABLE_FIELDS = (
     "current_leaf_id",
     "trim_start_id",
 )
+# The names checked at run time are the TypedDict's, which mypy checks callers against.
+assert frozenset(UPDATABLE_FIELDS) == ConversationUpdate.__optional_keys__
 MAX_PAGE_SIZE = 1000
 
 
@@ -36,7 +43,7 @@ class ConversationStore(StoreBase):
         system_prompt: str | None = None,
         metadata: dict[str, Any] | None = None,
         conversation_id: str | None = None,
-        **overrides: Any,
+        **overrides: Unpack[ConversationOverrides],
     ) -> ConversationRecord:
         """overrides: any of OVERRIDE_FIELDS (None: the server's default). conversation_id:
         the id to give it (a new random one by default)."""
@@ -92,7 +99,7 @@ class ConversationStore(StoreBase):
         return page, _encode_cursor(page[-1].created_at, page[-1].id) if more else None
 
     async def update_conversation(
-        self, owner: str, conversation_id: str, **fields: Any
+        self, owner: str, conversation_id: str, **fields: Unpack[ConversationUpdate]
     ) -> ConversationRecord | None:
         """Set any of UPDATABLE_FIELDS; bumps updated_at. current_leaf_id and trim_start_id
         must be messages of this conversation (ValueError). None if there is no such
@@ -102,8 +109,10 @@ class ConversationStore(StoreBase):
             row = await owned_conversation(session, owner, conversation_id)
             if row is None:
                 return None
-            for name in ("current_leaf_id", "trim_start_id"):
-                message_id = fields.get(name)
+            for name, message_id in (
+                ("current_leaf_id", fields.get("current_leaf_id")),
+                ("trim_start_id", fields.get("trim_start_id")),
+            ):
                 if message_id is not None and not await has_message(
                     session, conversation_id, message_id
                 ):
@@ -112,7 +121,7 @@ class ConversationStore(StoreBase):
                 await bump_tree(session, conversation_id, row)
             for name, value in fields.items():
                 if name == "metadata":
-                    row.meta = _metadata(value)
+                    row.meta = _metadata(fields["metadata"])
                 else:
                     setattr(row, name, value)
             row.updated_at = utcnow()
@@ -126,10 +135,11 @@ class ConversationStore(StoreBase):
         cut first, so no cascade recurses down a branch (SQLite stops recursive foreign-key
         actions at a depth of 1,000, which a long agent loop's branch passes)."""
         async with self._write() as session:
-            owned = await session.scalar(
+            owned = await first_scalar(
+                session,
                 select(Conversation.id).where(
                     Conversation.id == conversation_id, Conversation.owner == owner
-                )
+                ),
             )
             if owned is None:
                 return False

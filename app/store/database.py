@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import Connection, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from kvchat.app.store.errors import InvalidDatabaseUrl
 
@@ -86,7 +87,8 @@ def create_engine(url: URL) -> AsyncEngine:
     return engine
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+    # dbapi_connection: the aiosqlite adapter, whose isolation_level DBAPI's protocol lacks.
     # The driver's own implicit BEGIN is turned off; _sqlite_on_begin emits ours.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
@@ -97,7 +99,7 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_on_begin(connection: Any) -> None:
+def _sqlite_on_begin(connection: Connection) -> None:
     mode = connection.get_execution_options().get(SQLITE_BEGIN, "DEFERRED")
     assert mode in ("DEFERRED", "IMMEDIATE"), mode
     connection.exec_driver_sql(f"BEGIN {mode}")

@@ -10,6 +10,7 @@ from datetime import timedelta
 from sqlalchemy import func, or_, select, update
 
 from kvchat.app.store.column_types import utcnow
+from kvchat.app.store.queries import first_scalar
 from kvchat.app.store.records import KeyRecord
 from kvchat.app.store.store_base import StoreBase
 from kvchat.app.store.tables import ApiKey
@@ -55,8 +56,9 @@ class KeyStore(StoreBase):
         """The active key's record, or None for an unknown or revoked key."""
         key_hash = hash_key(key)
         async with self._read() as session:
-            row = await session.scalar(
-                select(ApiKey).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+            row = await first_scalar(
+                session,
+                select(ApiKey).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None)),
             )
             if row is None:
                 return None
@@ -122,4 +124,4 @@ class KeyStore(StoreBase):
         if active_only:
             query = query.where(ApiKey.revoked_at.is_(None))
         async with self._read() as session:
-            return int(await session.scalar(query) or 0)
+            return int(await first_scalar(session, query) or 0)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Unpack
 
-from sqlalchemy import delete, exists, literal_column, select, update
+from sqlalchemy import Exists, Select, delete, exists, literal_column, select, update
 from sqlalchemy.orm import aliased
 
 from kvchat.app.store.column_types import utcnow
 from kvchat.app.store.errors import StaleFence
-from kvchat.app.store.queries import bump_tree, has_message
+from kvchat.app.store.queries import bump_tree, first_scalar, has_message
 from kvchat.app.store.records import (
     ROLES,
     STATUSES,
     ConversationRecord,
+    MessageFields,
     MessageRecord,
+    MessageUpdate,
     SummaryRecord,
 )
 from kvchat.app.store.store_base import StoreBase, check_fields
@@ -50,6 +52,9 @@ MESSAGE_FIELDS = (
     "response",
 )
 UPDATABLE_FIELDS = ("status", "content", *MESSAGE_FIELDS)
+# The names checked at run time are the TypedDicts', which mypy checks callers against.
+assert frozenset(MESSAGE_FIELDS) == MessageFields.__optional_keys__
+assert frozenset(UPDATABLE_FIELDS) == MessageUpdate.__optional_keys__
 
 
 class MessageStore(StoreBase):
@@ -62,7 +67,7 @@ class MessageStore(StoreBase):
         content: str | None = None,
         status: str = "complete",
         move_leaf: bool = True,
-        **fields: Any,
+        **fields: Unpack[MessageFields],
     ) -> MessageRecord:
         """Append a message under parent_id (None: a new root) and commit it; with move_leaf
         the conversation's current leaf becomes this message. LookupError for an unknown
@@ -153,7 +158,9 @@ class MessageStore(StoreBase):
             if conversation.trim_start_id in ids:
                 conversation.trim_start_id = None
 
-    async def update_message(self, message_id: str, **fields: Any) -> MessageRecord:
+    async def update_message(
+        self, message_id: str, **fields: Unpack[MessageUpdate]
+    ) -> MessageRecord:
         """Set any of UPDATABLE_FIELDS and bump updated_at; LookupError for an unknown id.
         One statement (UPDATE ... RETURNING): a turn writes its reply with it, checkpoints
         included."""
@@ -165,12 +172,13 @@ class MessageStore(StoreBase):
             if name in values:
                 values[name] = without_nul(values[name])
         async with self._write() as session:
-            row = await session.scalar(
+            row = await first_scalar(
+                session,
                 update(Message)
                 .where(Message.id == message_id)
                 .values(**values, updated_at=utcnow())
                 .returning(Message)
-                .execution_options(populate_existing=True)
+                .execution_options(populate_existing=True),
             )
             if row is None:
                 raise LookupError(f"no message {message_id!r}")
@@ -178,10 +186,11 @@ class MessageStore(StoreBase):
 
     async def get_message(self, conversation_id: str, message_id: str) -> MessageRecord | None:
         async with self._read() as session:
-            row = await session.scalar(
+            row = await first_scalar(
+                session,
                 select(Message).where(
                     Message.id == message_id, Message.conversation_id == conversation_id
-                )
+                ),
             )
             return None if row is None else MessageRecord.of(row)
 
@@ -207,10 +216,11 @@ class MessageStore(StoreBase):
         move up to its parent, the conversation's leaf and trim start move off it. False when
         there is no such message."""
         async with self._write() as session:
-            row = await session.scalar(
+            row = await first_scalar(
+                session,
                 select(Message).where(
                     Message.id == message_id, Message.conversation_id == conversation_id
-                )
+                ),
             )
             if row is None:
                 return False
@@ -263,7 +273,7 @@ class MessageStore(StoreBase):
                     for row in await session.scalars(_branch_query(conversation_id, leaf_id))
                 ]
             )
-            summary = await session.scalar(summary_query)
+            summary = await first_scalar(session, summary_query)
             return branch, None if summary is None else SummaryRecord.of(summary)
 
     async def start_reply(
@@ -347,12 +357,13 @@ class MessageStore(StoreBase):
         if trim_start_id is not None and trim_start_id not in new_ids:
             where.append(_message_of(conversation_id, trim_start_id))
         async with self._write() as session:
-            moved = await session.scalar(
+            moved = await first_scalar(
+                session,
                 update(Conversation)
                 .where(*where)
                 .values(**values)
                 .returning(Conversation.tree_version)
-                .execution_options(synchronize_session=False)
+                .execution_options(synchronize_session=False),
             )
             if moved is None:  # which check failed (a refused turn: the slow path is fine)
                 conversation = await session.get(Conversation, conversation_id)
@@ -430,7 +441,7 @@ class MessageStore(StoreBase):
             )
 
 
-def _message_of(conversation_id: str, message_id: str) -> Any:
+def _message_of(conversation_id: str, message_id: str) -> Exists:
     """SQL: message_id is a message of the conversation."""
     return exists().where(Message.id == message_id, Message.conversation_id == conversation_id)
 
@@ -440,16 +451,17 @@ def _check_status(status: str) -> None:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
 
 
-def _json_ready(fields: dict[str, Any]) -> dict[str, Any]:
-    """token_ids and tool_calls as JSON lists (a caller may hold tuples)."""
-    out = dict(fields)
+def _json_ready(fields: Mapping[str, object]) -> dict[str, Any]:
+    """Column values for a statement or a row (any value, as SQLAlchemy takes them): token_ids
+    and tool_calls as JSON lists (a caller may hold tuples)."""
+    out: dict[str, Any] = dict(fields)
     for name in ("token_ids", "tool_calls"):
         if out.get(name) is not None:
             out[name] = list(out[name])
     return out
 
 
-def _branch_query(conversation_id: str, leaf_id: str) -> Any:
+def _branch_query(conversation_id: str, leaf_id: str) -> Select[Message]:
     """Messages root..leaf_id, in order: one recursive query."""
     path = (
         select(Message.id, Message.parent_id, literal_column("0").label("depth"))

@@ -2,24 +2,73 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
+from kvchat.app.session_settings import SESSION_FIELDS
 from kvchat.app.store.tables import ApiKey, Conversation, Message, Summary
 
 ROLES = ("system", "user", "assistant", "tool")
 STATUSES = ("complete", "generating", "cancelled", "interrupted", "error")
-# Per-conversation settings that override the server's defaults when not None.
-OVERRIDE_FIELDS = (
-    "max_context_tokens",
-    "max_kv_tokens",
-    "history_policy",
-    "high_watermark",
-    "low_watermark",
-    "max_tool_result_tokens",
-    "max_summary_tokens",
-)
+# Per-conversation settings that override the server's defaults when not None: the fields of
+# SessionSettings (app/session_settings.py). The TypedDict below, ConversationRecord's fields
+# and the conversations table's columns spell them out for the type checkers (mypy, SQLAlchemy's
+# Mapped); tests/app/store/test_session_columns.py holds all three to SessionSettings.
+OVERRIDE_FIELDS = SESSION_FIELDS
+
+
+class ConversationOverrides(TypedDict, total=False):
+    """OVERRIDE_FIELDS, as create_conversation() takes them (None: the server's default)."""
+
+    max_context_tokens: int | None
+    max_kv_tokens: int | None
+    history_policy: str | None
+    high_watermark: float | None
+    low_watermark: float | None
+    max_tool_result_tokens: int | None
+    max_summary_tokens: int | None
+
+
+# The names checked at run time are the TypedDict's, which mypy checks callers against.
+assert frozenset(OVERRIDE_FIELDS) == ConversationOverrides.__optional_keys__
+
+
+class ConversationUpdate(ConversationOverrides, total=False):
+    """What update_conversation() may set (None clears a field); its UPDATABLE_FIELDS."""
+
+    title: str | None
+    system_prompt: str | None
+    metadata: dict[str, Any] | None
+    current_leaf_id: str | None
+    trim_start_id: str | None
+
+
+class MessageFields(TypedDict, total=False):
+    """A message's optional fields, as add_message() takes them; its MESSAGE_FIELDS."""
+
+    name: str | None
+    tool_calls: Sequence[dict[str, Any]] | None  # stored as a JSON list
+    tool_call_id: str | None
+    num_tokens: int | None
+    content_tokens: int | None
+    token_ids: Sequence[int] | None  # stored as a JSON list
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    ttft_ms: float | None
+    total_ms: float | None
+    error: str | None
+    response: dict[str, Any] | None
+
+
+class MessageUpdate(MessageFields, total=False):
+    """What update_message() may set: MessageFields, the status and the content."""
+
+    status: str  # one of STATUSES
+    content: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +135,13 @@ class ConversationRecord:
             title=row.title,
             system_prompt=row.system_prompt,
             metadata=dict(row.meta),
-            **{name: getattr(row, name) for name in OVERRIDE_FIELDS},
+            max_context_tokens=row.max_context_tokens,
+            max_kv_tokens=row.max_kv_tokens,
+            history_policy=row.history_policy,
+            high_watermark=row.high_watermark,
+            low_watermark=row.low_watermark,
+            max_tool_result_tokens=row.max_tool_result_tokens,
+            max_summary_tokens=row.max_summary_tokens,
             current_leaf_id=row.current_leaf_id,
             trim_start_id=row.trim_start_id,
             turn_fence=row.turn_fence or 0,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -32,7 +31,7 @@ class StoreBase:
             yield session
 
 
-def check_fields(given: dict[str, Any], allowed: tuple[str, ...]) -> None:
+def check_fields(given: Mapping[str, object], allowed: tuple[str, ...]) -> None:
     """TypeError naming keyword arguments a store method does not take."""
     unknown = sorted(set(given) - set(allowed))
     if unknown:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from kvchat.app.store.column_types import utcnow
-from kvchat.app.store.queries import bump_tree
+from kvchat.app.store.queries import bump_tree, first_scalar
 from kvchat.app.store.records import SummaryRecord
 from kvchat.app.store.store_base import StoreBase
 from kvchat.app.store.tables import Conversation, Summary, new_id
@@ -43,5 +43,5 @@ class SummaryStore(StoreBase):
             .limit(1)
         )
         async with self._read() as session:
-            row = await session.scalar(query)
+            row = await first_scalar(session, query)
             return None if row is None else SummaryRecord.of(row)

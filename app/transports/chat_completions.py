@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, engine_failure
-from kvchat.app.ops.limits import check_capacity, spend_on_finish
 from kvchat.app.schemas import chat as schema
-from kvchat.app.state import AppState
 from kvchat.app.store import KeyRecord
 from kvchat.app.transports import sse
 from kvchat.app.turns.generation import (
@@ -32,12 +31,10 @@ from kvchat.app.turns.generation import (
 )
 from kvchat.app.turns.prompting import (
     chat_messages,
-    offered_tools,
     opening_session_key,
-    sampling_params,
     session_key,
 )
-from kvchat.app.turns.structured import output_grammar
+from kvchat.app.turns.requests import offer, prepare_request
 from kvchat.inference import CheckedRequest, Tokenizer
 
 
@@ -65,7 +62,7 @@ async def create(
     if skey is None and state.settings.keyless_sessions:
         skey = opening_session_key(key.owner, body.messages)
     requests, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
-    check_capacity(state)
+    state.limits.check_capacity()
     started = time.monotonic()
     generations = [
         Generation(
@@ -75,7 +72,7 @@ async def create(
             tool_format=fmt,
             tool_names=tool_names,
             started_at=started,
-            on_finish=spend_on_finish(state, key.id),
+            on_finish=state.limits.spend_on_finish(key.id),
         )
         for request in requests
     ]
@@ -122,23 +119,24 @@ def _prepare(
     A named session's prompt extends its last render; any other reuses segments of messages
     seen."""
     runtime = state.runtime
-    tools = offered_tools(body)
-    tool_names = {t.function.name for t in body.tools} if body.tools else None
-    messages = chat_messages(body.messages, tool_names, state.generated, skey)
-    prompt = runtime.builder.renderer.render_ids(messages, tools=tools, state_key=skey)
-    fmt = runtime.template.tool_call_format if tools else None
-    grammar = output_grammar(body, fmt, runtime.grammars)
-    params = [
-        sampling_params(body, max_tokens=body.reply_budget, seed_offset=i, grammar=grammar)
-        for i in range(body.n)
-    ]
+    offered = offer(runtime, body)
+    messages = chat_messages(body.messages, offered.tool_names, state.generated, skey)
+    prompt = runtime.builder.renderer.render_ids(messages, tools=offered.tools, state_key=skey)
     # The first choice runs in the session, against its budget too (an operator's
     # max_context_tokens): a 400 now, not an error mid-stream.
     requests = [
-        runtime.engine.check_request(prompt, p, session_id=skey if i == 0 else None)
-        for i, p in enumerate(params)
+        prepare_request(
+            runtime,
+            body,
+            offered,
+            prompt,
+            max_tokens=body.reply_budget,
+            seed_offset=i,
+            session_id=skey if i == 0 else None,
+        )
+        for i in range(body.n)
     ]
-    return requests, fmt, tool_names
+    return requests, offered.tool_format, offered.tool_names
 
 
 async def _drain(generation: Generation) -> Generated:

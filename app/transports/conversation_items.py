@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, busy, not_found
 from kvchat.app.schemas.conversations import ROOT, ConversationCreate
 from kvchat.app.schemas.response_items import ItemList, parse_items
-from kvchat.app.state import AppState
 from kvchat.app.store import ConversationRecord
 from kvchat.app.transports.response_items import (
     branch_items,

@@ -19,6 +19,7 @@ import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, invalid_request
 from kvchat.app.schemas.conversations import ROOT
 from kvchat.app.schemas.response_items import (
@@ -35,7 +36,6 @@ from kvchat.app.schemas.response_items import (
     OutputMessage,
     OutputText,
 )
-from kvchat.app.state import AppState
 from kvchat.app.store import MessageRecord
 from kvchat.inference import ChatMessage, parse_tool_calls
 

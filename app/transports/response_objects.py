@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError
 from kvchat.app.schemas.response_items import (
     FunctionCall,
@@ -23,7 +24,6 @@ from kvchat.app.schemas.responses import (
     ResponseTextOut,
     ResponseUsage,
 )
-from kvchat.app.state import AppState
 from kvchat.app.store import MessageRecord
 from kvchat.app.transports.response_items import call_item_id, response_id, visible_text
 from kvchat.app.turns.generation import Generated, Generation

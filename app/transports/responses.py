@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, api_error, invalid_request, not_found
-from kvchat.app.ops.limits import check_capacity, spend_on_finish
 from kvchat.app.schemas.chat import (
     SamplingFields,
 )
@@ -53,7 +53,6 @@ from kvchat.app.schemas.response_items import (
     parse_items,
 )
 from kvchat.app.schemas.responses import ResponseCreate, ResponseObject
-from kvchat.app.state import AppState
 from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
 from kvchat.app.transports import sse
 from kvchat.app.transports.chat_completions import check_model
@@ -94,9 +93,8 @@ from kvchat.app.turns.events import TurnDelta, TurnEvent
 from kvchat.app.turns.generation import Generation
 from kvchat.app.turns.idempotency import Replayed, run_once
 from kvchat.app.turns.pipeline import as_chat, turn_system, usable
-from kvchat.app.turns.prompting import offered_tools, sampling_params
+from kvchat.app.turns.requests import offer, prepare_request
 from kvchat.app.turns.service import EndHook
-from kvchat.app.turns.structured import output_grammar
 from kvchat.app.turns.turn import Turn
 from kvchat.inference import ChatMessage, CheckedRequest
 
@@ -280,7 +278,7 @@ async def _start_stateless(
     )
     try:
         request, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields, chat)
-        check_capacity(state)
+        state.limits.check_capacity()
     except Exception as e:
         raise renamed(api_error(e)) from e
     generation = Generation(
@@ -289,7 +287,7 @@ async def _start_stateless(
         cache_salt=key.owner,
         tool_format=fmt,
         tool_names=names,
-        on_finish=spend_on_finish(state, key.id),
+        on_finish=state.limits.spend_on_finish(key.id),
     )
     hex_id = uuid.uuid4().hex
     record = response_record(body, runtime.model_name, None) | {"store": False}
@@ -302,13 +300,10 @@ def _prepare_stateless(
     """The checked engine request (prompt ids and sampling parameters), the tool-call format
     and the tool names (CPU-bound: a worker thread runs it)."""
     runtime = state.runtime
-    tools = offered_tools(fields)
-    names = {t.function.name for t in fields.tools} if fields.tools else None
-    fmt = runtime.template.tool_call_format if tools else None
-    grammar = output_grammar(fields, fmt, runtime.grammars)
-    prompt = runtime.builder.renderer.render_ids(chat, tools=tools)
-    params = sampling_params(fields, max_tokens=fields.reply_budget, grammar=grammar)
-    return runtime.engine.check_request(prompt, params), fmt, names
+    offered = offer(runtime, fields)
+    prompt = runtime.builder.renderer.render_ids(chat, tools=offered.tools)
+    request = prepare_request(runtime, fields, offered, prompt, max_tokens=fields.reply_budget)
+    return request, offered.tool_format, offered.tool_names
 
 
 # -- the other routes -------------------------------------------------------------------------
@@ -377,7 +372,7 @@ async def create(
     an attempt that died regenerates its reply, another body is a 400."""
     if idempotency_key is not None and body.store is not False:
         result = await run_once(
-            state,
+            state.turns,
             key.owner,
             RESPONSES_SCOPE,
             idempotency_key,

@@ -18,9 +18,9 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, engine_failure
 from kvchat.app.schemas.responses import ResponseObject
-from kvchat.app.state import AppState
 from kvchat.app.store import MessageRecord
 from kvchat.app.transports.response_items import call_item_id
 from kvchat.app.transports.response_objects import (

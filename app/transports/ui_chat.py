@@ -19,11 +19,11 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvchat.app.deps import AppState
 from kvchat.app.errors import busy, invalid_request, not_found
 from kvchat.app.schemas.conversations import ROOT
 from kvchat.app.schemas.present import tree_children
 from kvchat.app.schemas.ui_chat import UIChatRequest, UIMessage
-from kvchat.app.state import AppState
 from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord
 from kvchat.app.turns.service import regenerated_parent
 from kvchat.app.turns.turn import Turn

@@ -27,12 +27,12 @@ from fastapi import WebSocket
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from kvchat.app.deps import AppState, bearer_token
 from kvchat.app.errors import APIError, _param, api_error
 from kvchat.app.ops import limits
+from kvchat.app.ranges import INT32_MAX
 from kvchat.app.schemas.chat import SamplingFields, TextPart
 from kvchat.app.schemas.json_input import JSONInputError, parse_json
-from kvchat.app.schemas.ranges import INT32_MAX
-from kvchat.app.state import AppState, bearer_token
 from kvchat.app.store import KeyRecord
 from kvchat.app.turns.events import TurnEvent
 from kvchat.app.turns.turn import Turn
@@ -232,7 +232,7 @@ class Socket:
         if self.turn is not None and not self.turn.is_done:
             await self.send(error_frame("busy", "a reply is being generated; stop it or wait"))
             return
-        await limits.admit(self.state, self.key)
+        await self.state.limits.admit(self.key)
         service = self.state.turns
         if isinstance(frame, MessageFrame):
             if frame.role == "tool" and not frame.tool_call_id:

@@ -98,14 +98,14 @@ class Generation:
         """End the generation at the next engine step (idempotent)."""
         if not self._stopped:
             self._stopped = True
-            self.runtime.async_engine.abort(self.request_id)
+            self.runtime.engine_client.abort(self.request_id)
 
     async def events(self) -> AsyncIterator[Event]:
         parser = (
             ToolCallStreamParser(self.tool_format, self.tool_names) if self.tool_format else None
         )
         result = self.result
-        stream = self.runtime.async_engine.generate(
+        stream = self.runtime.engine_client.generate(
             self.request_id, self.request, cache_salt=self.cache_salt
         )
         metrics = self.runtime.metrics

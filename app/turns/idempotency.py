@@ -21,16 +21,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvchat.app.coord import IdempotencyRecord
 from kvchat.app.errors import APIError, invalid_request, not_found
 from kvchat.app.store import MessageRecord
-from kvchat.app.turns.service import EndHook, lock_key
+from kvchat.app.turns.service import EndHook, TurnService, lock_key
 from kvchat.app.turns.turn import Turn
-
-if TYPE_CHECKING:
-    from kvchat.app.state import AppState
 
 IDEMPOTENCY_TTL = 24 * 3600.0
 POLL_S = 0.05
@@ -53,7 +50,7 @@ def fingerprint(body: dict[str, Any]) -> str:
 
 
 async def run_once(
-    state: AppState,
+    turns: TurnService,
     owner: str,
     conversation_id: str,
     idempotency_key: str | None,
@@ -70,18 +67,18 @@ async def run_once(
         raise invalid_request("Idempotency-Key must be 1-255 characters", "Idempotency-Key")
     name = f"idem:{owner}:{conversation_id}:{idempotency_key}"  # conversation_id: or a scope
     digest = fingerprint(body)
-    coord = state.coord
+    coord = turns.coord
     attempt = {
         "id": uuid.uuid4().hex,
         "began": time.time(),
         "conversation_id": conversation_id,
-        **state.identity.process(),
+        **turns.identity.process(),
     }
     deadline = time.monotonic() + MAX_WAIT_S
     while True:
         first = await coord.idempotency_begin(name, digest, IDEMPOTENCY_TTL, attempt)
         if first is None:
-            return await _attempt(state, name, attempt, start)
+            return await _attempt(turns, name, attempt, start)
         if first.fingerprint != digest:
             raise invalid_request(
                 "this Idempotency-Key was used with a different request body",
@@ -89,8 +86,8 @@ async def run_once(
                 code="idempotency_key_reused",
             )
         if first.is_done:
-            return Replayed(await _stored(state, first))
-        if await _alive(state, first.attempt):
+            return Replayed(await _stored(turns, first))
+        if await _alive(turns, first.attempt):
             if time.monotonic() > deadline:
                 raise APIError(
                     409,
@@ -104,12 +101,12 @@ async def run_once(
             continue  # it finished or another retry took it over meanwhile: look again
         user_message_id = first.attempt.get("user_message_id")
         if isinstance(user_message_id, str):
-            return await _attempt(state, name, attempt, _bound(rerun, user_message_id))
-        return await _attempt(state, name, attempt, start)
+            return await _attempt(turns, name, attempt, _bound(rerun, user_message_id))
+        return await _attempt(turns, name, attempt, start)
 
 
-async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: Start) -> Turn:
-    coord = state.coord
+async def _attempt(turns: TurnService, name: str, attempt: dict[str, Any], start: Start) -> Turn:
+    coord = turns.coord
 
     async def finished(turn: Turn) -> None:
         if turn.lock_lost:  # cut off: a retry takes it over as from a dead attempt
@@ -143,22 +140,22 @@ async def _attempt(state: AppState, name: str, attempt: dict[str, Any], start: S
     return turn
 
 
-async def _alive(state: AppState, attempt: dict[str, Any]) -> bool:
+async def _alive(turns: TurnService, attempt: dict[str, Any]) -> bool:
     """Whether the attempt that runs a record can still finish it."""
-    if attempt.get("lost") or state.identity.is_dead(attempt):
+    if attempt.get("lost") or turns.identity.is_dead(attempt):
         return False
     lock = attempt.get("lock")
     if isinstance(lock, str):
-        holder = await state.coord.lock_holder(lock_key(str(attempt.get("conversation_id"))))
+        holder = await turns.coord.lock_holder(lock_key(str(attempt.get("conversation_id"))))
         return holder is not None and holder.token == lock
     # Not started yet (or died starting): its turn lock would be held within a moment.
     began = attempt.get("began")
-    return isinstance(began, int | float) and time.time() - began < state.settings.turn_lock_ttl
+    return isinstance(began, int | float) and time.time() - began < turns.settings.turn_lock_ttl
 
 
-async def _stored(state: AppState, record: IdempotencyRecord) -> MessageRecord:
+async def _stored(turns: TurnService, record: IdempotencyRecord) -> MessageRecord:
     result = record.result or {}
-    message = await state.store.get_message(
+    message = await turns.store.get_message(
         str(result.get("conversation_id")), str(result.get("message_id"))
     )
     if message is None:

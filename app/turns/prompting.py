@@ -88,7 +88,7 @@ def chat_messages(
                 raise invalid_request("a tool message needs content", f"{where}.content")
             out.append(ChatMessage("tool", text, tool_call_id=m.tool_call_id, name=m.name))
             continue
-        if open_calls and m.role != "tool":
+        if open_calls:  # a tool message was handled above
             raise invalid_request(
                 "an assistant message with 'tool_calls' must be followed by tool messages "
                 f"responding to each 'tool_call_id' (missing: {', '.join(sorted(open_calls))})",

@@ -27,8 +27,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvchat.app.coord import Coordinator, ProcessIdentity
+from kvchat.app.coord.leases import LeaseKeeper
 from kvchat.app.coord.locks import HeldLock, Locks
 from kvchat.app.errors import (
     APIError,
@@ -38,11 +40,14 @@ from kvchat.app.errors import (
     invalid_request,
     not_found,
 )
-from kvchat.app.ops.limits import spend_on_finish
+from kvchat.app.ops.limits import Limits
+from kvchat.app.ops.tasks import BackgroundTasks
+from kvchat.app.runtime import Runtime
 from kvchat.app.schemas.chat import SamplingFields
-from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence
+from kvchat.app.session_settings import SessionSettings
+from kvchat.app.settings import Settings
+from kvchat.app.store import ConversationRecord, KeyRecord, MessageRecord, StaleFence, Store
 from kvchat.app.store.column_types import utcnow
-from kvchat.app.turns import pipeline
 from kvchat.app.turns.branches import BranchCache
 from kvchat.app.turns.events import (
     TurnDelta,
@@ -57,11 +62,9 @@ from kvchat.app.turns.events import (
     text_of,
 )
 from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
+from kvchat.app.turns.pipeline import PreparedTurn, TurnPlanner
 from kvchat.app.turns.turn import Turn
-from kvchat.inference import ChatMessage, branch_key, prompt_key
-
-if TYPE_CHECKING:
-    from kvchat.app.state import AppState
+from kvchat.inference import ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +104,51 @@ def key_revoked() -> APIError:
 
 
 class TurnService:
-    def __init__(self, state: AppState, clock: Callable[[], float] = time.monotonic) -> None:
-        self.state = state
+    """Built by the composition root (app/main.py) from what a turn needs: the settings, the
+    session defaults, the store, the runtime (the engine client, templates, worker threads),
+    the coordination back end and this process's identity on it, the session leases, the
+    admission limits and the background tasks."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        defaults: SessionSettings,
+        store: Store,
+        runtime: Runtime,
+        coord: Coordinator,
+        identity: ProcessIdentity,
+        limits: Limits,
+        tasks: BackgroundTasks,
+        leases: LeaseKeeper | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.runtime = runtime
+        self.coord = coord
+        self.identity = identity
+        self.limits = limits
+        self.tasks = tasks
+        self.leases = leases
         self.clock = clock
-        self.locks = Locks(state.coord, state.identity, state.settings.turn_lock_ttl)
+        self.locks = Locks(coord, identity, settings.turn_lock_ttl)
+        self.planner = TurnPlanner(
+            settings=settings,
+            defaults=defaults,
+            store=store,
+            runtime=runtime,
+            locks=self.locks,
+            limits=limits,
+        )
         self._running: dict[str, Turn] = {}  # conversation id -> its turn in this process
-        self.branches = BranchCache()
         # Reply id -> the latest turns that ended here, newest last: a client resuming one
         # gets its events as they were published, not the stored reply's summary of them.
         self._recent: OrderedDict[str, Turn] = OrderedDict()
-        # Conversation id -> the (covered, newly dropped) ids its last summary job could not
-        # fold into a summary: the same job is not run again until a trim changes them.
-        self.unsummarized: OrderedDict[str, tuple[tuple[str, ...], tuple[str, ...]]] = OrderedDict()
+
+    @property
+    def branches(self) -> BranchCache:
+        return self.planner.branches
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -126,7 +162,7 @@ class TurnService:
         return list(self._running.values())
 
     async def conversation(self, owner: str, conversation_id: str) -> ConversationRecord:
-        conv = await self.state.store.get_conversation(owner, conversation_id)
+        conv = await self.store.get_conversation(owner, conversation_id)
         if conv is None:
             raise not_found(f"conversation {conversation_id!r}")
         return conv
@@ -134,7 +170,7 @@ class TurnService:
     async def check_key(self, key: KeyRecord) -> None:
         """401 when `key` was revoked after it authenticated: connections outlive requests,
         so every turn checks again (one indexed read, next to a turn's cost)."""
-        if not await self.state.store.is_key_active(key.id):
+        if not await self.store.is_key_active(key.id):
             raise key_revoked()
 
     async def regenerate_parent(
@@ -144,7 +180,7 @@ class TurnService:
         answers: the assistant reply's parent."""
         conv = await self.conversation(owner, conversation_id)
         target = message_id or conv.current_leaf_id
-        message = await self.state.store.get_message(conv.id, target) if target else None
+        message = await self.store.get_message(conv.id, target) if target else None
         return regenerated_parent(message, "message_id")
 
     # -- starting a turn -------------------------------------------------------------------------
@@ -172,7 +208,6 @@ class TurnService:
         system prompt instead of the conversation's, `truncation` False refuses a turn whose
         history does not fit whole (pipeline.prepare_turn), `reply_fields` are stored with
         the reply when it is committed (its `response` record)."""
-        state = self.state
         if not key_verified:
             await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
@@ -190,8 +225,7 @@ class TurnService:
                 raise conversation_gone(conv.id)
             raise busy(BUSY)
         try:
-            prepared = await pipeline.prepare_turn(
-                state,
+            prepared = await self.planner.prepare_turn(
                 conv,
                 fields,
                 new_message=new_message,
@@ -199,9 +233,8 @@ class TurnService:
                 instructions=instructions,
                 truncation=truncation,
             )
-            state.runtime.engine.set_session_budget(conv.id, pipeline.session_budget(state, conv))
             try:
-                user, reply = await state.store.start_reply(
+                user, reply = await self.store.start_reply(
                     conv.id,
                     parent_id=prepared.reply_parent_id,
                     user=prepared.user_fields,
@@ -213,40 +246,39 @@ class TurnService:
                 raise conversation_gone(conv.id) from None
             except StaleFence:
                 raise busy(BUSY) from None
-            state.runtime.history.record(conv.id, prepared.history_stats)
+            self.runtime.history.record(conv.id, prepared.history_stats)
             generation = Generation(
-                state.runtime,
+                self.runtime,
                 prepared.request,
                 cache_salt=key.owner,
                 tool_format=prepared.tool_format,
                 tool_names=prepared.tool_names,
                 request_id=f"turn-{reply.id}",
-                on_finish=spend_on_finish(state, key.id),
+                on_finish=self.limits.spend_on_finish(key.id),
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
-            if state.coord.name != "local":
+            if self.coord.name != "local":
                 turn.on_event = self._buffer()
-            unsubscribe = await state.coord.subscribe_stop(conv.id, lambda _: turn.stop())
+            unsubscribe = await self.coord.subscribe_stop(conv.id, lambda _: turn.stop())
         except BaseException:
             await held.release()
             raise
         held.on_lost = turn.lose_lock
         self._running[conv.id] = turn
         turn.publish(TurnStarted(reply.id, reply.parent_id))
-        turn.task = state.spawn(self._run(turn, held, prepared, unsubscribe, on_end))
+        turn.task = self.tasks.spawn(self._run(turn, held, prepared, unsubscribe, on_end))
         return turn
 
     def _buffer(self) -> Callable[[Turn, TurnEvent], None]:
         """Copy a turn's events to the coordination back end, in order (one task per turn),
         for clients of other processes."""
         queue: asyncio.Queue[TurnEvent] = asyncio.Queue()
-        state = self.state
 
         async def drain(stream: str) -> None:
             while True:
                 event = await queue.get()
                 try:
-                    await state.coord.append_event(stream, event.frame(), EVENTS_TTL)
+                    await self.coord.append_event(stream, event.frame(), EVENTS_TTL)
                 except Exception:
                     log.exception("buffering a reply's event failed")
                 if isinstance(event, TurnDone | TurnFailed):
@@ -254,7 +286,7 @@ class TurnService:
 
         def on_event(turn: Turn, event: TurnEvent) -> None:
             if isinstance(event, TurnStarted):
-                state.spawn(drain(events_stream(turn.message_id)))
+                self.tasks.spawn(drain(events_stream(turn.message_id)))
             queue.put_nowait(event)
 
         return on_event
@@ -265,13 +297,13 @@ class TurnService:
         self,
         turn: Turn,
         held: HeldLock,
-        prepared: pipeline.PreparedTurn,
+        prepared: PreparedTurn,
         unsubscribe: Callable[[], None],
         on_end: EndHook | None,
     ) -> None:
         result: Generated | None = None
         error: BaseException | None = None
-        checkpoints = Checkpoints(self.state, turn)
+        checkpoints = Checkpoints(self.store, self.settings.reply_checkpoint_interval, turn)
         try:
             async for event in turn.generation.events():
                 if isinstance(event, TextDelta) and event.text:
@@ -311,7 +343,7 @@ class TurnService:
         self,
         turn: Turn,
         held: HeldLock,
-        prepared: pipeline.PreparedTurn,
+        prepared: PreparedTurn,
         result: Generated,
         error: BaseException | None,
         checkpoints: Checkpoints,
@@ -320,16 +352,15 @@ class TurnService:
     ) -> None:
         """Store the reply, publish the one terminal event, run the end hook, release the
         lock; whatever any step raises, the next ones run."""
-        state = self.state
         try:
             await checkpoints.settle()
             fields = self._reply_fields(result, error)
             if result.token_ids:
-                counts = await state.runtime.run_cpu(
-                    pipeline.reply_counts, state, prepared, result.token_ids, fields["tool_calls"]
+                counts = await self.runtime.run_cpu(
+                    self.planner.reply_counts, prepared, result.token_ids, fields["tool_calls"]
                 )
                 fields.update(num_tokens=counts.num_tokens, content_tokens=counts.content_tokens)
-            final = await state.store.update_message(turn.message_id, **fields)
+            final = await self.store.update_message(turn.message_id, **fields)
             turn.final = final
             new = (turn.user_message, final) if turn.user_message is not None else (final,)
             self.branches.put(prepared.conversation, prepared.path, new, prepared.summary_record)
@@ -366,13 +397,12 @@ class TurnService:
                 if self._running.get(turn.conversation_id) is turn:
                     del self._running[turn.conversation_id]
             try:
-                if state.leases is not None:
-                    await state.leases.hold(turn.conversation_id)
+                if self.leases is not None:
+                    await self.leases.hold(turn.conversation_id)
             except Exception:
                 log.exception("taking the lease of %s failed", turn.conversation_id)
             if turn.final is not None and error is None:
-                job = pipeline.summary_job(
-                    state,
+                job = self.planner.summary_job(
                     prepared.conversation,
                     prepared.policy,
                     prepared.plan,
@@ -380,7 +410,7 @@ class TurnService:
                     prepared.chat,
                 )
                 if job is not None:
-                    state.spawn(job())
+                    self.tasks.spawn(job())
 
     def _reply_fields(self, result: Generated, error: BaseException | None) -> dict[str, Any]:
         fields: dict[str, Any] = dict(
@@ -421,10 +451,10 @@ class TurnService:
         turn = self.running(conv.id)
         if turn is not None:
             turn.stop()
-        await self.state.coord.publish_stop(conv.id)
+        await self.coord.publish_stop(conv.id)
         if turn is not None:
             return True
-        holder = await self.state.coord.lock_holder(lock_key(conv.id))
+        holder = await self.coord.lock_holder(lock_key(conv.id))
         return holder is not None and holder.purpose == "turn"
 
     async def attach(
@@ -443,23 +473,22 @@ class TurnService:
         )
         if turn is not None and turn.conversation_id == conversation_id:
             return from_offset(turn.events(), offset)
-        stored = await self.state.store.get_message(conversation_id, message_id)
+        stored = await self.store.get_message(conversation_id, message_id)
         if stored is None or stored.role != "assistant":
             raise not_found("reply in this conversation", "message_id")
         if stored.status != "generating":
             return from_offset(_iterate(stored_events(stored)), offset)
-        if self.state.coord.name == "local":
+        if self.coord.name == "local":
             raise not_found("reply being generated", "message_id")
-        frames = self.state.coord.read_events(events_stream(stored.id), 60.0)
+        frames = self.coord.read_events(events_stream(stored.id), 60.0)
         return from_offset(_events_of(frames), offset)
 
     async def delete(self, owner: str, conversation_id: str) -> None:
         """Delete a conversation: a reply being generated is stopped and stored first (the
         delete takes the turn lock, so no turn starts or runs while it deletes; a turn that
         tries meanwhile gets 404)."""
-        state = self.state
         conv = await self.conversation(owner, conversation_id)
-        deadline = self.clock() + state.settings.drain_timeout + state.settings.turn_lock_ttl
+        deadline = self.clock() + self.settings.drain_timeout + self.settings.turn_lock_ttl
         while True:
             held = await self.locks.acquire(lock_key(conv.id), purpose="delete")
             if isinstance(held, HeldLock):
@@ -475,18 +504,15 @@ class TurnService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(turn.ended(), 0.5)
             else:
-                await state.coord.publish_stop(conv.id)
+                await self.coord.publish_stop(conv.id)
                 await asyncio.sleep(0.05)
         try:
-            if not await state.store.delete_conversation(owner, conv.id):
+            if not await self.store.delete_conversation(owner, conv.id):
                 raise not_found(f"conversation {conversation_id!r}")
             self.branches.forget(conv.id)
-            await state.runtime.async_engine.close_session(conv.id)  # its KV freed now
-            state.runtime.history.forget(conv.id)
-            state.runtime.builder.renderer.forget(branch_key(conv.id))
-            state.runtime.builder.renderer.forget(prompt_key(conv.id))
-            if state.leases is not None:
-                await state.leases.release(conv.id)
+            await self.runtime.forget_session(conv.id)  # its KV freed now, its caches
+            if self.leases is not None:
+                await self.leases.release(conv.id)
         finally:
             await held.release()
 
@@ -497,7 +523,6 @@ class TurnService:
         being generated by no live process `interrupted`, and give each the text its clients
         were sent (the buffered events, when the back end kept them and they say more than
         the last checkpoint). Returns the interrupted replies."""
-        state = self.state
         for key, holder in await self.locks.reclaim_dead():
             log.warning(
                 "took over lock %s from %s (pid %d), which is gone", key, holder.owner, holder.pid
@@ -507,22 +532,22 @@ class TurnService:
         scanned = utcnow()
         live = {
             key.removeprefix("turn:")
-            for key, holder in await state.coord.lock_scan("turn:")
+            for key, holder in await self.coord.lock_scan("turn:")
             if holder.purpose == "turn"
         }
-        interrupted = await state.store.mark_interrupted(
+        interrupted = await self.store.mark_interrupted(
             except_conversations=live, created_before=scanned
         )
         recovered = []
         for message in interrupted:
             try:
-                frames = await state.coord.buffered_events(events_stream(message.id))
+                frames = await self.coord.buffered_events(events_stream(message.id))
                 text = text_of(_parsed(frames))
             except Exception:
                 log.exception("reading the buffered events of %s failed", message.id)
                 text = ""
             if len(text) > len(message.content or ""):
-                message = await state.store.update_message(message.id, content=text)
+                message = await self.store.update_message(message.id, content=text)
             recovered.append(message)
         return recovered
 
@@ -531,10 +556,10 @@ class Checkpoints:
     """Writes a generating reply's text and ids so far every `reply_checkpoint_interval`
     seconds (0: never), one write at a time, never after the final one."""
 
-    def __init__(self, state: AppState, turn: Turn) -> None:
-        self.state = state
+    def __init__(self, store: Store, interval: float, turn: Turn) -> None:
+        self.store = store
         self.turn = turn
-        self.interval = state.settings.reply_checkpoint_interval
+        self.interval = interval
         self.last = time.monotonic()
         self.task: asyncio.Task[None] | None = None
 
@@ -552,7 +577,7 @@ class Checkpoints:
 
     async def _write(self, text: str, token_ids: list[int]) -> None:
         try:
-            await self.state.store.update_message(
+            await self.store.update_message(
                 self.turn.message_id, content=text, token_ids=token_ids or None
             )
         except Exception:

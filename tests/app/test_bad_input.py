@@ -923,7 +923,7 @@ def test_nesting_up_to_the_limits_is_accepted(service: Service) -> None:
 
 
 def test_the_documented_limits_are_the_codes() -> None:
-    from kvchat.app.schemas import ranges as limits
+    from kvchat.app import ranges as limits
     from kvchat.app.schemas.json_input import MAX_JSON_DEPTH as json_depth
     from kvchat.app.turns.structured import MAX_SCHEMA_DEPTH as schema_depth
 

@@ -57,7 +57,7 @@ def test_the_scan_sees_the_service_importing_the_engine() -> None:
     modules = {(where, module) for where, _, module, _ in app_imports()}
     assert ("app/runtime.py", "kvchat.inference") in modules
     assert ("app/settings.py", "kvchat.memory") in modules
-    assert ("app/settings.py", "kvchat.history") in modules
+    assert ("app/session_settings.py", "kvchat.history") in modules
 
 
 def type_checking_names(path: Path) -> set[str]:

@@ -46,7 +46,7 @@ def chat(service: Service, messages: list[dict[str, Any]], key: str | None = Non
 
 def wait_until_pinned(service: Service, timeout: float = 60.0) -> None:
     """Until no finished turn waits for its last token's KV (the engine's FINISHING step)."""
-    scheduler = service.state.runtime.engine.scheduler
+    scheduler = service.state.runtime.engine_client.engine.scheduler
     deadline = time.monotonic() + timeout
     while scheduler.finishing:
         assert time.monotonic() < deadline, "a finished turn was never pinned"
@@ -119,13 +119,15 @@ def test_readyz_says_draining_and_the_exit_hooks_run_with_the_sessions_still_pin
     app = create_app(settings)
     seen: list[tuple[bool, int]] = []
 
-    async def hook(state: Any) -> None:
-        from kvchat.app.ops.drain import pinned_sessions
-
-        seen.append((state.runtime.is_running, pinned_sessions(state).num_sessions))
-
     with caplog.at_level(logging.INFO, logger="kvchat.app.ops.drain"), TestClient(app) as client:
         state = app.state.kvchat
+
+        async def hook() -> None:
+            from kvchat.app.ops.drain import pinned_sessions
+
+            report = await state.runtime.engine_client.memory_report()
+            seen.append((state.runtime.is_running, pinned_sessions(report).num_sessions))
+
         state.drain.exit_hooks.append(hook)
         _, key = client.portal.call(lambda: state.store.create_key("alice"))
         headers = {"Authorization": f"Bearer {key}"}

@@ -262,7 +262,7 @@ def test_a_turn_is_checked_once_under_its_conversation_budget(
 ) -> None:
     """The turn's request is checked when it is planned, against the budget the conversation
     stores, and that checked request is what runs: no second check when it is queued."""
-    checker = service.state.runtime.engine.checker
+    checker = service.state.runtime.engine_client.engine.checker
     real = checker.check
     calls: list[tuple[Any, ...]] = []
 
@@ -561,8 +561,8 @@ def settle_background(service: Service, timeout: float = 120.0) -> None:
 
     async def settle() -> None:
         async with asyncio.timeout(timeout):
-            while service.state.background:
-                await asyncio.wait(list(service.state.background))
+            while service.state.tasks:
+                await service.state.tasks.wait(timeout)
 
     service.client.portal.call(settle)
 
@@ -608,7 +608,7 @@ def test_a_summary_never_locks_a_small_budget_conversation_out(service: Service)
     assert latest is not None
     assert latest.id == made.id or latest.num_tokens <= 64 // 4
     if latest.id == made.id:  # that job is not run again until a trim changes what it folds
-        covered, newly = service.state.turns.unsummarized[conv]
+        covered, newly = service.state.turns.planner.unsummarized[conv]
         assert covered == tuple(made.covers) and newly
 
 

@@ -73,7 +73,7 @@ def test_engine_view_names_the_cpu_and_the_measured_linear_paths(ops: Service) -
     )
     assert rows1 == min(linear["probe_ms"][n]["1"] for n in held)
     assert linear["prefill_path"] in ("torch", "onednn", "upcast", "widen", "onednn-prepacked")
-    assert linear == ops.state.runtime.engine.model.linear_plan.as_dict()
+    assert linear == ops.state.runtime.engine_client.engine.model.linear_plan.as_dict()
 
 
 def test_admin_routes_need_an_admin_key(ops: Service) -> None:

@@ -419,7 +419,7 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
     with TestClient(app) as client:
         state = app.state.kvchat
         _, key = client.portal.call(state.store.create_key, "k")
-        StepFault(state.runtime.engine, after=3)
+        StepFault(state.runtime.engine_client.engine, after=3)
         headers = {"Authorization": f"Bearer {key}"}
         body = {
             "model": state.runtime.model_name,

@@ -470,7 +470,7 @@ def test_an_engine_fault_mid_reply_ends_the_stream_with_an_error_part(
     with TestClient(app) as client:
         state = app.state.kvchat
         _, key = client.portal.call(state.store.create_key, "k")
-        StepFault(state.runtime.engine, after=3)
+        StepFault(state.runtime.engine_client.engine, after=3)
         headers = {"Authorization": f"Bearer {key}"}
         body = {"id": "chat-fault", "messages": [user("Hello", "f1")], **LONG}
         with client.stream("POST", "/v1/ui/chat", headers=headers, json=body) as r:

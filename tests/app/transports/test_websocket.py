@@ -90,7 +90,7 @@ def test_stop_ends_the_reply_within_one_step(
     # What the engine had generated when the stop reached it, read as the abort is queued
     # (deltas already on their way to the client when it sent the stop say nothing about
     # the engine: on a loaded machine the client reads them late).
-    engine = ws_service.state.runtime.async_engine
+    engine = ws_service.state.runtime.engine_client.async_engine
     at_abort: list[int] = []
     real_abort = engine.abort
 
@@ -362,23 +362,22 @@ def test_every_typed_error_is_an_error_frame_and_the_socket_stays_open(
     """Injected faults: planning a turn raises each error the service knows (and one it does
     not); each is answered with its error frame, the socket answers ping afterwards, the
     conversation's lock is free and nothing was stored."""
-    from kvchat.app.turns import pipeline
-
     conv = conversation(ws_service)
-    real = pipeline.prepare_turn
+    planner = ws_service.state.turns.planner
+    real = planner.prepare_turn
     with socket(ws_service, conv) as ws:
         for fault, code in _faults():
 
             async def failing(*args: Any, error: BaseException = fault, **kwargs: Any) -> Any:
                 raise error
 
-            monkeypatch.setattr(pipeline, "prepare_turn", failing)
+            monkeypatch.setattr(planner, "prepare_turn", failing)
             ws.send_json({"type": "message", "content": "Hello", "max_tokens": 3})
             frame = ws.receive_json()
             assert frame["type"] == "error" and frame["code"] == code, (fault, frame)
             ws.send_json({"type": "ping"})
             assert ws.receive_json() == {"type": "pong"}
-        monkeypatch.setattr(pipeline, "prepare_turn", real)
+        monkeypatch.setattr(planner, "prepare_turn", real)
         ws.send_json({"type": "message", "content": "And now for real", "max_tokens": 3})
         assert until(ws, "done")[-1]["status"] == "complete"
     assert [m["content"] for m in stored(ws_service, conv) if m["role"] == "user"] == [

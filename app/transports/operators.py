@@ -14,18 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.app.coord.leases import lease_name
+from kvchat.app.deps import AppState
 from kvchat.app.errors import invalid_request, not_found
-from kvchat.app.schemas.conversations import (
-    InvalidSessionSettings,
-    SessionSettings,
-    check_session_settings,
-)
-from kvchat.app.state import AppState
+from kvchat.app.schemas.conversations import InvalidSessionSettings, check_session_settings
+from kvchat.app.session_settings import SessionSettings
 from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord
-from kvchat.app.turns.pipeline import context_budget, history_policy, session_budget
 from kvchat.app.turns.prompting import STATELESS_SESSION_PREFIX
-from kvchat.history import HistoryPolicy
-from kvchat.inference import SessionInfo, cpu_description
+from kvchat.inference import SessionInfo
 from kvchat.memory import CacheStats, HistoryStats, KVStoreStats, SessionState
 
 TIERS = {
@@ -38,22 +33,11 @@ TIERS = {
 
 def engine_report(state: AppState) -> dict[str, Any]:
     """Fixed at start-up: read without a trip to the engine thread."""
-    engine = state.runtime.engine
-    config = engine.config
-    return {
-        "object": "engine",
-        "model": config.model,
-        "num_parameters": engine.model_config.num_parameters,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "attention_backend": engine.ops.name,
-        "cpu": cpu_description(),
-        "linear": engine.model.linear_plan.as_dict(),
-    }
+    return {"object": "engine", **state.runtime.engine_client.describe()}
 
 
 async def memory(state: AppState) -> dict[str, Any]:
-    report = await state.runtime.async_engine.memory_report()
+    report = await state.runtime.engine_client.memory_report()
     history = state.runtime.history
     stats, cache = report.stats, report.stats.cache
     per_block, block_size = report.bytes_per_block, report.block_size
@@ -136,7 +120,7 @@ async def memory(state: AppState) -> dict[str, Any]:
         "preemptions": {"swap": cache.preemptions_swap, "recompute": cache.preemptions_recompute},
         "kv_bytes_moved": (cache.blocks_to_host + cache.blocks_from_host) * per_block,
         "history": dataclasses.asdict(history.total()),
-        "defaults": dataclasses.asdict(state.defaults),
+        "defaults": state.defaults.model_dump(),
         "replica": state.replica_id,
     }
 
@@ -204,7 +188,7 @@ async def conversation(state: AppState, conversation_id: str) -> ConversationRec
 async def engine_session(state: AppState, session_id: str) -> SessionInfo:
     """A stateless session as the engine holds it; 404 for one it does not know (never used,
     or gone with a restart)."""
-    info = await state.runtime.async_engine.session_info(session_id)
+    info = await state.runtime.engine_client.session_info(session_id)
     if info is None:
         raise not_found(f"session {session_id!r}")
     return info
@@ -228,14 +212,15 @@ async def session(
             engine = await engine_session(state, session_id)
         return stateless_session(state, engine)
     conv = await conversation(state, session_id)
-    policy = history_policy(state, conv)
+    planner = state.turns.planner
+    effective = planner.session(conv)
     error = None
     try:
-        check_session_settings(conv.overrides, {}, dataclasses.asdict(state.defaults))
+        check_session_settings(conv.overrides, {}, state.defaults.model_dump())
     except InvalidSessionSettings as e:
         error = {"param": e.field, "message": str(e)}
     if engine is None:
-        engine = await state.runtime.async_engine.session_info(conv.id)
+        engine = await state.runtime.engine_client.session_info(conv.id)
     return {
         "object": "session",
         "session_id": conv.id,
@@ -244,13 +229,8 @@ async def session(
         "owner": conv.owner,
         "settings": {f: getattr(conv, f) for f in OVERRIDE_FIELDS},
         "effective": {
-            "max_context_tokens": context_budget(state, conv),
-            "max_kv_tokens": session_budget(state, conv).max_kv_tokens,
-            "history_policy": policy.policy,
-            "high_watermark": policy.high_watermark,
-            "low_watermark": policy.low_watermark,
-            "max_tool_result_tokens": policy.max_tool_result_tokens,
-            "max_summary_tokens": policy.max_summary_tokens,
+            **effective.filled().model_dump(),
+            "max_context_tokens": planner.context_budget(conv),
         },
         "error": error,
         "engine": _engine_view(state, engine),
@@ -291,12 +271,12 @@ async def update_session(state: AppState, session_id: str, body: SessionSettings
     conv = await conversation(state, session_id)
     fields = body.model_dump(exclude_unset=True)
     if fields:
-        check_session_settings(conv.overrides, fields, dataclasses.asdict(state.defaults))
+        check_session_settings(conv.overrides, fields, state.defaults.model_dump())
     updated = await state.store.update_conversation(conv.owner, conv.id, **fields)
     if updated is None:  # deleted meanwhile
         raise not_found(f"conversation {session_id!r}")
-    info = await state.runtime.async_engine.set_session_budget(
-        conv.id, session_budget(state, updated)
+    info = await state.runtime.engine_client.set_session_budget(
+        conv.id, state.turns.planner.session_budget(updated)
     )
     return await session(state, session_id, info)
 
@@ -327,7 +307,7 @@ async def update_stateless(
         if name in fields
     }
     budget = dataclasses.replace(info.budget, **changes)
-    updated = await state.runtime.async_engine.set_session_budget(session_id, budget)
+    updated = await state.runtime.engine_client.set_session_budget(session_id, budget)
     if updated is None:  # closed meanwhile
         raise not_found(f"session {session_id!r}")
     return stateless_session(state, updated)
@@ -339,11 +319,11 @@ async def evict(state: AppState, session_id: str, offload: bool) -> dict[str, An
     stateless = is_stateless(session_id)
     if not stateless:
         session_id = (await conversation(state, session_id)).id
-    eviction = await state.runtime.async_engine.evict_session(session_id, offload=offload)
+    eviction = await state.runtime.engine_client.evict_session(session_id, offload=offload)
     if stateless and eviction.before is None:
         raise not_found(f"session {session_id!r}")
     after = None if eviction.after is None else eviction.after.state
-    if not stateless and after in (None, SessionState.EMPTY) and state.leases is not None:
+    if not stateless and after in (None, SessionState.EMPTY):
         await state.leases.release(session_id)
     return {
         "object": "session.eviction",
@@ -367,13 +347,7 @@ def update_defaults(state: AppState, body: SessionSettings) -> dict[str, Any]:
     for name in REQUIRED_DEFAULTS:
         if name in fields and fields[name] is None:
             raise invalid_request(f"{name} cannot be unset: give a value", name)
-    defaults = dataclasses.replace(state.defaults, **fields)
-    HistoryPolicy(  # raises, naming the field, on a bad combination
-        policy=defaults.history_policy,
-        high_watermark=defaults.high_watermark,
-        low_watermark=defaults.low_watermark,
-        max_tool_result_tokens=defaults.max_tool_result_tokens,
-        max_summary_tokens=defaults.max_summary_tokens,
-    )
+    defaults = state.defaults.model_copy(update=fields)
+    defaults.policy()  # raises, naming the field, on a bad combination
     state.defaults = defaults
-    return dataclasses.asdict(state.defaults)
+    return state.defaults.model_dump()
