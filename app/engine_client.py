@@ -1,7 +1,7 @@
 """EngineClient: the engine as the service sees it, and the one name for it in app/ (vLLM v1
 puts one `EngineClient` in front of every entrypoint, likewise).
 
-The engine runs on a thread of its own (inference/engine_thread.py); everything here is safe
+The engine runs on a thread of its own (inference/engine/thread.py); everything here is safe
 from the event loop. What changes or reads the engine's state is async and answered by the
 engine thread. Three calls return at once, on any thread, and are not awaited:
 - `check` is a pure check of a request against the model and the session's budget (it runs

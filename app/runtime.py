@@ -40,7 +40,7 @@ CPU_WORKERS = 2  # a long job (a huge message) leaves the other worker to the ne
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        # Built on the engine's own thread, which then runs its loop (inference/engine_thread.py)
+        # Built on the engine's own thread, which then runs its loop (inference/engine/thread.py)
         self._client = ThreadEngineClient(AsyncEngine.build(settings.engine_config()))
         self.engine_client: EngineClient = self._client
         tokenizer = self._client.tokenizer

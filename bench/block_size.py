@@ -15,9 +15,9 @@ from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 from kvchat.bench.workload import WorkloadConfig, make_conversations, run_workload
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
 from kvchat.memory.config import CacheConfig
 
 BLOCK_SIZES = (8, 16, 32, 64)

@@ -87,13 +87,13 @@ def copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
 def ensure_model(path: Path, preset: str) -> Path:
     """Create a preset model the first time a benchmark needs it."""
     if not (path / "config.json").exists():
-        from kvchat.inference.gguf_presets import GGUF_PRESETS, init_gguf_preset
+        from kvchat.inference.model.gguf_presets import GGUF_PRESETS, init_gguf_preset
 
         print(f"creating the {preset} model in {path}")
         if preset in GGUF_PRESETS:  # a real model, imported from the GGUF its preset names
             init_gguf_preset(path, preset, progress=True)
         else:
-            from kvchat.inference.dev_model import init_model
+            from kvchat.inference.model.dev_model import init_model
 
             init_model(path, preset, seed=0)
     return path

@@ -1,5 +1,5 @@
-"""kvchat serve on a shared CPU: adaptive CPU threads (inference/cpu_threads.py) against always
-all of torch's threads, each with OpenMP's default (spinning) wait policy and with
+"""kvchat serve on a shared CPU: adaptive CPU threads (inference/engine/cpu_threads.py) against
+always all of torch's threads, each with OpenMP's default (spinning) wait policy and with
 OMP_WAIT_POLICY=PASSIVE, on a quiet machine and beside CPU-bound processes, in one run.
 
 For each neighbourhood (quiet, then one or more `python -c "while True: pass"` beside the

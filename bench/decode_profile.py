@@ -26,10 +26,10 @@ from kvchat.bench.common import (
     machine_header,
     markdown_table,
 )
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.config import CacheConfig
 
 # Profiler op names -> what they are in the step.

@@ -20,8 +20,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from kvchat.inference.tokenizer import TiktokenTokenizer
-from kvchat.inference.tokenizer_files import (
+from kvchat.inference.text.tokenizer import TiktokenTokenizer
+from kvchat.inference.text.tokenizer_files import (
     CL100K_SHA256,
     LLAMA3_PAT_STR,
     bundled_ranks_path,

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
 from kvchat.bench.kv_quality import run
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
 from kvchat.memory.config import CacheConfig
 
 PROMPTS = [

@@ -34,10 +34,10 @@ import torch
 from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from kvchat.inference.chat_template import ChatMessage, load_chat_template
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.chat_template import ChatMessage, load_chat_template
 from kvchat.memory.config import CacheConfig
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "kv_quality_prompts.json"

@@ -39,11 +39,11 @@ DOCUMENTS = [
 ]
 CODE = [
     "history/policy.py",
-    "inference/sampling_params.py",
+    "inference/model/sampling_params.py",
     "memory/kv_store.py",
     "app/turns/branches.py",
     "app/ops/limits.py",
-    "inference/host_memory.py",
+    "inference/engine/host_memory.py",
     "kernels/quant.py",
 ]
 PEOPLE = [

@@ -1,6 +1,6 @@
 """Long conversations under a context budget far smaller than the conversation: the history
 policies side by side (drop with watermarks, drop_oldest, summarize), each turn planned by
-history and run through inference.conversation on one engine.
+history and run through inference.text.conversation on one engine.
 
 Used by bench/multiturn.py (`--scenario long`); per turn it records TTFT and the prompt tokens
 the engine computed, and per policy the trim events, tokens dropped and summaries made."""
@@ -17,13 +17,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvchat.app.session_settings import SessionSettings
-from kvchat.inference.chat_template import load_chat_template
-from kvchat.inference.context_builder import ContextBuilder
-from kvchat.inference.conversation import Conversation
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.chat_template import load_chat_template
+from kvchat.inference.text.context_builder import ContextBuilder
+from kvchat.inference.text.conversation import Conversation
 from kvchat.memory.config import CacheConfig, SessionBudget
 from kvchat.memory.stats import HistoryStats
 

@@ -36,10 +36,10 @@ from kvchat.bench.long_conversations import POLICIES as LONG_POLICIES
 from kvchat.bench.long_conversations import LongConfig, run_policy
 from kvchat.bench.long_conversations import report as report_long
 from kvchat.bench.workload import TurnRecord, WorkloadConfig, make_conversations, run_workload
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import DTYPES, EngineConfig
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import DTYPES, EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.config import ModelConfig
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_spec import KVCacheSpec
 

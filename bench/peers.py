@@ -128,9 +128,9 @@ class LlamaCppRunner:
 
 class KVChatRunner:
     def __init__(self, model_dir: Path, dtype: str, max_num_seqs: int = 16) -> None:
-        from kvchat.inference.engine import Engine
-        from kvchat.inference.engine_config import EngineConfig
-        from kvchat.inference.scheduler import SchedulerConfig
+        from kvchat.inference.engine.config import EngineConfig
+        from kvchat.inference.engine.engine import Engine
+        from kvchat.inference.engine.scheduler import SchedulerConfig
         from kvchat.memory.config import CacheConfig
 
         self.engine = Engine(
@@ -145,7 +145,7 @@ class KVChatRunner:
         self._count = 0
 
     def _params(self, new_tokens: int) -> Any:
-        from kvchat.inference.sampling_params import SamplingParams
+        from kvchat.inference.model.sampling_params import SamplingParams
 
         return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -172,7 +172,7 @@ class KVChatRunner:
     def split_decode_step(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         """(seconds per decode step, of which inside the linear layers), one sequence: the
         weight-streaming part against everything else of the step."""
-        from kvchat.inference.linear import Linear
+        from kvchat.inference.model.linear import Linear
 
         inside = 0.0
         call = Linear.__call__
@@ -235,12 +235,12 @@ import torch
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.host_memory import release_freed_memory
-from kvchat.inference.model import LlamaModel
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.weights import load_weights
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.host_memory import release_freed_memory
+from kvchat.inference.model.model import LlamaModel
+from kvchat.inference.model.config import ModelConfig
+from kvchat.inference.model.weights import load_weights
 from kvchat.kernels.cpu_ops import load_cpu_ops
 from kvchat.memory.config import CacheConfig
 model_dir, dtype_name = sys.argv[1], sys.argv[2]
@@ -658,7 +658,7 @@ def build_report(
     splits: dict[str, list[tuple[float, float, float]]],
     when: tuple[tuple[float, float, float], tuple[float, float, float], time.struct_time],
 ) -> str:
-    from kvchat.inference.model_config import ModelConfig
+    from kvchat.inference.model.config import ModelConfig
     from kvchat.kernels.cpu_ops import cpu_flags, cpu_model
 
     config = ModelConfig.from_dir(model_dir)

@@ -58,9 +58,9 @@ def time_calls(dtype: torch.dtype, past: int, new: int, rounds: int, gen: torch.
 
 
 def time_prefills(model: Path, dtype: str, rounds: int, gen: torch.Generator, bar: tqdm):
-    from kvchat.inference.engine import Engine
-    from kvchat.inference.engine_config import EngineConfig
-    from kvchat.inference.sampling_params import SamplingParams
+    from kvchat.inference.engine.config import EngineConfig
+    from kvchat.inference.engine.engine import Engine
+    from kvchat.inference.model.sampling_params import SamplingParams
     from kvchat.memory.config import CacheConfig
 
     engine = Engine(

@@ -2,7 +2,7 @@
 plain (temperature and a seed) against the same with every knob on every row (presence,
 frequency and repetition penalties, 32 logit_bias entries, min_p) and on half the rows, the
 variants alternating round by round in one process. The penalties count each row's prompt
-and output tokens every step (inference/penalties.py), so longer prompts cost more: the
+and output tokens every step (inference/model/penalties.py), so longer prompts cost more: the
 prompts are --prompt-tokens long.
 
     python bench/sampling.py [--model models/smollm2-135m-instruct] [--rounds 8]
@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, machine_header, markdown_table
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
 
 BATCH = 16
 VARIANTS = ("plain", "all knobs, every row", "all knobs, half the rows")

@@ -113,11 +113,11 @@ class Run:
 
 async def run_engine(model: Path, load: Load, sessions: bool, bar: tqdm) -> Run:
     from kvchat.app.settings import Settings
-    from kvchat.inference.async_engine import AsyncEngine
-    from kvchat.inference.chat_template import ChatMessage, load_chat_template
-    from kvchat.inference.sampling_params import SamplingParams
+    from kvchat.inference.engine.async_engine import AsyncEngine
+    from kvchat.inference.model.sampling_params import SamplingParams
+    from kvchat.inference.text.chat_template import ChatMessage, load_chat_template
 
-    # Built on its own thread, as the server builds it (inference/engine_thread.py)
+    # Built on its own thread, as the server builds it (inference/engine/thread.py)
     runner = AsyncEngine.build(Settings(model=model, dtype="bfloat16", seed=0).engine_config())
     engine = runner.engine
     assert engine.tokenizer is not None

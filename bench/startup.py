@@ -1,6 +1,6 @@
 """Start-up time of `kvchat serve`: from the process's start to /readyz answering 200, cold (no
 kept linear plan: the engine probes the CPU's linear paths) and warm (the plan its cold start
-kept, inference/linear_plan_cache.py), on an idle machine and beside a CPU-bound process
+kept, inference/model/linear_plan_cache.py), on an idle machine and beside a CPU-bound process
 (`python -c "while True: pass"`), in the same run. Each start gets a fresh data directory
 (a new SQLite database each time, so cold and warm pay the same for it) and its own plan
 directory; the probe's own seconds are read from the server's log.

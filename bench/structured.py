@@ -36,12 +36,17 @@ import torch
 from tqdm import tqdm
 
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.grammar import Grammar, ToolSpec, json_schema_grammar, tool_call_grammar
-from kvchat.inference.grammar_compiler import GrammarCompiler
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.tool_calls import HERMES
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.structured.compiler import GrammarCompiler
+from kvchat.inference.structured.grammar import (
+    Grammar,
+    ToolSpec,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from kvchat.inference.text.tool_calls import HERMES
 from kvchat.memory.config import CacheConfig
 
 

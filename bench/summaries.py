@@ -28,13 +28,13 @@ from tqdm import tqdm
 
 from kvchat.app.session_settings import SessionSettings
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from kvchat.inference.chat_template import load_chat_template
-from kvchat.inference.context_builder import ContextBuilder
-from kvchat.inference.conversation import Conversation
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.chat_template import load_chat_template
+from kvchat.inference.text.context_builder import ContextBuilder
+from kvchat.inference.text.conversation import Conversation
 from kvchat.memory.config import CacheConfig, SessionBudget
 
 NAMES = ["Ada", "Bruno", "Carmen", "Dmitri", "Esther", "Farid", "Greta", "Hiro", "Ines", "Jonas"]

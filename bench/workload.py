@@ -10,8 +10,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from kvchat.inference.engine import Engine
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
 
 # ChatML ids of the dev/bench tokenizer (cl100k + ChatML).
 IM_START, IM_END, NEWLINE = 100264, 100265, 198

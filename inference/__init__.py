@@ -13,19 +13,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .async_engine import AsyncEngine
-    from .chat_template import ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
-    from .context_builder import ContextBuilder, MessageCounts, history_message
-    from .dev_model import PRESETS, init_model
-    from .engine import Engine
-    from .engine_config import DTYPES, EngineConfig
-    from .engine_reports import (
+    from .engine.async_engine import AsyncEngine
+    from .engine.checks import CheckedRequest
+    from .engine.config import DTYPES, EngineConfig
+    from .engine.engine import Engine
+    from .engine.priority import PRIORITY_LOW, PRIORITY_NORMAL
+    from .engine.reports import (
         EngineStats,
         KVSlotUsage,
         MemoryReport,
         SessionEviction,
         SessionInfo,
     )
+    from .engine.request_output import RequestOutput
+    from .engine.scheduler import SchedulerConfig
     from .errors import (
         EngineDeadError,
         GGUFImportError,
@@ -33,9 +34,15 @@ if TYPE_CHECKING:
         ModelLoadError,
         RequestFailedError,
     )
-    from .gguf_import import import_gguf
-    from .gguf_presets import GGUF_PRESETS, fetch_preset_gguf, init_gguf_preset
-    from .grammar import (
+    from .model.config import ModelConfig
+    from .model.dev_model import PRESETS, init_model
+    from .model.gguf_import import import_gguf
+    from .model.gguf_presets import GGUF_PRESETS, fetch_preset_gguf, init_gguf_preset
+    from .model.linear_plan import cpu_description
+    from .model.linear_plan_cache import default_plan_dir
+    from .model.sampling_params import SamplingParams
+    from .structured.compiler import GrammarCompiler, GrammarError
+    from .structured.grammar import (
         ANY_OBJECT,
         Grammar,
         ToolSpec,
@@ -43,40 +50,33 @@ if TYPE_CHECKING:
         json_schema_grammar,
         tool_call_grammar,
     )
-    from .grammar_compiler import GrammarCompiler, GrammarError
-    from .linear_plan import cpu_description
-    from .linear_plan_cache import default_plan_dir
-    from .model_config import ModelConfig
-    from .priority import PRIORITY_LOW, PRIORITY_NORMAL
-    from .request_checks import CheckedRequest
-    from .request_output import RequestOutput
-    from .sampling_params import SamplingParams
-    from .scheduler import SchedulerConfig
-    from .tokenizer import Tokenizer, TokenizerError
-    from .tokenizer_files import load_tokenizer
-    from .tool_calls import (
+    from .text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
+    from .text.context_builder import ContextBuilder, MessageCounts, history_message
+    from .text.tokenizer import Tokenizer, TokenizerError
+    from .text.tokenizer_files import load_tokenizer
+    from .text.tool_calls import (
         ContentDelta,
         ToolCall,
         ToolCallDelta,
         ToolCallStreamParser,
         parse_tool_calls,
     )
-    from .turn_planner import NEW, TurnPlan, branch_key, plan_turn, prompt_key
+    from .text.turn_planner import NEW, TurnPlan, branch_key, plan_turn, prompt_key
 
 # name -> the module (in this package) that defines it
 _MODULE_OF = {
-    "AsyncEngine": "async_engine",
+    "AsyncEngine": "engine.async_engine",
     **dict.fromkeys(
         ("ChatMessage", "ChatTemplate", "ChatTemplateError", "load_chat_template"),
-        "chat_template",
+        "text.chat_template",
     ),
-    **dict.fromkeys(("ContextBuilder", "MessageCounts", "history_message"), "context_builder"),
-    **dict.fromkeys(("PRESETS", "init_model"), "dev_model"),
-    "Engine": "engine",
-    **dict.fromkeys(("DTYPES", "EngineConfig"), "engine_config"),
+    **dict.fromkeys(("ContextBuilder", "MessageCounts", "history_message"), "text.context_builder"),
+    **dict.fromkeys(("PRESETS", "init_model"), "model.dev_model"),
+    "Engine": "engine.engine",
+    **dict.fromkeys(("DTYPES", "EngineConfig"), "engine.config"),
     **dict.fromkeys(
         ("EngineStats", "KVSlotUsage", "MemoryReport", "SessionEviction", "SessionInfo"),
-        "engine_reports",
+        "engine.reports",
     ),
     **dict.fromkeys(
         (
@@ -88,8 +88,10 @@ _MODULE_OF = {
         ),
         "errors",
     ),
-    "import_gguf": "gguf_import",
-    **dict.fromkeys(("GGUF_PRESETS", "fetch_preset_gguf", "init_gguf_preset"), "gguf_presets"),
+    "import_gguf": "model.gguf_import",
+    **dict.fromkeys(
+        ("GGUF_PRESETS", "fetch_preset_gguf", "init_gguf_preset"), "model.gguf_presets"
+    ),
     **dict.fromkeys(
         (
             "ANY_OBJECT",
@@ -99,24 +101,26 @@ _MODULE_OF = {
             "json_schema_grammar",
             "tool_call_grammar",
         ),
-        "grammar",
+        "structured.grammar",
     ),
-    **dict.fromkeys(("GrammarCompiler", "GrammarError"), "grammar_compiler"),
-    "cpu_description": "linear_plan",
-    "default_plan_dir": "linear_plan_cache",
-    "ModelConfig": "model_config",
-    **dict.fromkeys(("PRIORITY_LOW", "PRIORITY_NORMAL"), "priority"),
-    "CheckedRequest": "request_checks",
-    "RequestOutput": "request_output",
-    "SamplingParams": "sampling_params",
-    "SchedulerConfig": "scheduler",
-    **dict.fromkeys(("Tokenizer", "TokenizerError"), "tokenizer"),
-    "load_tokenizer": "tokenizer_files",
+    **dict.fromkeys(("GrammarCompiler", "GrammarError"), "structured.compiler"),
+    "cpu_description": "model.linear_plan",
+    "default_plan_dir": "model.linear_plan_cache",
+    "ModelConfig": "model.config",
+    **dict.fromkeys(("PRIORITY_LOW", "PRIORITY_NORMAL"), "engine.priority"),
+    "CheckedRequest": "engine.checks",
+    "RequestOutput": "engine.request_output",
+    "SamplingParams": "model.sampling_params",
+    "SchedulerConfig": "engine.scheduler",
+    **dict.fromkeys(("Tokenizer", "TokenizerError"), "text.tokenizer"),
+    "load_tokenizer": "text.tokenizer_files",
     **dict.fromkeys(
         ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser", "parse_tool_calls"),
-        "tool_calls",
+        "text.tool_calls",
     ),
-    **dict.fromkeys(("NEW", "TurnPlan", "branch_key", "plan_turn", "prompt_key"), "turn_planner"),
+    **dict.fromkeys(
+        ("NEW", "TurnPlan", "branch_key", "plan_turn", "prompt_key"), "text.turn_planner"
+    ),
 }
 
 __all__ = sorted(_MODULE_OF)

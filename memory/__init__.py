@@ -13,7 +13,7 @@ confirmed by comparing the token ids."""
 from .config import CacheConfig, MemoryConfigError, SessionBudget
 from .kv_layout import KVCacheLayout
 from .kv_spec import KV_CACHE_DTYPES, KVCacheSpec
-from .planner import MemoryPlan, parse_bytes
+from .pool_sizing import MemoryPlan, parse_bytes
 from .sessions import SessionState
 from .stats import CacheStats, HistoryStats, KVStoreStats
 

@@ -1,5 +1,5 @@
 """KVCacheLayout: how many blocks the KV pools get, decided once at start-up. The arithmetic of
-`kvchat.memory.planner` applied to what the engine measured, no tensors: the engine measures (on
+`kvchat.memory.pool_sizing` applied to what the engine measured, no tensors: the engine measures (on
 CUDA, a profiling pass: `DeviceMemory`) and allocates; this module decides.
 
 The result is a frozen object of its own, never written back into `CacheConfig` (which says

@@ -1,5 +1,5 @@
 """KVCacheSpec: the shape and byte size of one token's KV, and the cache dtype names a user may
-configure. Pure arithmetic, importing nothing heavy: the memory planner, the settings and the
+configure. Pure arithmetic, importing nothing heavy: the KV pool sizing, the settings and the
 service's history planning use it without torch. The tensors it describes are in
 `kvchat.memory.kv_cache`."""
 

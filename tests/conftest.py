@@ -22,7 +22,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 @pytest.fixture(scope="session")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dev preset (cl100k tokenizer, ChatML), as `make serve` creates it."""
-    from kvchat.inference.dev_model import init_model
+    from kvchat.inference.model.dev_model import init_model
 
     path = tmp_path_factory.mktemp("models") / "dev"
     init_model(path, "dev", seed=0)

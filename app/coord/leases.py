@@ -13,7 +13,7 @@ prompt is rendered from the stored history, including what other replicas added.
 those turns changed — new messages, an edit, a regenerated reply, a trim or a summary — makes
 the token ids diverge at the first changed token, and the KV past that point is released, never
 read; the KV before it is exactly what a recompute would produce. Windowed turns pin only KV
-that full attention would have computed (inference/scheduler.py, `remove`). So a stale
+that full attention would have computed (inference/engine/scheduler.py, `remove`). So a stale
 copy is reused as far as it is right and no further, with no epoch to compare; the lease only says
 where the newest copy is, and a turn that finds another replica held it counts in
 `kvchat:session_moves`."""

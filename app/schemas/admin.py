@@ -182,7 +182,7 @@ class LinearPathRow(BaseModel):
 
 
 class LinearPlanOut(BaseModel):
-    """The paths the linear layers take (kvchat.inference.linear_plan.LinearPlan.as_dict)."""
+    """The paths the linear layers take (kvchat.inference.model.linear_plan.LinearPlan.as_dict)."""
 
     dtype: str
     weights: Literal["plain", "onednn-prepacked"]

@@ -308,7 +308,7 @@ class TurnPlanner:
         truncation: bool = True,
     ) -> PreparedTurn:
         """The CPU-bound part of prepare_turn (a worker thread runs it): the request's tools and
-        schema, then the one planning step (inference.turn_planner), then the engine's
+        schema, then the one planning step (inference.text.turn_planner), then the engine's
         checks."""
         runtime = self.runtime
         offered = offer(runtime, fields)

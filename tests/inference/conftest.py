@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.inference.tokenizer import Tokenizer
-from kvchat.inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from kvchat.inference.text.tokenizer import Tokenizer
+from kvchat.inference.text.tokenizer_files import load_tokenizer, write_dev_tokenizer
 from kvchat_testing.tokenizers import LLAMA3_MERGES
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvchat.inference.async_engine import AsyncEngine, EngineDeadError
-from kvchat.inference.engine import MAX_FAILED_STEPS
+from kvchat.inference.engine.async_engine import AsyncEngine, EngineDeadError
+from kvchat.inference.engine.engine import MAX_FAILED_STEPS
+from kvchat.inference.engine.request_output import RequestOutput
 from kvchat.inference.errors import InvalidRequestError, RequestFailedError
-from kvchat.inference.request_output import RequestOutput
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.sessions import SessionState
 from kvchat_testing.engines import GREEDY, make_engine, random_prompt
 from kvchat_testing.faults import StepFault

@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvchat.inference.chat_template import (
+from kvchat.inference.text.chat_template import (
     CHATML_TEMPLATE,
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,
     load_chat_template,
 )
-from kvchat.inference.tokenizer import Tokenizer
-from kvchat.inference.tokenizer_files import load_tokenizer
+from kvchat.inference.text.tokenizer import Tokenizer
+from kvchat.inference.text.tokenizer_files import load_tokenizer
 from kvchat_testing.chat_templates import (
     DEFAULT_SYSTEM_CHATML,
     HF_CHATML_TEMPLATE,

@@ -13,22 +13,22 @@ import jsonschema
 import pytest
 import torch
 
-import kvchat.inference.structured_output as structured_output
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
+import kvchat.inference.structured.output as structured_output
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.request_output import RequestOutput
+from kvchat.inference.engine.scheduler import SchedulerConfig
 from kvchat.inference.errors import InvalidRequestError
-from kvchat.inference.grammar import (
+from kvchat.inference.model.config import ModelConfig
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.structured.grammar import (
     Grammar,
     ToolSpec,
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
 )
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.request_output import RequestOutput
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
-from kvchat.inference.tool_calls import HERMES
+from kvchat.inference.text.tool_calls import HERMES
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_spec import KVCacheSpec
 
@@ -71,7 +71,7 @@ LIST = {
 
 @pytest.fixture(scope="module")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvchat.inference.dev_model import init_model
+    from kvchat.inference.model.dev_model import init_model
 
     path = tmp_path_factory.mktemp("models") / "dev"
     init_model(path, "dev", seed=3)

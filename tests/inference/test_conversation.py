@@ -18,13 +18,13 @@ from kvchat.history import (
     facts,
     missing_facts,
 )
-from kvchat.inference.chat_template import ChatMessage, load_chat_template
-from kvchat.inference.context_builder import SUMMARY_PREFIX, ContextBuilder
-from kvchat.inference.conversation import Conversation, TurnResult
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.chat_template import ChatMessage, load_chat_template
+from kvchat.inference.text.context_builder import SUMMARY_PREFIX, ContextBuilder
+from kvchat.inference.text.conversation import Conversation, TurnResult
 from kvchat.memory.config import CacheConfig, SessionBudget
 
 # A tight budget and short turns: the conversation is several times the budget after 48 turns
@@ -67,7 +67,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvchat.inference.dev_model import init_model
+    from kvchat.inference.model.dev_model import init_model
 
     path = tmp_path_factory.mktemp("dev")
     init_model(path, "dev", seed=4)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvchat.inference.cpu_threads import CpuThreads, step_shape
-from kvchat.inference.engine import Engine
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.engine.cpu_threads import CpuThreads, step_shape
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat_testing.engines import make_engine, random_prompt
 
 DECODE = step_shape(num_tokens=4, num_decode=4, num_seqs=4)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvchat.inference.engine import Engine
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.request_output import RequestOutput
 from kvchat.inference.errors import InvalidRequestError
-from kvchat.inference.request_output import RequestOutput
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat_testing.engines import BLOCK, GREEDY, make_engine, random_prompt
 
 

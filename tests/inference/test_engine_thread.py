@@ -1,4 +1,4 @@
-"""The engine built and stepped on one thread (inference/engine_thread.py): EngineThread's calls,
+"""The engine built and stepped on one thread (inference/engine/thread.py): EngineThread's calls,
 and AsyncEngine.build, whose engine is constructed on the thread that then runs every step."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-import kvchat.inference.async_engine as async_engine_module
-from kvchat.inference.async_engine import AsyncEngine
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.engine_thread import EngineThread
+import kvchat.inference.engine.async_engine as async_engine_module
+from kvchat.inference.engine.async_engine import AsyncEngine
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.thread import EngineThread
 from kvchat.inference.errors import ModelLoadError
 from kvchat.memory.config import CacheConfig
 from kvchat_testing.engines import BLOCK, GREEDY, make_engine, random_prompt

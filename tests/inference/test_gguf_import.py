@@ -16,12 +16,12 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from kvchat.inference.errors import GGUFImportError
-from kvchat.inference.gguf_config import llama3_rope_scaling
-from kvchat.inference.gguf_import import import_gguf, unpermute
-from kvchat.inference.gguf_tokenizer import build_tokenizer
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.tokenizer_files import load_tokenizer
-from kvchat.inference.weights import load_weights
+from kvchat.inference.model.config import ModelConfig
+from kvchat.inference.model.gguf_config import llama3_rope_scaling
+from kvchat.inference.model.gguf_import import import_gguf, unpermute
+from kvchat.inference.model.gguf_tokenizer import build_tokenizer
+from kvchat.inference.model.weights import load_weights
+from kvchat.inference.text.tokenizer_files import load_tokenizer
 from kvchat_testing.gguf_files import (
     HEADS,
     KV_HEADS,

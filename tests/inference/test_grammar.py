@@ -10,26 +10,26 @@ import random
 import pytest
 import torch
 
-from kvchat.inference.grammar import (
+from kvchat.inference.structured.compiler import (
+    GrammarCompiler,
+    GrammarError,
+    logit_mask_from_bitmask,
+    unpack_bitmask,
+)
+from kvchat.inference.structured.grammar import (
     Grammar,
     ToolSpec,
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
 )
-from kvchat.inference.grammar_compiler import (
-    GrammarCompiler,
-    GrammarError,
-    logit_mask_from_bitmask,
-    unpack_bitmask,
-)
-from kvchat.inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
-from kvchat.inference.tokenizer_files import (
+from kvchat.inference.text.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+from kvchat.inference.text.tokenizer_files import (
     dev_special_tokens,
     load_bundled_tokenizer,
     load_tokenizer,
 )
-from kvchat.inference.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
+from kvchat.inference.text.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
 from kvchat_testing.tokenizers import write_hf_tokenizer
 
 CPU = torch.device("cpu")

@@ -14,12 +14,12 @@ from kvchat_testing.hf_models import build_hf_model
 
 DECODE = """
 import resource, sys
-import kvchat.inference.host_memory as host_memory
+import kvchat.inference.engine.host_memory as host_memory
 if sys.argv[2] == "default":
     host_memory._applied = False  # as if glibc had refused: the engine leaves malloc alone
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.model.sampling_params import SamplingParams
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32"))
 for i in range(16):
     engine.add_request(str(i), list(range(1 + i, 33 + i)),
@@ -80,7 +80,7 @@ def _thp_mode() -> str:
 def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
     import torch
 
-    from kvchat.inference.host_memory import HUGE_PAGE, HugePageArena
+    from kvchat.inference.engine.host_memory import HUGE_PAGE, HugePageArena
 
     tensors = [
         torch.randn(n, 96).to(dtype)
@@ -101,7 +101,7 @@ def test_huge_page_arena_keeps_values_and_gets_huge_pages() -> None:
 
 
 def test_the_heap_trimmer_trims_once_per_interval() -> None:
-    from kvchat.inference.host_memory import HeapTrimmer
+    from kvchat.inference.engine.host_memory import HeapTrimmer
 
     now = [100.0]
     trimmer = HeapTrimmer(interval=30.0, clock=lambda: now[0])
@@ -127,7 +127,7 @@ def test_trimming_gives_freed_heap_back() -> None:
 
 TRIM_PROBE = """
 import ctypes
-from kvchat.inference.host_memory import keep_freed_memory, release_freed_memory
+from kvchat.inference.engine.host_memory import keep_freed_memory, release_freed_memory
 
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])

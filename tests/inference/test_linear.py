@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvchat.inference.linear import Linear
-from kvchat.inference.linear_plan import (
+from kvchat.inference.model.linear import Linear
+from kvchat.inference.model.linear_plan import (
     DECODE_ROWS,
     PATH_FNS,
     PREFILL_ROWS,

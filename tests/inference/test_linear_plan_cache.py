@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvchat.app.settings import Settings
-from kvchat.inference import linear_plan_cache
-from kvchat.inference.linear_plan import LinearPlan, measure_plan
-from kvchat.inference.linear_plan_cache import (
+from kvchat.inference.model import linear_plan_cache
+from kvchat.inference.model.linear_plan import LinearPlan, measure_plan
+from kvchat.inference.model.linear_plan_cache import (
     LinearPlanCache,
     default_plan_dir,
     load_or_measure,
@@ -192,7 +192,7 @@ def test_an_unusable_cache_file_is_ignored_with_a_warning_and_replaced(
     }[corrupt]
     path.write_bytes(damaged)
     probe = CountingProbe()
-    with caplog.at_level(logging.WARNING, logger="kvchat.inference.linear_plan_cache"):
+    with caplog.at_level(logging.WARNING, logger="kvchat.inference.model.linear_plan_cache"):
         plan_again = load_or_measure(layers(), torch.float32, cache, probe)
     assert probe.calls == 1 and not plan_again.cached and plan_again.cache_file == str(path)
     assert any(
@@ -218,7 +218,7 @@ def test_an_unwritable_cache_directory_still_starts(
 ) -> None:
     (tmp_path / "a-file").write_text("")
     cache = LinearPlanCache(tmp_path / "a-file" / "plans")
-    with caplog.at_level(logging.WARNING, logger="kvchat.inference.linear_plan_cache"):
+    with caplog.at_level(logging.WARNING, logger="kvchat.inference.model.linear_plan_cache"):
         plan = load_or_measure(layers(), torch.float32, cache)
     assert plan.reason == "measured" and plan.cache_file is None and not plan.cached
     assert any("cannot write" in r.getMessage() for r in caplog.records)

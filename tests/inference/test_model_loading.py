@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvchat.inference.errors import ModelLoadError
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.weights import load_weights, unexpected_tensors
+from kvchat.inference.model.config import ModelConfig
+from kvchat.inference.model.weights import load_weights, unexpected_tensors
 from kvchat_testing.hf_models import build_hf_model
 
 BASE: dict[str, Any] = {

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.inference.output_processor import OutputProcessor
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.sequence import Sequence
-from kvchat.inference.tokenizer import TiktokenTokenizer
-from kvchat.inference.tokenizer_files import load_tokenizer, write_dev_tokenizer
+from kvchat.inference.engine.output_processor import OutputProcessor
+from kvchat.inference.engine.sequence import Sequence
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.tokenizer import TiktokenTokenizer
+from kvchat.inference.text.tokenizer_files import load_tokenizer, write_dev_tokenizer
 
 IM_END = 100265
 

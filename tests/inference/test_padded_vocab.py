@@ -15,10 +15,14 @@ import torch
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.tokenizer_files import DEV_VOCAB_SIZE, load_tokenizer, write_dev_tokenizer
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.tokenizer_files import (
+    DEV_VOCAB_SIZE,
+    load_tokenizer,
+    write_dev_tokenizer,
+)
 from kvchat.memory.config import CacheConfig
 from kvchat_testing.hf_models import build_hf_model
 from kvchat_testing.parity import LOGITS_ATOL, LogitsRecorder

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.linear_plan import onednn_dtypes
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.linear_plan import onednn_dtypes
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.kernels.cpu_ops import load_gemv
 from kvchat.memory.config import CacheConfig
 from kvchat_testing.hf_models import build_hf_model

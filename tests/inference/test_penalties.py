@@ -1,5 +1,5 @@
 """Penalties, logit bias and min-p against references computed by hand (vLLM's semantics:
-inference/penalties.py), batched rows with different knobs, and rows without knobs left
+inference/model/penalties.py), batched rows with different knobs, and rows without knobs left
 exactly as they were."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvchat.inference.errors import InvalidRequestError
-from kvchat.inference.penalties import apply_penalties
-from kvchat.inference.sampler import Sampler
-from kvchat.inference.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from kvchat.inference.model.penalties import apply_penalties
+from kvchat.inference.model.sampler import Sampler
+from kvchat.inference.model.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from kvchat_testing.engines import make_engine, random_prompt
 
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvchat.inference.chat_template import ChatMessage, ChatTemplate, load_chat_template
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.tokenizer import Tokenizer
-from kvchat.inference.tokenizer_files import load_tokenizer
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.model.sampling_params import SamplingParams
+from kvchat.inference.text.chat_template import ChatMessage, ChatTemplate, load_chat_template
+from kvchat.inference.text.tokenizer import Tokenizer
+from kvchat.inference.text.tokenizer_files import load_tokenizer
 from kvchat.memory.config import CacheConfig
 from kvchat_testing.chat_templates import QWEN25_TEMPLATE, TOOLS, tool_call
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.inference.model import rms_norm, rms_norm_ref
+from kvchat.inference.model.model import rms_norm, rms_norm_ref
 from kvchat.kernels.cpu_ops import load_cpu_ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="needs a C++ compiler")

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from kvchat.inference.sampler import _BLOCK, CHECKED_DRAWS, Sampler, _locate
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.model.sampler import _BLOCK, CHECKED_DRAWS, Sampler, _locate
+from kvchat.inference.model.sampling_params import SamplingParams
 
 # Vocabulary of two full blocks and a tail, so blocks, block edges and the tail all count.
 VOCAB = 2 * _BLOCK + 300

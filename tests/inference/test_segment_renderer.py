@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvchat.inference.chat_template import CHATML_TEMPLATE, ChatMessage, ChatTemplate
-from kvchat.inference.segment_renderer import SegmentRenderer
-from kvchat.inference.tokenizer import Tokenizer
+from kvchat.inference.text.chat_template import CHATML_TEMPLATE, ChatMessage, ChatTemplate
+from kvchat.inference.text.segment_renderer import SegmentRenderer
+from kvchat.inference.text.tokenizer import Tokenizer
 from kvchat_testing.chat_templates import (
     DEFAULT_SYSTEM_CHATML,
     HF_CHATML_TEMPLATE,

@@ -13,8 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat.inference.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer, TokenizerError
-from kvchat.inference.tokenizer_files import (
+from kvchat.inference.text.tokenizer import (
+    HFTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizerError,
+)
+from kvchat.inference.text.tokenizer_files import (
     DEV_VOCAB_SIZE,
     bundled_ranks_path,
     load_bundled_tokenizer,

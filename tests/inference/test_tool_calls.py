@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvchat.inference.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
-from kvchat.inference.tool_calls import (
+from kvchat.inference.text.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
+from kvchat.inference.text.tool_calls import (
     ContentDelta,
     ParsedOutput,
     StreamEvent,

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.request_output import RequestOutput
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.request_output import RequestOutput
+from kvchat.inference.engine.scheduler import SchedulerConfig
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.config import CacheConfig, SessionBudget
 from kvchat.memory.kv_cache_manager import cdiv
 from kvchat_testing.engines import random_prompt

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvchat.inference.model import silu_mul
-from kvchat.inference.rope import apply_rotary
+from kvchat.inference.model.model import silu_mul
+from kvchat.inference.model.rope import apply_rotary
 from kvchat.kernels.cache_write import write_kv_cache_ref
 from kvchat.kernels.cpu_ops import load_cpu_ops
 from kvchat.kernels.torch_ops import rotary_cache_write_cpu

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvchat.inference.engine import Engine
+from kvchat.inference.engine.engine import Engine
 from kvchat.memory import kv_store
 from kvchat.memory.kv_store import BlockData, KVStore, weights_fingerprint
 from kvchat.memory.prefix_cache import hash_block

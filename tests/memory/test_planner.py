@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvchat.app.cli.main import app
-from kvchat.inference.model_config import ModelConfig
+from kvchat.inference.model.config import ModelConfig
 from kvchat.memory.kv_spec import KVCacheSpec
-from kvchat.memory.planner import MemoryPlan, parse_bytes
+from kvchat.memory.pool_sizing import MemoryPlan, parse_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
 runner = CliRunner()

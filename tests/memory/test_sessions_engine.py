@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvchat.inference.sampling_params import SamplingParams
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.config import SessionBudget
 from kvchat.memory.sessions import SessionState
 from kvchat_testing.engines import random_prompt

@@ -144,7 +144,7 @@ def test_fixed_values_are_the_engines() -> None:
         SessionStateName,
     )
     from kvchat.app.store import OVERRIDE_FIELDS
-    from kvchat.inference.linear_plan import PLAIN, PREPACKED
+    from kvchat.inference.model.linear_plan import PLAIN, PREPACKED
     from kvchat.memory import HistoryStats, SessionState
     from kvchat.memory.config import SessionBudget
 

@@ -411,7 +411,7 @@ def test_an_engine_failure_mid_stream_is_an_error_chunk_then_done(
     from fastapi.testclient import TestClient
 
     from kvchat.app.main import create_app
-    from kvchat.inference.engine import MAX_FAILED_STEPS
+    from kvchat.inference.engine.engine import MAX_FAILED_STEPS
     from kvchat_testing.app_service import service_settings
     from kvchat_testing.faults import StepFault
 

@@ -340,9 +340,9 @@ def test_a_revoked_key_closes_its_open_socket_at_the_next_message(ws_service: Se
 def _faults() -> list[tuple[BaseException, str]]:
     from kvchat.app.store import StaleFence
     from kvchat.history import ContextLengthExceeded, HistoryPolicyError, InvalidHistoryError
-    from kvchat.inference.async_engine import EngineDeadError
-    from kvchat.inference.chat_template import ChatTemplateError
+    from kvchat.inference.engine.async_engine import EngineDeadError
     from kvchat.inference.errors import InvalidRequestError
+    from kvchat.inference.text.chat_template import ChatTemplateError
 
     return [
         (ChatTemplateError("the template refused it"), "invalid_request"),

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from kvchat.app.errors import APIError
 from kvchat.app.schemas.chat import SamplingFields
-from kvchat.inference.chat_template import ChatMessage
+from kvchat.inference.text.chat_template import ChatMessage
 from kvchat_testing.app_service import service_settings
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
-import kvchat.inference.gguf_config
-import kvchat.inference.gguf_import
-import kvchat.inference.gguf_tokenizer
-from kvchat.inference.gguf_import import import_gguf
-from kvchat.inference.gguf_presets import GGUF_PRESETS, fetch_preset_gguf
+import kvchat.inference.model.gguf_config
+import kvchat.inference.model.gguf_import
+import kvchat.inference.model.gguf_tokenizer
+from kvchat.inference.model.gguf_import import import_gguf
+from kvchat.inference.model.gguf_presets import GGUF_PRESETS, fetch_preset_gguf
 
 PRESET = "smollm2-135m-instruct"
 
@@ -46,9 +46,9 @@ def real_model_dir() -> Path:
     gguf_path = real_gguf()
     key = hashlib.sha256(_sha256(gguf_path).encode())
     importer = (
-        kvchat.inference.gguf_config,
-        kvchat.inference.gguf_import,
-        kvchat.inference.gguf_tokenizer,
+        kvchat.inference.model.gguf_config,
+        kvchat.inference.model.gguf_import,
+        kvchat.inference.model.gguf_tokenizer,
     )
     for module in importer:
         key.update(Path(str(module.__file__)).read_bytes())

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from kvchat.inference.engine import Engine
-from kvchat.inference.engine_config import EngineConfig
-from kvchat.inference.model_config import ModelConfig
-from kvchat.inference.request_output import RequestOutput
-from kvchat.inference.sampling_params import SamplingParams
-from kvchat.inference.scheduler import ScheduledBatch, SchedulerConfig
+from kvchat.inference.engine.config import EngineConfig
+from kvchat.inference.engine.engine import Engine
+from kvchat.inference.engine.request_output import RequestOutput
+from kvchat.inference.engine.scheduler import ScheduledBatch, SchedulerConfig
+from kvchat.inference.model.config import ModelConfig
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.config import CacheConfig
 from kvchat.memory.kv_spec import KVCacheSpec
 

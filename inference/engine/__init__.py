@@ -1,0 +1,1 @@
+"""The engine: step loop, its thread and async front, scheduling, checks, outputs, reports."""

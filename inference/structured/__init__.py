@@ -1,0 +1,1 @@
+"""Structured output: grammars, their compiler and the per-step grammar masks."""

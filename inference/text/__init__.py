@@ -1,0 +1,1 @@
+"""Text: tokenizers, chat templates, segment rendering, tool calls, context and turn planning."""
