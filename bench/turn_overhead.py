@@ -258,7 +258,10 @@ def git_revision() -> str:
     head = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode
+    # The results this script writes do not count as a change to what it measures.
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"]
+    ).returncode
     return head + (" with uncommitted changes" if dirty else "")
 
 
