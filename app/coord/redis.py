@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+# close() cancels each background task this many times, a second apart, before leaving it:
+# the process is exiting, and a task that swallows its cancellation must not hold it.
+CLOSE_ATTEMPTS = 5
 
 # Delete a key only if it still holds our token (locks and leases).
 RELEASE = """
@@ -193,6 +196,7 @@ class RedisCoordinator(Coordinator):
         self._up = True
         self._tasks: list[asyncio.Task[None]] = []
         self._pubsub_ready = asyncio.Event()
+        self._closing = False
 
     # -- life and health ---------------------------------------------------------------------------
 
@@ -205,12 +209,22 @@ class RedisCoordinator(Coordinator):
 
     async def close(self) -> None:
         # A task cancelled while redis-py is still subscribing can swallow the cancellation
-        # (it stays inside pubsub.listen()): cancel again until it is done.
+        # (it stays inside pubsub.listen()): the listener also stops at `_closing`, and each
+        # task is cancelled again, a bounded number of times.
+        self._closing = True
         for task in self._tasks:
-            while not task.done():
+            for _ in range(CLOSE_ATTEMPTS):
+                if task.done():
+                    break
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(asyncio.shield(task), 1.0)
+            if not task.done():
+                log.warning(
+                    "closing Redis coordination: task %s ignored %d cancellations; left behind",
+                    task.get_name(),
+                    CLOSE_ATTEMPTS,
+                )
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 
@@ -429,12 +443,14 @@ class RedisCoordinator(Coordinator):
 
     async def _listen(self) -> None:
         """Deliver stops published by other processes to this process's handlers."""
-        while True:
+        while not self._closing:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.stop_channel)
                 self._pubsub_ready.set()
                 async for message in pubsub.listen():
+                    if self._closing:
+                        return
                     if message.get("type") == "message":
                         await self.local.deliver_stop(str(message["data"]))
             except UNAVAILABLE + (RedisError,) as e:
