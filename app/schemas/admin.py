@@ -1,6 +1,7 @@
-"""Responses of the operator routes (`/v1/admin/...`, app/api/admin.py), as app/ops/operators.py
-builds them: memory, the engine, a session (a conversation's or a stateless one), an eviction,
-the defaults of new sessions. The requests are SessionSettings (app/session_settings.py)."""
+"""Responses of the operator routes (`/v1/admin/...`, app/api/admin.py), as
+app/transports/operators.py builds them: memory, the engine, a session (a conversation's or a
+stateless one), an eviction, the defaults of new sessions. The requests are SessionSettings
+(app/session_settings.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """OpenAI Chat Completions: the request, the response, the streamed chunk.
 
-Integers have the ranges of app/schemas/ranges.py: token counts up to INT32_MAX, `seed`
+Integers have the ranges of app/ranges.py: token counts up to INT32_MAX, `seed`
 int64, OpenAI's own bounds where it gives them (`n`, `top_logprobs`)."""
 
 from __future__ import annotations
