@@ -4,7 +4,7 @@
 named by `SESSION_FIELDS`), and the server's defaults under them: `Settings` inherits these
 fields, so each is also a KVCHAT_* variable and a flag of `kvchat serve`, and operators change
 the defaults at run time with PUT /v1/admin/defaults. A field left None takes the value under
-it: a conversation's from the server's defaults (`over`), the defaults' from HistoryPolicy's.
+it: a conversation's from the server's defaults (`under`), the defaults' from HistoryPolicy's.
 `policy()` and `budget()` are the one place a HistoryPolicy and an engine SessionBudget are
 made from settings.
 
@@ -115,10 +115,6 @@ class SessionSettings(BaseModel):
             max_kv_tokens=self.max_kv_tokens,
             max_context_tokens=self.context_budget(max_model_len),
         )
-
-    def over(self, defaults: SessionSettings) -> SessionSettings:
-        """These settings with each one left None taken from `defaults`."""
-        return defaults.model_copy(update=self.model_dump(exclude_none=True))
 
     def under(self, overrides: Mapping[str, Any]) -> SessionSettings:
         """These settings (the defaults) under a stored conversation's own (`overrides`; None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -163,7 +163,6 @@ class TurnPlanner:
         runtime: Runtime,
         locks: Locks,
         limits: Limits,
-        spawn: Callable[[Awaitable[None]], object] | None = None,
     ) -> None:
         self.settings = settings
         self.defaults = defaults  # of sessions that set none of their own
