@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -120,21 +121,44 @@ def test_n_seeds_and_logprobs(service: Service) -> None:
     )
 
 
+def pinned_tokens(service: Service, session: str, at_least: int, timeout: float = 60.0) -> int:
+    """The tokens the engine pins for `session`, once they are `at_least` (or the timeout,
+    a safety net, passed): the engine pins a turn's last sampled token in a step after the
+    reply is out (inference/engine/scheduler.py, FINISHING)."""
+    runtime = service.state.runtime
+    deadline = time.monotonic() + timeout
+    while True:
+        info = service.client.portal.call(runtime.engine_client.session_info, session)
+        pinned = 0 if info is None else info.num_tokens
+        if pinned >= at_least or time.monotonic() > deadline:
+            return pinned
+        time.sleep(0.01)
+
+
 def test_session_header_reuses_the_whole_history(service: Service) -> None:
     """An agent resending its history with X-Session-Id: each turn reuses at least the
-    previous turn's prompt and completion (the replies are spliced back by their ids)."""
+    previous turn's prompt and completion (the replies are spliced back by their ids). The
+    engine pins a turn's last token one step after the reply; a next turn that arrives
+    before that step computes the token itself (scheduler._plan_finishing), so each turn
+    here is sent once the session holds the whole previous turn, whatever the machine's
+    speed."""
+    from kvchat.app.turns.prompting import session_key
+
+    session = session_key("alice", "agent-1")
+    assert session is not None
     messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
     previous = None
     for turn in range(5):
         messages.append({"role": "user", "content": f"Question number {turn}: what now?"})
+        if previous is not None:
+            whole = previous["prompt_tokens"] + previous["completion_tokens"]
+            assert pinned_tokens(service, session, whole) == whole
         body = chat(
             service, messages, headers={"X-Session-Id": "agent-1"}, temperature=0, max_tokens=8
         ).json()
         usage = body["usage"]
         if previous is not None:
-            assert usage["prompt_tokens_details"]["cached_tokens"] >= (
-                previous["prompt_tokens"] + previous["completion_tokens"]
-            )
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= whole
         previous = usage
         messages.append(body["choices"][0]["message"])
 
