@@ -4,7 +4,8 @@
     python bench/gpu_kernels.py --dry-run                             # CPU, interpreter
 
 1. Correctness: every kernel against its torch reference on the device (fresh random
-   inputs; float32, bf16, int8 and fp8 caches; several shapes, with and without a window).
+   inputs; float32, bf16, int8 and fp8 caches, and int4 for the cache write; several shapes,
+   with and without a window).
 2. Device-to-device copy bandwidth (a large clone; bytes read + written): the ceiling.
 3. Decode attention, Llama-3-8B-like shapes (32 query heads, 8 KV heads, head_dim 128,
    block 16), batch x context grid, bf16 and fp8 KV: median time (triton.testing.do_bench),
@@ -32,11 +33,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+# First: on a machine without CUDA this sets TRITON_INTERPRET, which Triton reads when it is
+# imported (its own @jit helpers, tl.max among them, must be interpreted too).
+import kvchat.kernels  # noqa: F401
+
+# isort: split
 import numpy as np
 import torch
 import triton
 
-import kvchat.kernels  # noqa: F401  (sets TRITON_INTERPRET when there is no GPU)
 from kvchat.kernels.cache_write import write_kv_cache, write_kv_cache_ref
 from kvchat.kernels.decode_attention import (
     DecodeConfig,
@@ -53,7 +58,16 @@ from kvchat.kernels.prefill_attention import (
     paged_prefill_attention_ref,
     paged_prefill_attention_with_config,
 )
-from kvchat.kernels.quant import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE, is_quantized
+from kvchat.kernels.quant import (
+    INT4_OFFSET,
+    dequantize,
+    group_size,
+    is_packed,
+    is_quantized,
+    min_scale,
+    quant_max,
+    scale_dtype,
+)
 
 FP8 = torch.float8_e4m3fn
 DTYPE_NAMES = {
@@ -62,10 +76,31 @@ DTYPE_NAMES = {
     torch.float16: "fp16",
     torch.int8: "int8",
     FP8: "fp8",
+    torch.uint8: "int4",  # two codes a byte
 }
 # Llama-3-8B attention shape.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_KV_BYTES = 40e9
+
+
+def stored_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int, ...]:
+    """[..., head_dim] -> the cache tensor's [..., stored]: head_dim // 2 bytes for int4."""
+    return (*shape[:-1], shape[-1] // 2) if is_packed(cache_dtype) else shape
+
+
+def scale_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int, ...]:
+    """[..., head_dim] -> the scale cache's [..., num_groups]."""
+    return (*shape[:-1], shape[-1] // group_size(cache_dtype, shape[-1]))
+
+
+def kv_bytes_per_channel(cache_dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes one channel of one cached K (or V) vector takes, its share of scales included."""
+    elem = torch.empty(0, dtype=cache_dtype).element_size()
+    if not is_quantized(cache_dtype):
+        return float(elem)
+    scale_bytes = torch.empty(0, dtype=scale_dtype(cache_dtype)).element_size()
+    stored = elem / 2 if is_packed(cache_dtype) else float(elem)
+    return stored + scale_bytes / group_size(cache_dtype, head_dim)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -133,20 +168,20 @@ def random_paged(
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     if values == "fast":
         if is_quantized(cache_dtype):
-            # Codes 0..125 with a random sign: finite for int8 and fp8 alike.
-            def codes() -> torch.Tensor:
-                raw = torch.randint(0, 126, shape, dtype=torch.uint8, device=device)
-                raw |= torch.randint(0, 2, shape, dtype=torch.uint8, device=device) << 7
-                return raw.view(cache_dtype) if cache_dtype == FP8 else (raw.view(torch.int8))
+            stored = stored_shape(shape, cache_dtype)
 
-            return Paged(
-                codes(),
-                codes(),
-                torch.rand(shape[:3], device=device) * 0.01,
-                torch.rand(shape[:3], device=device) * 0.01,
-                block_tables,
-                seq_lens_t,
-            )
+            # Codes 0..125 with a random sign: finite for int8 and fp8 alike (and any byte is
+            # two valid int4 nibbles).
+            def codes() -> torch.Tensor:
+                raw = torch.randint(0, 126, stored, dtype=torch.uint8, device=device)
+                raw |= torch.randint(0, 2, stored, dtype=torch.uint8, device=device) << 7
+                return raw if is_packed(cache_dtype) else raw.view(cache_dtype)
+
+            def scales() -> torch.Tensor:
+                groups = scale_shape(shape, cache_dtype)
+                return (torch.rand(groups, device=device) * 0.01).to(scale_dtype(cache_dtype))
+
+            return Paged(codes(), codes(), scales(), scales(), block_tables, seq_lens_t)
         return Paged(
             torch.randn(shape, dtype=cache_dtype, device=device),
             torch.randn(shape, dtype=cache_dtype, device=device),
@@ -163,9 +198,9 @@ def random_paged(
         return Paged(
             key.to(cache_dtype), value.to(cache_dtype), None, None, block_tables, seq_lens_t
         )
-    kc = torch.empty(shape, dtype=cache_dtype, device=device)
+    kc = torch.empty(stored_shape(shape, cache_dtype), dtype=cache_dtype, device=device)
     vc = torch.empty_like(kc)
-    ks = torch.empty(shape[:3], device=device)
+    ks = torch.empty(scale_shape(shape, cache_dtype), dtype=scale_dtype(cache_dtype), device=device)
     vs = torch.empty_like(ks)
     slots = torch.arange(num_blocks * block_size, device=device)
     write_kv_cache_ref(
@@ -223,6 +258,8 @@ def check_cache_write(device: torch.device, shapes: list[tuple[int, int, int]]) 
         (torch.int8, torch.float32),
         (FP8, torch.float32),
         (FP8, torch.bfloat16),
+        (torch.uint8, torch.bfloat16),  # int4
+        (torch.uint8, torch.float32),
     ]:
         for shape in shapes:
             label = (
@@ -270,12 +307,18 @@ def _cache_write_errors(
     slots = torch.randperm(num_blocks * 16, device=device)[:num_tokens]
     slots[::7] = -1
     quantized = is_quantized(cache_dtype)
+    full = (num_blocks, 16, num_kv_heads, head_dim)
+    # -100 (156 as a uint8) is no code the quantizers write; nor is a -1 scale.
     pool = [
-        torch.full((num_blocks, 16, num_kv_heads, head_dim), -100.0, device=device).to(cache_dtype)
+        torch.full(stored_shape(full, cache_dtype), -100.0, device=device).to(cache_dtype)
         for _ in range(2)
     ]
     if quantized:
-        pool += [torch.full((num_blocks, 16, num_kv_heads), -1.0, device=device) for _ in range(2)]
+        groups = scale_shape(full, cache_dtype)
+        pool += [
+            torch.full(groups, -1.0, dtype=scale_dtype(cache_dtype), device=device)
+            for _ in range(2)
+        ]
     ieee_pool = [t.clone() for t in pool]
     ref_pool = [t.clone() for t in pool]
     write_kv_cache(key, value, pool[0], pool[1], slots, *pool[2:])
@@ -289,31 +332,47 @@ def _cache_write_errors(
         (value, ieee_pool[1], ieee_pool[3]),
     ):
         codes, scale = _quantize_ieee(x[keep], cache_dtype)
-        cache.view(-1, num_kv_heads, head_dim)[flat] = codes
-        scales.view(-1, num_kv_heads)[flat] = scale
+        cache.view(-1, num_kv_heads, codes.shape[-1])[flat] = codes
+        scales.view(-1, num_kv_heads, scale.shape[-1])[flat] = scale
+    group = group_size(cache_dtype, head_dim)
     steps = 0.0
     for c, s, rc, rs in (
         (pool[0], pool[2], ref_pool[0], ref_pool[2]),
         (pool[1], pool[3], ref_pool[1], ref_pool[3]),
     ):
-        deq = c.float() * s.unsqueeze(-1)
-        ref = rc.float() * rs.unsqueeze(-1)
+        deq = dequantize(c, s, torch.float32)
+        ref = dequantize(rc, rs, torch.float32)
+        per_channel = rs.float().repeat_interleave(group, dim=-1)
         if cache_dtype == torch.int8:
-            step = rs.unsqueeze(-1)
+            step = per_channel
+        elif is_packed(cache_dtype):
+            # One code step; and a float16 scale one ulp (2**-10 relative at most) off the
+            # reference's moves a code of up to 7 by 7 * 2**-10 of a step on top of that.
+            step = per_channel * (1 + 7 * 2.0**-10)
         else:  # one e4m3 ulp: 2**-3 relative, 2**-9 (subnormal spacing) times the scale
-            step = torch.maximum(ref.abs() * 2.0**-3, rs.unsqueeze(-1) * 2.0**-9)
+            step = torch.maximum(ref.abs() * 2.0**-3, per_channel * 2.0**-9)
         steps = max(steps, float(((deq - ref).abs() / step).max()))
     return _mismatched_bytes(pool, ieee_pool), steps
 
 
 def _quantize_ieee(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant.quantize_per_token_head with scale = amax / QMAX rounded once (computed in
-    float64 and rounded to float32, as IEEE division does short of a double rounding)."""
-    qmax = INT8_MAX if cache_dtype == torch.int8 else FP8_E4M3_MAX
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1).double() / qmax).float().clamp_min(MIN_SCALE)
-    scaled = (x32 / scale.unsqueeze(-1)).clamp(-qmax, qmax)
-    codes = scaled.round().to(torch.int8) if cache_dtype == torch.int8 else scaled.to(FP8)
+    """quant.quantize with scale = amax / QMAX rounded once (computed in float64 and rounded
+    to float32, as IEEE division does short of a double rounding), then, for int4, rounded to
+    its float16 scale dtype, which the codes divide by."""
+    qmax = quant_max(cache_dtype)
+    t, h, d = x.shape
+    g = group_size(cache_dtype, d)
+    x32 = x.float().view(t, h, d // g, g)
+    scale = (x32.abs().amax(dim=-1).double() / qmax).float().clamp_min(min_scale(cache_dtype))
+    scale = scale.to(scale_dtype(cache_dtype))
+    scaled = (x32 / scale.float().unsqueeze(-1)).clamp(-qmax, qmax).view(t, h, d)
+    if cache_dtype == torch.int8:
+        codes = scaled.round().to(torch.int8)
+    elif is_packed(cache_dtype):  # channel 2j in the low nibble, 2j + 1 in the high one
+        nibbles = (scaled.round() + INT4_OFFSET).to(torch.uint8)
+        codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    else:
+        codes = scaled.to(FP8)
     return codes, scale
 
 
@@ -528,10 +587,10 @@ def time_decode(
     rows = []
     scale = HEAD_DIM**-0.5
     for kv_dtype in kv_dtypes:
-        elem = torch.empty(0, dtype=kv_dtype).element_size()
+        channel_bytes = kv_bytes_per_channel(kv_dtype, HEAD_DIM)  # scales included
         for batch in batches:
             for context in contexts:
-                kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
+                kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * channel_bytes
                 if kv_bytes > MAX_KV_BYTES:
                     continue
                 paged = random_paged(
@@ -558,10 +617,7 @@ def time_decode(
                         **paged.caches(),
                     )
                 )
-                scale_bytes = (
-                    2 * batch * context * NUM_KV_HEADS * 4 if is_quantized(kv_dtype) else 0
-                )
-                io_bytes = kv_bytes + scale_bytes + 2 * query.numel() * query.element_size()
+                io_bytes = kv_bytes + 2 * query.numel() * query.element_size()
                 row = DecodeRow(batch, context, DTYPE_NAMES[kv_dtype], splits, ms, io_bytes)
                 if device.type == "cuda" and ms < 0.25:  # may be launch-bound: GPU time alone
                     row.graph_ms = _graph_ms(
@@ -698,8 +754,9 @@ def sweep(device: torch.device, timer, copy_bw: float, dry_run: bool) -> list[st
         )
         query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(query)
-        elem = paged.key_cache.element_size() + (4 / HEAD_DIM if is_quantized(kv_dtype) else 0)
-        io_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
+        io_bytes = (
+            2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_bytes_per_channel(kv_dtype, HEAD_DIM)
+        )
         base = default_num_splits(batch, NUM_KV_HEADS, context, device)
         default = default_decode_config(torch.bfloat16, BLOCK_SIZE, HEAD_DIM)
         for config in configs:

@@ -306,19 +306,22 @@ def plot(results: dict[str, dict[str, Scores]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels, agree, kls = [], [], []
-    for weights, scores in results.items():
-        for kv, s in scores.items():
-            if kv == "auto":
-                continue
-            labels.append(f"{kv}\n{weights}")
-            agree.append(100 * statistics.mean(s.agree))
-            kls.append(statistics.mean(s.kl))
-    axes[0].bar(labels, agree, color="tab:blue")
-    axes[0].set_ylim(min(agree) - 2, 100)
+    kvs = [kv for kv in next(iter(results.values())) if kv != "auto"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(results)
+    lowest = 100.0
+    for i, (weights, scores) in enumerate(results.items()):
+        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(kvs))]
+        agree = [100 * statistics.mean(scores[kv].agree) for kv in kvs]
+        kls = [statistics.mean(scores[kv].kl) for kv in kvs]
+        lowest = min(lowest, *agree)
+        axes[0].bar(xs, agree, width, label=f"{weights} weights")
+        axes[1].bar(xs, kls, width, label=f"{weights} weights")
+    for ax in axes:
+        ax.set_xticks(range(len(kvs)), kvs, rotation=30, ha="right")
+        ax.legend(fontsize="small")
+    axes[0].set_ylim(max(lowest - 2, 0), 100)
     axes[0].set_ylabel("teacher-forced top-1 agreement (%)")
-    axes[1].bar(labels, kls, color="tab:orange")
     axes[1].set_yscale("log")
     axes[1].set_ylabel("mean KL(auto ‖ kv)")
     fig.suptitle("Quantized KV caches against the unquantized one, SmolLM2-135M-Instruct")

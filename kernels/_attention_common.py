@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import is_quantized
+from .quant import cache_head_dim, group_size, is_quantized, scale_dtype
 
 LOG2E = math.log2(math.e)
 
@@ -88,8 +88,10 @@ def check_cache_pair(
     value_scale_cache: torch.Tensor | None,
 ) -> set[torch.device]:
     """Checks every kernel makes of the paged cache: K and V of one shape, dtype and strides
-    with a contiguous head_dim; for an int8/fp8 cache, float32 scale caches
-    [num_blocks, block_size, num_kv_heads] sharing strides. Returns the devices involved."""
+    with a contiguous head_dim; for a quantized cache, scale caches
+    [num_blocks, block_size, num_kv_heads, num_groups] (kernels.quant: float32, one group, for
+    int8/fp8; float16 groups of INT4_GROUP_SIZE for int4) sharing strides. Returns the devices
+    involved."""
     if key_cache.dim() != 4:
         raise ValueError(
             "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -110,13 +112,17 @@ def check_cache_pair(
         return devices
     if key_scale_cache is None or value_scale_cache is None:
         raise ValueError(f"a {key_cache.dtype} cache needs key_scale_cache and value_scale_cache")
+    head_dim = cache_head_dim(key_cache)
+    shape = (*key_cache.shape[:3], head_dim // group_size(key_cache.dtype, head_dim))
+    dtype = scale_dtype(key_cache.dtype)
     for name, s in (("key_scale_cache", key_scale_cache), ("value_scale_cache", value_scale_cache)):
-        if s.shape != key_cache.shape[:3] or s.dtype != torch.float32:
+        if s.shape != shape or s.dtype != dtype:
             raise ValueError(
-                f"{name} must be [num_blocks, block_size, num_kv_heads] = "
-                f"{tuple(key_cache.shape[:3])} float32, got "
-                f"{tuple(s.shape)} {s.dtype}"
+                f"{name} must be [num_blocks, block_size, num_kv_heads, num_groups] = "
+                f"{shape} {dtype}, got {tuple(s.shape)} {s.dtype}"
             )
+        if s.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous groups, got strides {s.stride()}")
         devices.add(s.device)
     if value_scale_cache.stride() != key_scale_cache.stride():
         raise ValueError(
@@ -146,7 +152,8 @@ def check_paged_attention_args(
             f"strides {query.stride()}"
         )
     devices = check_cache_pair(key_cache, value_cache, key_scale_cache, value_scale_cache)
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    head_dim = cache_head_dim(key_cache)
     num_heads = query.shape[1]
     if query.shape[2] != head_dim or head_dim > 256:
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import is_quantized
+from .quant import cache_head_dim, dequantize, is_quantized
 
 
 def compute_dtype_for(query: torch.Tensor) -> torch.dtype:
@@ -15,34 +15,38 @@ def compute_dtype_for(query: torch.Tensor) -> torch.dtype:
 
 def gather_rows(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    scale_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] or None
+    scale_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, groups] or None
     block_ids: torch.Tensor,  # [n] int64, every id a valid block
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Blocks `block_ids` of the pool -> [n, block_size, num_kv_heads, head_dim] in `dtype`
-    (dequantized for int8 / fp8 caches)."""
+    (dequantized for quantized caches)."""
     # Blocks as rows: index_select of rows is a memcpy per block on the CPU; advanced
     # indexing, or index_select of a 4-d tensor, goes element by element (2-3x slower).
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    num_blocks, block_size, num_kv_heads, stored = cache.shape
     kv = cache.reshape(num_blocks, -1).index_select(0, block_ids)
-    kv = kv.view(-1, block_size, num_kv_heads, head_dim)
+    kv = kv.view(-1, block_size, num_kv_heads, stored)
     if is_quantized(cache.dtype):
         assert scale_cache is not None, "quantized cache needs its scale cache"
+        num_groups = scale_cache.shape[-1]
         scales = scale_cache.reshape(num_blocks, -1).index_select(0, block_ids)
-        return kv.to(dtype) * scales.view(-1, block_size, num_kv_heads, 1).to(dtype)
+        scales = scales.view(-1, block_size, num_kv_heads, num_groups)
+        if num_groups == 1 and stored == cache_head_dim(cache):  # one scale per vector
+            return kv.to(dtype) * scales.to(dtype)
+        return dequantize(kv, scales, dtype)
     return kv if kv.dtype == dtype else kv.to(dtype)
 
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    scale_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] or None
+    scale_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, groups] or None
     block_ids: torch.Tensor,  # [..., n] int; negative entries are padding (read as block 0)
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Gather blocks -> [..., n * block_size, num_kv_heads, head_dim] in `dtype`."""
     kv = gather_rows(cache, scale_cache, block_ids.reshape(-1).long().clamp_min(0), dtype)
     n = block_ids.shape[-1] * cache.shape[1]
-    return kv.view(*block_ids.shape[:-1], n, cache.shape[2], cache.shape[3])
+    return kv.view(*block_ids.shape[:-1], n, cache.shape[2], cache_head_dim(cache))
 
 
 def visible(

@@ -7,10 +7,19 @@ multiple of block_size, so one tile spans whole KV blocks) with an online softma
 float32, and either writes the normalized output (one split) or a partial output and its
 log-sum-exp to a float32 workspace that `_decode_reduce_kernel` combines.
 
-Quantized caches (int8, fp8 e4m3) are dequantized inside the loop: the raw codes are
-converted to the query dtype (exactly: |int8| <= 127 and e4m3 values fit bf16/fp16) and the
-per-token scales multiply the scores (K) and the probabilities (V), which is the same sum
-as dequantizing each element first.
+Quantized caches (`kernels.quant`: scale caches [num_blocks, block_size, num_kv_heads,
+num_groups]) are dequantized inside the loop. int4 codes are unpacked from their bytes first
+(low nibble channel 2j, high nibble 2j + 1, each code + 8) into a tile in channel order.
+- One scale per (token, head) vector (int8, fp8 e4m3, and int4 when head_dim is not a
+  multiple of its group size): the raw codes are converted to the query dtype (exactly:
+  |int8| <= 127, |int4| <= 7 and e4m3 values fit bf16/fp16) and the scales multiply the
+  scores (K) and the probabilities (V), which is the same sum as dequantizing each element
+  first, at one multiply per key instead of one per element.
+- Several scale groups per vector (int4, groups of 32 channels): a scale no longer factors
+  out of the dot, so each element is multiplied by its group's scale (gathered per channel)
+  in float32 before the tile is converted to the query dtype for the dots (exact for a
+  float32 query; a bf16 one rounds each dequantized element to 8 bits, far finer than the
+  int4 step).
 
 """
 
@@ -32,20 +41,21 @@ from ._attention_common import (
     dot_mode,
 )
 from ._paged import compute_dtype_for, gather_rows, visible
-from .quant import is_quantized
+from .quant import is_packed, is_quantized
 
 
 def paged_decode_attention_ref(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (// 2 int4)]
+    value_cache: torch.Tensor,  # same shape as key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
     scale: float,
     *,
     sliding_window: int | None = None,
     num_sink_tokens: int = 0,
-    key_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads]
+    # [num_blocks, block_size, num_kv_heads, num_groups], quantized caches only
+    key_scale_cache: torch.Tensor | None = None,
     value_scale_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> torch.Tensor:
@@ -146,11 +156,70 @@ def paged_decode_attention_gathered(
 
 
 @triton.jit
+def _load_int4_codes(
+    cache_ptr,
+    offs_row,  # [BLOCK_N] int64: offset of each token's (slot, kv head) bytes in the cache
+    mask_n,  # [BLOCK_N] bool: the visible keys
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """[BLOCK_N, HEAD_DIM_PAD] int8 codes in [-7, 7] of a packed int4 cache, channels in
+    order; 0 for the invisible keys and the padding channels."""
+    # Byte j holds channel 2j (low nibble) and 2j + 1 (high nibble), each as code + 8.
+    # Masked bytes read as 0x88, two zero codes, so the invisible keys and the padding
+    # dequantize to 0 whatever their scale (a V row of NaNs would poison p @ v).
+    offs_b = tl.arange(0, HEAD_DIM_PAD // 2)
+    packed = tl.load(
+        cache_ptr + offs_row[:, None] + offs_b[None, :],
+        mask=mask_n[:, None] & (offs_b < HEAD_DIM // 2)[None, :],
+        other=0x88,
+    )  # [BLOCK_N, HEAD_DIM_PAD // 2] uint8
+    low = (packed & 0xF).to(tl.int8) - 8
+    high = (packed >> 4).to(tl.int8) - 8
+    # [.., j] and [.., j] -> [.., 2j] and [.., 2j + 1]: a join along a new minor axis and a
+    # reshape, within each thread's registers.
+    return tl.interleave(low, high)
+
+
+@triton.jit
+def _scale_offsets(
+    block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE: tl.constexpr
+):
+    """[BLOCK_N] int64 offsets of the keys' first scale (group 0) in a scale cache."""
+    offs_scale = block_ids.to(tl.int64) * stride_sb + (offs_key % BLOCK_SIZE) * stride_st
+    offs_scale += kv_head * stride_sh
+    return offs_scale
+
+
+@triton.jit
+def _scale_groups(
+    codes,  # [BLOCK_N, HEAD_DIM_PAD] stored values, channels in order
+    scale_ptr,
+    offs_scale,  # [BLOCK_N] int64, from _scale_offsets
+    mask_n,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SCALE_GROUP_SIZE: tl.constexpr,
+):
+    """Dequantize a tile whose vectors have several scale groups: the scales do not factor
+    out of the dots then, so each element is multiplied by its group's scale, gathered per
+    channel (the group stride is 1). In float32, where code * scale is exact (a float16
+    scale times an int4 code), before the caller converts to the query dtype."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    group_scale = tl.load(
+        scale_ptr + offs_scale[:, None] + offs_d[None, :] // SCALE_GROUP_SIZE,
+        mask=mask_n[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return codes.to(tl.float32) * group_scale
+
+
+@triton.jit
 def _paged_decode_kernel(
     query_ptr,  # [num_seqs, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 head_dim // 2 int4
     value_cache_ptr,  # same shape and strides as key_cache
-    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (quantized caches only)
+    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads, num_groups] (quantized only)
     value_scale_ptr,  # same shape and strides as key_scale
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
     seq_lens_ptr,  # [num_seqs] int32
@@ -165,10 +234,10 @@ def _paged_decode_kernel(
     stride_qh,  # query; head_dim stride is 1
     stride_cb,
     stride_ct,
-    stride_ch,  # key/value cache; head_dim stride is 1
+    stride_ch,  # key/value cache; the stored-channel stride is 1
     stride_sb,
     stride_st,
-    stride_sh,  # key/value scale cache
+    stride_sh,  # key/value scale cache; the group stride is 1
     stride_bts,  # block_tables; block stride is 1
     stride_os,
     stride_oh,  # out; head_dim stride is 1
@@ -180,9 +249,15 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per key tile, a multiple of BLOCK_SIZE
     HAS_WINDOW: tl.constexpr,
     IS_QUANTIZED: tl.constexpr,
+    PACKED: tl.constexpr,  # int4: two codes per stored byte
+    SCALE_GROUP_SIZE: tl.constexpr,  # channels per scale; HEAD_DIM: one scale per vector
     IS_SPLIT: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
+    # One scale per vector (int8, fp8, one-group int4) multiplies the scores and the
+    # probabilities, one multiply per key; several groups (int4) scale each element.
+    PER_VECTOR_SCALE: tl.constexpr = IS_QUANTIZED and SCALE_GROUP_SIZE == HEAD_DIM
+    GROUPED_SCALES: tl.constexpr = IS_QUANTIZED and SCALE_GROUP_SIZE < HEAD_DIM
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,16 +297,30 @@ def _paged_decode_kernel(
             mask_n = mask_n & ((offs_key > q_pos - sliding_window) | (offs_key < num_sink_tokens))
         block_ids = tl.load(block_table + offs_key // BLOCK_SIZE, mask=mask_n, other=0)
         offs_slot = block_ids.to(tl.int64) * stride_cb + (offs_key % BLOCK_SIZE) * stride_ct
-        offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_d[None, :]
-        mask_kv = mask_n[:, None] & mask_d[None, :]
-
-        k = tl.load(key_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
+        # The unpacked path is the one int8/fp8 and unquantized caches always took; PACKED
+        # and GROUPED_SCALES (constexprs) add the int4 steps without touching it.
+        if PACKED:
+            offs_row = offs_slot + kv_head * stride_ch
+            k = _load_int4_codes(key_cache_ptr, offs_row, mask_n, HEAD_DIM, HEAD_DIM_PAD)
+        else:
+            offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_d[None, :]
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(key_cache_ptr + offs_kv, mask=mask_kv, other=0.0)
+        if GROUPED_SCALES:
+            offs_scale = _scale_offsets(
+                block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE
+            )
+            k = _scale_groups(
+                k, key_scale_ptr, offs_scale, mask_n, HEAD_DIM, HEAD_DIM_PAD, SCALE_GROUP_SIZE
+            )
+        k = k.to(q.dtype)
         s = _dot(q, tl.trans(k), DOT_MODE)  # [GROUP_PAD, BLOCK_N]
-        if IS_QUANTIZED:
-            offs_scale = block_ids.to(tl.int64) * stride_sb + (offs_key % BLOCK_SIZE) * stride_st
-            offs_scale += kv_head * stride_sh
+        if PER_VECTOR_SCALE:
+            offs_scale = _scale_offsets(
+                block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE
+            )
             k_scale = tl.load(key_scale_ptr + offs_scale, mask=mask_n, other=0.0)
-            s = s * k_scale[None, :]
+            s = s * k_scale.to(tl.float32)[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -239,10 +328,18 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
-        if IS_QUANTIZED:
+        if PACKED:
+            v = _load_int4_codes(value_cache_ptr, offs_row, mask_n, HEAD_DIM, HEAD_DIM_PAD)
+        else:
+            v = tl.load(value_cache_ptr + offs_kv, mask=mask_kv, other=0.0)
+        if GROUPED_SCALES:
+            v = _scale_groups(
+                v, value_scale_ptr, offs_scale, mask_n, HEAD_DIM, HEAD_DIM_PAD, SCALE_GROUP_SIZE
+            )
+        v = v.to(q.dtype)
+        if PER_VECTOR_SCALE:
             v_scale = tl.load(value_scale_ptr + offs_scale, mask=mask_n, other=0.0)
-            p = p * v_scale[None, :]
+            p = p * v_scale.to(tl.float32)[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
         m_i = m_new
 
@@ -376,7 +473,8 @@ def default_decode_config(query_dtype: torch.dtype, block_size: int, head_dim: i
     reaches 87-104% of the copy bandwidth at batch >= 32, context >= 4k. int8/fp8 KV are
     fastest with the same tile but reach only ~45-57% (about bf16's wall time): converting
     the codes to bf16 in the loop bounds them, not memory. Tried there and slower: a 64-row
-    query tile (wgmma), V loaded transposed, fp16 dots with per-tile V-scale normalization."""
+    query tile (wgmma), V loaded transposed, fp16 dots with per-tile V-scale normalization.
+    int4 (unpacking, per-group scales) takes the same tiles; it has not been swept."""
     if query_dtype == torch.float32:
         config = DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     elif head_dim <= 128:
@@ -413,6 +511,7 @@ def paged_decode_attention_with_config(
 ) -> torch.Tensor:
     """`paged_decode_attention` with explicit launch parameters (benchmarks sweep these);
     arguments are assumed checked."""
+    # head_dim from the query: an int4 cache stores head_dim // 2 bytes per vector.
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -435,9 +534,15 @@ def paged_decode_attention_with_config(
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     quantized = is_quantized(key_cache.dtype)
-    k_scale = key_scale_cache if quantized else key_cache  # placeholders when unquantized
-    v_scale = value_scale_cache if quantized else value_cache
-    scale_strides = key_scale_cache.stride() if key_scale_cache is not None else (0, 0, 0)
+    if quantized:
+        assert key_scale_cache is not None and value_scale_cache is not None
+        k_scale, v_scale = key_scale_cache, value_scale_cache
+        scale_strides = key_scale_cache.stride()[:3]  # the group stride is 1 (checked)
+        scale_group_size = head_dim // key_scale_cache.shape[3]
+    else:
+        k_scale, v_scale = key_cache, value_cache  # unused placeholders
+        scale_strides = (0, 0, 0)
+        scale_group_size = head_dim
     is_split = num_splits > 1
     if is_split:
         part_out = torch.empty(
@@ -480,6 +585,8 @@ def paged_decode_attention_with_config(
         BLOCK_N=config.block_n,
         HAS_WINDOW=sliding_window is not None,
         IS_QUANTIZED=quantized,
+        PACKED=is_packed(key_cache.dtype),
+        SCALE_GROUP_SIZE=scale_group_size,
         IS_SPLIT=is_split,
         DOT_MODE=dot_mode(query),
         num_warps=config.num_warps,

@@ -7,8 +7,17 @@ BLOCK_M = BLOCK_Q * GROUP_PAD rows (row = token * GROUP_PAD + head), so each K/V
 serves the whole head group. The launcher maps program ids to (sequence, first token) with a
 few torch ops on the device (no host sync); programs past the last tile exit. The key loop
 visits only tiles that some query of the tile can see (causal end, sliding window, sinks;
-see `_key_tile_span`) with an online softmax in float32. Quantized caches are dequantized in
-the loop as in the decode kernel.
+see `_key_tile_span`) with an online softmax in float32.
+
+Quantized caches (kernels.quant) are dequantized in the loop. Their scale caches are
+[num_blocks, block_size, num_kv_heads, num_groups], one scale per group of
+head_dim // num_groups channels. With one group (int8, fp8, int4 at a head_dim that does not
+divide by 32) the scale is constant along the dot's reduction, so the codes go into the dots
+and the scales multiply the scores (K) and the probabilities (V) after, as in the decode
+kernel. With several groups (int4) it is not: each K/V tile is dequantized element by element
+(codes times the scale of their channel's group) before its dot. int4 codes are stored two
+per byte; the kernel loads [BLOCK_N, HEAD_DIM_PAD // 2] bytes and interleaves their low and
+high nibbles back into channel order.
 """
 
 from __future__ import annotations
@@ -28,12 +37,16 @@ from ._attention_common import (
     dot_mode,
 )
 from ._paged import compute_dtype_for, gather_kv, visible
-from .quant import is_quantized
+from .quant import INT4_OFFSET, is_packed, is_quantized
+
+# A @triton.jit function may read a module global only as a constexpr (the interpreter lets
+# a plain int through; compiling does not).
+_INT4_OFFSET = tl.constexpr(INT4_OFFSET)
 
 
 def paged_prefill_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (/ 2 int4)]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
@@ -42,7 +55,7 @@ def paged_prefill_attention_ref(
     *,
     sliding_window: int | None = None,
     num_sink_tokens: int = 0,
-    key_scale_cache: torch.Tensor | None = None,
+    key_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads, groups]
     value_scale_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:
@@ -124,11 +137,47 @@ def causal_attention_cpu(
 
 
 @triton.jit
+def _load_kv_tile(ptrs, mask, PACKED: tl.constexpr):
+    """A K or V tile as stored, masked entries 0: ptrs [BLOCK_N, HEAD_DIM_PAD] of values, or
+    (PACKED) [BLOCK_N, HEAD_DIM_PAD // 2] bytes of int4 codes -> [BLOCK_N, HEAD_DIM_PAD]
+    int8 codes in [-7, 7], in channel order."""
+    if PACKED:
+        packed = tl.load(ptrs, mask=mask, other=_INT4_OFFSET * 0x11)  # both nibbles: code 0
+        lo = (packed & 0xF).to(tl.int8) - _INT4_OFFSET  # channels 0, 2, 4, ...
+        hi = (packed >> 4).to(tl.int8) - _INT4_OFFSET  # channels 1, 3, 5, ...
+        tile = tl.interleave(lo, hi)
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _scale_offsets(block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE):
+    """[BLOCK_N] offsets of the keys' (block, slot, kv head) rows in the scale caches."""
+    offs_scale = block_ids.to(tl.int64) * stride_sb + (offs_key % BLOCK_SIZE) * stride_st
+    return offs_scale + kv_head * stride_sh
+
+
+@triton.jit
+def _group_scales(scale_ptr, offs_scale, mask_kv, offs_d, GROUP_SIZE: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM_PAD] float32 scale of every channel (its group's: groups are
+    contiguous and their stride is 1), 0 where mask_kv is False."""
+    scales = tl.load(
+        scale_ptr + offs_scale[:, None] + (offs_d // GROUP_SIZE)[None, :],
+        mask=mask_kv,
+        other=0.0,
+    )
+    return scales.to(tl.float32)
+
+
+@triton.jit
 def _paged_prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (/ 2 when PACKED)]
     value_cache_ptr,  # same shape and strides as key_cache
-    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (quantized caches only)
+    # [num_blocks, block_size, num_kv_heads, head_dim // GROUP_SIZE] (quantized caches only):
+    # float32 for int8/fp8, float16 for int4
+    key_scale_ptr,
     value_scale_ptr,  # same shape and strides as key_scale
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
     seq_lens_ptr,  # [num_seqs] int32, context including the new tokens
@@ -144,10 +193,10 @@ def _paged_prefill_kernel(
     stride_qh,  # query; head_dim stride is 1
     stride_cb,
     stride_ct,
-    stride_ch,  # key/value cache; head_dim stride is 1
+    stride_ch,  # key/value cache; stored-channel stride is 1
     stride_sb,
     stride_st,
-    stride_sh,  # key/value scale cache
+    stride_sh,  # key/value scale cache; group stride is 1
     stride_bts,  # block_tables; block stride is 1
     stride_ot,
     stride_oh,  # out; head_dim stride is 1
@@ -161,6 +210,8 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,  # tokens per key tile, a multiple of BLOCK_SIZE
     HAS_WINDOW: tl.constexpr,
     IS_QUANTIZED: tl.constexpr,
+    PACKED: tl.constexpr,  # int4: two codes per stored byte
+    GROUP_SIZE: tl.constexpr,  # channels per scale; HEAD_DIM: one scale per vector
     DOT_MODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -199,6 +250,17 @@ def _paged_prefill_kernel(
         q_pos_lo, q_pos_hi, seq_len, sliding_window, num_sink_tokens, BLOCK_N, HAS_WINDOW
     )
 
+    # Stored channels of a K/V vector: HEAD_DIM values, or HEAD_DIM // 2 bytes of int4 codes.
+    if PACKED:
+        offs_c = tl.arange(0, HEAD_DIM_PAD // 2)
+        mask_c = offs_c < HEAD_DIM // 2
+    else:
+        offs_c = offs_d
+        mask_c = mask_d
+    # Several scales per vector (int4 groups): scale K/V element by element before the dots;
+    # one per vector: scale the scores and the probabilities after them.
+    GROUPED: tl.constexpr = IS_QUANTIZED and GROUP_SIZE < HEAD_DIM
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -214,14 +276,26 @@ def _paged_prefill_kernel(
             )
         block_ids = tl.load(block_table + offs_key // BLOCK_SIZE, mask=mask_n, other=0)
         offs_slot = block_ids.to(tl.int64) * stride_cb + (offs_key % BLOCK_SIZE) * stride_ct
-        offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_d[None, :]
-        mask_kv = mask_n[:, None] & mask_d[None, :]
+        offs_kv = offs_slot[:, None] + kv_head * stride_ch + offs_c[None, :]
+        mask_kv = mask_n[:, None] & mask_c[None, :]
 
-        k = tl.load(key_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
+        k = _load_kv_tile(key_cache_ptr + offs_kv, mask_kv, PACKED)
+        if GROUPED:
+            # The scale changes along the dot's reduction: dequantize the tile first.
+            offs_scale = _scale_offsets(
+                block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE
+            )
+            mask_scale = mask_n[:, None] & mask_d[None, :]
+            k = k.to(tl.float32) * _group_scales(
+                key_scale_ptr, offs_scale, mask_scale, offs_d, GROUP_SIZE
+            )
+        k = k.to(q.dtype)
         s = _dot(q, tl.trans(k), DOT_MODE)  # [BLOCK_M, BLOCK_N]
-        if IS_QUANTIZED:
-            offs_scale = block_ids.to(tl.int64) * stride_sb + (offs_key % BLOCK_SIZE) * stride_st
-            offs_scale += kv_head * stride_sh
+        if IS_QUANTIZED and not GROUPED:
+            # One scale per key vector: it multiplies the key's whole score.
+            offs_scale = _scale_offsets(
+                block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE
+            )
             k_scale = tl.load(key_scale_ptr + offs_scale, mask=mask_n, other=0.0)
             s = s * k_scale[None, :]
         seen = mask_n[None, :] & (offs_key[None, :] <= q_pos[:, None])
@@ -238,8 +312,14 @@ def _paged_prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + offs_kv, mask=mask_kv, other=0.0).to(q.dtype)
-        if IS_QUANTIZED:
+        v = _load_kv_tile(value_cache_ptr + offs_kv, mask_kv, PACKED)
+        if GROUPED:
+            v = v.to(tl.float32) * _group_scales(
+                value_scale_ptr, offs_scale, mask_scale, offs_d, GROUP_SIZE
+            )
+        v = v.to(q.dtype)
+        if IS_QUANTIZED and not GROUPED:
+            # One scale per value vector: it multiplies that key's probability instead.
             v_scale = tl.load(value_scale_ptr + offs_scale, mask=mask_n, other=0.0)
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
@@ -276,7 +356,7 @@ def default_prefill_config(dtype: torch.dtype, block_size: int, head_dim: int) -
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (/ 2 int4)]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, -1 padded
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
@@ -285,7 +365,7 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,
     num_sink_tokens: int = 0,
-    key_scale_cache: torch.Tensor | None = None,
+    key_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads, groups]
     value_scale_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:
@@ -370,7 +450,14 @@ def paged_prefill_attention_with_config(
     quantized = is_quantized(key_cache.dtype)
     k_scale = key_scale_cache if quantized else key_cache  # placeholders when unquantized
     v_scale = value_scale_cache if quantized else value_cache
-    scale_strides = key_scale_cache.stride() if key_scale_cache is not None else (0, 0, 0)
+    if quantized:
+        assert key_scale_cache is not None
+        # [num_blocks, block_size, num_kv_heads, num_groups]; the group stride is 1 (checked).
+        scale_strides = key_scale_cache.stride()[:3]
+        group_size = head_dim // key_scale_cache.shape[3]
+    else:
+        scale_strides = (0, 0, 0)
+        group_size = head_dim
     _paged_prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
         query,
         key_cache,
@@ -406,6 +493,8 @@ def paged_prefill_attention_with_config(
         BLOCK_N=config.block_n,
         HAS_WINDOW=sliding_window is not None,
         IS_QUANTIZED=quantized,
+        PACKED=is_packed(key_cache.dtype),
+        GROUP_SIZE=group_size,
         DOT_MODE=dot_mode(query),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

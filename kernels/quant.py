@@ -1,7 +1,17 @@
-"""KV-cache element types: how a cache dtype name maps to storage, and per-token quantization.
+"""KV-cache element types: how a cache dtype name maps to storage, and the quantization.
 
-Quantized caches (`int8`, `fp8`) store one float32 scale per (token, kv head) next to the
-values: x ≈ q * scale with scale = amax(|x|) / QMAX over the head_dim vector.
+Quantized caches store scales next to the values, x ≈ q * scale, one scale per group of
+channels of each (token, kv head) vector, scale = amax(|x|) / QMAX over the group:
+
+    int8  int8 codes in [-127, 127], one float32 scale per vector (the group is the head);
+    fp8   float8_e4m3fn values, one float32 scale per vector;
+    int4  codes in [-7, 7], two per byte (channel 2j in the low nibble, 2j + 1 in the high,
+          each stored as code + 8), one float16 scale per group of INT4_GROUP_SIZE channels:
+          0.28x a bfloat16 cache's bytes at head_dim 64.
+
+The scale cache is [num_blocks, block_size, num_kv_heads, num_groups]; a kernel reads the
+group size from it (head_dim // num_groups) and the head_dim from the value cache (twice its
+last dim when packed).
 
 Keys are stored rotated (`key_rotation`): real models' keys carry a few outlier channels, and
 one scale per vector then leaves the other channels a few codes each. An orthogonal matrix
@@ -17,12 +27,18 @@ import torch
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
-# Smallest scale we store: keeps an all-zero vector from dividing by zero.
+INT4_MAX = 7.0
+INT4_OFFSET = 8  # a stored nibble is code + 8, in [1, 15]
+INT4_GROUP_SIZE = 32  # channels per int4 scale (memory.kv_spec counts the bytes)
+# Smallest scale we store: keeps an all-zero vector from dividing by zero. float16 scales
+# stop at its smallest normal.
 MIN_SCALE = 1e-10
+MIN_SCALE_FP16 = 2.0**-14
 
 
 # The quantized `kv_cache_dtype` settings (memory.kv_spec.KV_CACHE_DTYPES names them all).
-QUANTIZED_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# int4 is stored packed in uint8.
+QUANTIZED_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 
 
 KEY_ROTATION_SEED = 0  # part of the stored format: the KV store's fingerprint names it
@@ -56,7 +72,12 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:
-    return cache_dtype in (torch.int8, torch.float8_e4m3fn)
+    return cache_dtype in (torch.int8, torch.float8_e4m3fn, torch.uint8)
+
+
+def is_packed(cache_dtype: torch.dtype) -> bool:
+    """int4: two codes per stored byte."""
+    return cache_dtype == torch.uint8
 
 
 def quant_max(cache_dtype: torch.dtype) -> float:
@@ -64,20 +85,65 @@ def quant_max(cache_dtype: torch.dtype) -> float:
         return INT8_MAX
     if cache_dtype == torch.float8_e4m3fn:
         return FP8_E4M3_MAX
+    if cache_dtype == torch.uint8:
+        return INT4_MAX
     raise ValueError(f"{cache_dtype} is not a quantized cache dtype")
 
 
-def quantize_per_token_head(
-    x: torch.Tensor, cache_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [num_tokens, num_kv_heads, head_dim] -> (q: same shape in cache_dtype,
-    scale: [num_tokens, num_kv_heads] float32)."""
+def scale_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The scale cache's element type: float16 for int4 (its bytes count), else float32."""
+    return torch.float16 if is_packed(cache_dtype) else torch.float32
+
+
+def min_scale(cache_dtype: torch.dtype) -> float:
+    return MIN_SCALE_FP16 if is_packed(cache_dtype) else MIN_SCALE
+
+
+def group_size(cache_dtype: torch.dtype, head_dim: int) -> int:
+    """Channels per scale: INT4_GROUP_SIZE for int4 where head_dim divides by it, else the
+    whole head."""
+    if is_packed(cache_dtype) and head_dim % INT4_GROUP_SIZE == 0:
+        return INT4_GROUP_SIZE
+    return head_dim
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """The head_dim a [num_blocks, block_size, num_kv_heads, stored] cache holds."""
+    return cache.shape[-1] * (2 if is_packed(cache.dtype) else 1)
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [num_tokens, num_kv_heads, head_dim] -> (q: [num_tokens, num_kv_heads, head_dim]
+    in cache_dtype, or [.., head_dim // 2] uint8 for int4; scale: [num_tokens, num_kv_heads,
+    num_groups] in `scale_dtype`). Codes are x divided by the scale as stored (a float16
+    scale rounded first), int codes rounded half to even."""
     qmax = quant_max(cache_dtype)
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1) / qmax).clamp_min(MIN_SCALE)
-    scaled = x32 / scale.unsqueeze(-1)
+    t, h, d = x.shape
+    g = group_size(cache_dtype, d)
+    x32 = x.float().view(t, h, d // g, g)
+    scale = (x32.abs().amax(dim=-1) / qmax).clamp_min(min_scale(cache_dtype))
+    scale = scale.to(scale_dtype(cache_dtype))
+    scaled = (x32 / scale.float().unsqueeze(-1)).clamp(-qmax, qmax).view(t, h, d)
     if cache_dtype == torch.int8:
-        q = scaled.round().clamp(-qmax, qmax).to(torch.int8)
+        q = scaled.round().to(torch.int8)
+    elif is_packed(cache_dtype):
+        if d % 2:
+            raise ValueError(f"an int4 cache needs an even head_dim, got {d}")
+        nibbles = (scaled.round() + INT4_OFFSET).to(torch.uint8)
+        q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
     else:
-        q = scaled.clamp(-qmax, qmax).to(cache_dtype)
+        q = scaled.to(cache_dtype)
     return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize` on any leading shape: q [..., stored], scale [..., num_groups]
+    -> [..., head_dim] in `dtype`."""
+    if is_packed(q.dtype):
+        nibbles = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+        values = nibbles.to(dtype) - INT4_OFFSET
+    else:
+        values = q.to(dtype)
+    num_groups = scale.shape[-1]
+    grouped = values.unflatten(-1, (num_groups, values.shape[-1] // num_groups))
+    return (grouped * scale.to(dtype).unsqueeze(-1)).flatten(-2)

@@ -2,9 +2,11 @@
 
 Layout: one tensor for all layers,
     kv:     [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-    scales: [num_layers, 2, num_blocks, block_size, num_kv_heads] float32 (int8 / fp8 only)
-so a block's whole KV (every layer) moves with one index along dim 2. A quantized cache holds
-keys turned by `key_rotation` (kernels.quant), and the model turns queries to match.
+    scales: [num_layers, 2, num_blocks, block_size, num_kv_heads, num_groups] (quantized only)
+so a block's whole KV (every layer) moves with one index along dim 2. int4 packs two channels
+per byte (the last dim is head_dim / 2) and keeps float16 scales per group of channels;
+int8 / fp8 keep one float32 scale per vector (kernels.quant). A quantized cache holds keys
+turned by `key_rotation`, and the model turns queries to match.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvchat.kernels.quant import key_rotation
+from kvchat.kernels.quant import group_size, key_rotation, scale_dtype
 
 from .kv_spec import SCALE_BYTES, KVCacheSpec
-
-SCALE_DTYPE = torch.float32
-assert SCALE_DTYPE.itemsize == SCALE_BYTES  # KVCacheSpec counts scale bytes without torch
 
 
 class KVCache:
@@ -44,12 +43,17 @@ class KVCache:
         self, num_blocks: int, device: torch.device, pin: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = self.spec
-        shape = (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        shape = (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.stored_head_dim)
         # Zeroed, not empty: masked attention lanes multiply probabilities of 0 by these values.
         kv = torch.zeros(shape, dtype=s.storage_dtype, device=device, pin_memory=pin)
         scales = None
         if s.is_quantized:
-            scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device, pin_memory=pin)
+            dtype = scale_dtype(s.storage_dtype)
+            # KVCacheSpec counts these bytes without torch: the two must agree.
+            assert dtype.itemsize == SCALE_BYTES[s.kv_cache_dtype]
+            assert s.head_dim // group_size(s.storage_dtype, s.head_dim) == s.scale_groups
+            groups = (*shape[:-1], s.scale_groups)
+            scales = torch.zeros(groups, dtype=dtype, device=device, pin_memory=pin)
         return kv, scales
 
     @property
@@ -84,7 +88,7 @@ class KVCache:
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Copies (on the CPU, as bytes) of whole blocks of the device pool, or of the host
         pool when `on_host`: per block (kv [layers, 2, block_size, kv_heads, head bytes],
-        scales [layers, 2, block_size, kv_heads * 4] or None). The KV store writes them."""
+        scales [layers, 2, block_size, kv_heads, group bytes] or None). The KV store writes them."""
         if not ids:
             return []
         kv, scales = (self.host_kv, self.host_scales) if on_host else (self.kv, self.scales)

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# `auto` stores the model's dtype; the others store 1-byte values with a float32 scale per
-# token and KV head (kernels.quant says how).
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZED_ELEMENT_BYTES = 1  # int8 and float8_e4m3fn
-QUANTIZED_STORAGE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn"}
-SCALE_BYTES = 4  # one float32 scale (memory.kv_cache.SCALE_DTYPE)
+# `auto` stores the model's dtype; int8 and fp8 store 1-byte values with a float32 scale per
+# token and KV head; int4 stores two 4-bit codes per byte with a float16 scale per group of
+# INT4_GROUP_SIZE channels (kernels.quant says how, and must agree with the numbers here).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
+QUANTIZED_STORAGE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn", "int4": "uint8"}
+ELEMENTS_PER_BYTE = {"int8": 1, "fp8": 1, "int4": 2}
+SCALE_BYTES = {"int8": 4, "fp8": 4, "int4": 2}  # float32; float16
+INT4_GROUP_SIZE = 32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,6 +44,8 @@ class KVCacheSpec:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.kv_cache_dtype == "int4" and self.head_dim % 2:
+            raise ValueError(f"an int4 KV cache needs an even head_dim, got {self.head_dim}")
 
     @property
     def is_quantized(self) -> bool:
@@ -70,20 +74,42 @@ class KVCacheSpec:
         return str(self.model_dtype).removeprefix("torch.")
 
     @property
-    def element_bytes(self) -> int:
-        return QUANTIZED_ELEMENT_BYTES if self.is_quantized else self.model_dtype.itemsize
+    def element_bytes(self) -> float:
+        """Bytes per stored channel: the model dtype's, 1, or 0.5 (int4)."""
+        if self.is_quantized:
+            return 1 / ELEMENTS_PER_BYTE[self.kv_cache_dtype]
+        return float(self.model_dtype.itemsize)
+
+    @property
+    def stored_head_dim(self) -> int:
+        """The cache tensors' last dim: head_dim, or head_dim / 2 packed (int4)."""
+        if self.is_quantized:
+            return self.head_dim // ELEMENTS_PER_BYTE[self.kv_cache_dtype]
+        return self.head_dim
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per (token, layer, K/V, KV head): 1, or head_dim / INT4_GROUP_SIZE (int4
+        where head_dim divides by it); 0 unquantized."""
+        if not self.is_quantized:
+            return 0
+        if self.kv_cache_dtype == "int4" and self.head_dim % INT4_GROUP_SIZE == 0:
+            return self.head_dim // INT4_GROUP_SIZE
+        return 1
 
     @property
     def value_bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        """2 x layers x kv_heads x the stored head bytes."""
+        per_head = self.stored_head_dim * (1 if self.is_quantized else self.model_dtype.itemsize)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def scale_bytes_per_token(self) -> int:
-        """One float32 scale per token, layer, K/V and KV head (quantized caches only)."""
+        """The scales of each token, layer, K/V and KV head (quantized caches only)."""
         if not self.is_quantized:
             return 0
-        return 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES
+        scale_bytes = SCALE_BYTES[self.kv_cache_dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.scale_groups * scale_bytes
 
     @property
     def bytes_per_token(self) -> int:

@@ -54,15 +54,18 @@ class MemoryPlan:
         elem = s.element_bytes
         out = [
             f"layers {s.num_layers}, kv heads {s.num_kv_heads}, head_dim {s.head_dim}, "
-            f"kv cache dtype {s.kv_cache_dtype} ({s.storage_dtype_name}, {elem} B/element), "
+            f"kv cache dtype {s.kv_cache_dtype} ({s.storage_dtype_name}, {elem:g} B/element), "
             f"block size {s.block_size}",
             f"bytes per token = 2 x {s.num_layers} layers x {s.num_kv_heads} kv heads x "
-            f"{s.head_dim} head_dim x {elem} B = {s.value_bytes_per_token:,} B",
+            f"{s.head_dim} head_dim x {elem:g} B = {s.value_bytes_per_token:,} B",
         ]
         if s.is_quantized:
+            scale_bytes = SCALE_BYTES[s.kv_cache_dtype]
+            kind = "float32" if scale_bytes == 4 else "float16"
+            per = "token and kv head" if s.scale_groups == 1 else "group of channels"
             out.append(
-                f"  + scales: 2 x {s.num_layers} x {s.num_kv_heads} x {SCALE_BYTES} B "
-                f"(one float32 per token and kv head) = {s.scale_bytes_per_token:,} B "
+                f"  + scales: 2 x {s.num_layers} x {s.num_kv_heads} x {s.scale_groups} x "
+                f"{scale_bytes} B (one {kind} per {per}) = {s.scale_bytes_per_token:,} B "
                 f"-> {s.bytes_per_token:,} B per token"
             )
         out.append(

@@ -144,7 +144,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Go on past end-of-sequence.")] = False,
     attention_backend: Annotated[str, typer.Option(help="auto | torch | triton.")] = "auto",
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8 | int4.")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N].")] = "auto",
@@ -309,7 +309,7 @@ app.add_typer(admin_app, name="admin")
 def memory_plan(
     model: Annotated[Path | None, typer.Option(help="Model directory (reads config.json).")] = None,
     config: Annotated[Path | None, typer.Option(help="A config.json file.")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto | int8 | fp8 | int4.")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="Model dtype (default: the config's).")] = None,
     context_tokens: Annotated[
         int | None, typer.Option(help="Context length of one session.")

@@ -224,7 +224,7 @@ def test_triton_backend_matches_transformers_and_the_torch_path(case: Any, tmp_p
     )
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_quantized_cache_greedy_tokens_agree_between_backends(
     kv_cache_dtype: str, tmp_path: Path
 ) -> None:

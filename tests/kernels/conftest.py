@@ -19,7 +19,7 @@ import torch
 
 import kvchat.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)
 from kvchat.kernels.cache_write import write_kv_cache_ref
-from kvchat.kernels.quant import is_quantized
+from kvchat.kernels.quant import group_size, is_packed, is_quantized, scale_dtype
 
 CACHE_DTYPES = {
     "float32": torch.float32,
@@ -27,6 +27,7 @@ CACHE_DTYPES = {
     "float16": torch.float16,
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
+    "int4": torch.uint8,
 }
 
 
@@ -52,7 +53,7 @@ class PagedKV:
 
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], cache dtype
     value_cache: torch.Tensor
-    key_scale_cache: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] float32
+    key_scale_cache: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads, num_groups]
     value_scale_cache: torch.Tensor | None
     key_full: torch.Tensor  # float64 values before quantization (equal to the cache if not)
     value_full: torch.Tensor
@@ -122,10 +123,12 @@ def build_paged_kv(
     )
     value = torch.randn(shape, generator=gen)
     if is_quantized(cache_dtype):
-        key_cache = torch.empty(shape, dtype=cache_dtype)
-        value_cache = torch.empty(shape, dtype=cache_dtype)
-        key_scale = torch.empty(shape[:3], dtype=torch.float32)
-        value_scale = torch.empty(shape[:3], dtype=torch.float32)
+        stored = (*shape[:3], head_dim // 2 if is_packed(cache_dtype) else head_dim)
+        key_cache = torch.empty(stored, dtype=cache_dtype)
+        value_cache = torch.empty(stored, dtype=cache_dtype)
+        groups = (*shape[:3], head_dim // group_size(cache_dtype, head_dim))
+        key_scale = torch.empty(groups, dtype=scale_dtype(cache_dtype))
+        value_scale = torch.empty(groups, dtype=scale_dtype(cache_dtype))
         slots = torch.arange(num_blocks * block_size)
         write_kv_cache_ref(
             key.view(-1, num_kv_heads, head_dim),

@@ -59,7 +59,7 @@ def test_rotary_cache_write_matches_the_torch_path(
 def test_rotary_cache_write_declines_a_quantized_cache() -> None:
     qkv = torch.randn(1, 4 * 16)
     cache = torch.zeros(2, 4, 1, 16, dtype=torch.int8)
-    scales = torch.zeros(2, 4, 1)
+    scales = torch.zeros(2, 4, 1, 1)
     t = torch.ones(1, 1, 16)
     assert rotary_cache_write_cpu(qkv, t, t, cache, cache, torch.tensor([0]), 2, 1, scales) is None
 

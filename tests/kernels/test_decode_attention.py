@@ -5,12 +5,23 @@ block_size + 1 and several blocks, in a shuffled block pool.
 Error bounds (max_rel_err = max|out - ref| / max|ref|, rel_l2 = ||out - ref|| / ||ref||):
 - float32: max_rel_err <= 1e-4 against the float64 reference (measured ~1e-7).
 - bf16 query/cache: max_rel_err <= 1.5e-2 against the float64 reference on the same bf16
-  values (P and the output are rounded to bf16; measured <= 8e-3).
-- int8 / fp8 caches with a float32 query: max_rel_err <= 1e-4 against the reference run in
-  float64 on the same quantized cache, and against the float64 reference of the unquantized
-  K/V: int8 rel_l2 <= 0.03, max_rel_err <= 0.045; fp8 rel_l2 <= 0.15, max_rel_err <= 0.25.
+  values (P and the output are rounded to bf16; measured <= 8e-3, and 9.5e-3 over a
+  grouped int4 cache, whose dequantized K/V are rounded to bf16 too).
+- int8 / fp8 / int4 caches with a float32 query: max_rel_err <= 1e-4 against the reference
+  run in float64 on the same quantized cache (scale caches [num_blocks, block_size,
+  num_kv_heads, num_groups]), and against the float64 reference of the unquantized K/V:
+  int8 rel_l2 <= 0.03, max_rel_err <= 0.045; fp8 rel_l2 <= 0.15, max_rel_err <= 0.25.
   Those are about twice the worst of 300 random configurations of these builders, measured
   with the reference (int8: 0.016 / 0.022, fp8: 0.082 / 0.129).
+  int4 (7 levels a side) is far coarser; from 300 random configurations (head_dim 32, 64,
+  80, 128), measured with the reference:
+  - head_dim a multiple of 32 (float16 scales per 32 channels): worst rel_l2 0.169,
+    max_rel_err 0.354 (median 0.12 / 0.13); bound rel_l2 <= 0.22, max_rel_err <= 0.45.
+    Tight enough to fail one scale for all groups (group 0's everywhere: rel_l2 0.27),
+    which the comparison on the same stored values catches anyway.
+  - otherwise (one scale per vector, head_dim 80): worst 0.317 / 0.533, the next 0.173 /
+    0.378; bound rel_l2 <= 0.35, max_rel_err <= 0.6.
+  A wrong channel order (swapped nibbles) gives rel_l2 1.36.
 """
 
 from __future__ import annotations
@@ -28,15 +39,18 @@ from kvchat.kernels.decode_attention import (
     paged_decode_attention_ref,
     paged_decode_attention_with_config,
 )
+from kvchat.kernels.quant import INT4_GROUP_SIZE
 
 FP32_TOL = 1e-4
 BF16_TOL = 1.5e-2
-QUANT_VS_FULL = {"int8": (0.03, 0.045), "fp8": (0.15, 0.25)}  # (rel_l2, max_rel_err)
+# (rel_l2, max_rel_err) of the quantized result against the unquantized one (see above).
+QUANT_VS_FULL = {"int8": (0.03, 0.045), "fp8": (0.15, 0.25), "int4": (0.22, 0.45)}
+INT4_ONE_GROUP_VS_FULL = (0.35, 0.6)  # head_dim not a multiple of INT4_GROUP_SIZE
 
 
 @dataclass(frozen=True)
 class DecodeCase:
-    cache: str  # float32 | bfloat16 | int8 | fp8
+    cache: str  # float32 | bfloat16 | int8 | fp8 | int4
     head_dim: int
     group: int  # query heads per KV head
     block_size: int
@@ -86,6 +100,14 @@ CASES = [
     DecodeCase("fp8", 128, 4, 32, block_n=128),
     DecodeCase("fp8", 64, 1, 16),
     DecodeCase("fp8", 64, 4, 16, num_splits=3, query="bfloat16"),
+    # int4: two scale groups; four; three, with the head padded to 128 (the padding's
+    # group index is past the last group); one per vector (80 is no multiple of 32, the
+    # packed head padded); grouped with a bf16 query (dequantized tiles rounded to bf16).
+    DecodeCase("int4", 64, 4, 16, num_splits=2, block_n=16),
+    DecodeCase("int4", 128, 1, 32, window=33, sinks=2, num_splits=3, shared_prefix_blocks=1),
+    DecodeCase("int4", 96, 4, 16, window=30, sinks=5, drop_outside_window=True, num_kv_heads=1),
+    DecodeCase("int4", 80, 8, 16, window=24, num_splits=2, num_kv_heads=1),
+    DecodeCase("int4", 64, 8, 32, query="bfloat16", num_kv_heads=1),
 ]
 
 
@@ -159,16 +181,20 @@ def test_decode_matches_reference(case: DecodeCase, kv) -> None:
             query.double(), scale=scale, **tables, **paged.full_f64(), **window
         )
         l2_bound, max_bound = QUANT_VS_FULL[case.cache]
+        if case.cache == "int4" and case.head_dim % INT4_GROUP_SIZE:
+            l2_bound, max_bound = INT4_ONE_GROUP_VS_FULL
         assert kv.rel_l2_err(out, full) <= l2_bound
         assert kv.max_rel_err(out, full) <= max_bound
 
 
+@pytest.mark.parametrize("cache", ["fp8", "int4"])
 @pytest.mark.parametrize("magnitude", [3e4, 1e-6])
-def test_decode_fp8_cache_bf16_query_any_magnitude(kv, magnitude: float) -> None:
-    """Large and tiny bf16 queries over an fp8 cache (the codes are converted to the query
-    dtype for the dots): no overflow, no loss of accuracy."""
-    gen = kv.generator(f"fp8-bf16-{magnitude}")
-    paged = kv.build_paged_kv(gen, [1, 40, 100], 2, 64, 16, torch.float8_e4m3fn)
+def test_decode_quantized_cache_bf16_query_any_magnitude(kv, cache: str, magnitude: float) -> None:
+    """Large and tiny bf16 queries over a quantized cache (fp8 codes, or int4 values
+    dequantized per group, are converted to the query dtype for the dots): no overflow, no
+    loss of accuracy."""
+    gen = kv.generator(f"{cache}-bf16-{magnitude}")
+    paged = kv.build_paged_kv(gen, [1, 40, 100], 2, 64, 16, kv.CACHE_DTYPES[cache])
     query = (kv.random_query(gen, (3, 8, 64), torch.float32) * magnitude).to(torch.bfloat16)
     out = paged_decode_attention(
         query,
@@ -291,4 +317,31 @@ def test_decode_rejects_bad_arguments(kv, change, message: str) -> None:
     args = _valid_args(kv)
     change(args)
     with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**args)
+
+
+@pytest.mark.parametrize(
+    ("cache", "cut"),
+    [
+        ("int8", lambda s: s[..., 0]),  # the old per-token layout, no group axis
+        ("int4", lambda s: s[..., 0]),
+        ("int4", lambda s: s[..., :1].contiguous()),  # one scale per vector, not per group
+    ],
+    ids=["int8-3d", "int4-3d", "int4-one-group"],
+)
+def test_decode_rejects_scale_caches_of_another_layout(kv, cache: str, cut) -> None:
+    """Scale caches that are not [num_blocks, block_size, num_kv_heads, num_groups] with the
+    dtype's groups are refused before the kernel could read them with the wrong strides."""
+    gen = kv.generator(f"3d-{cache}")
+    paged = kv.build_paged_kv(gen, [5, 9], 2, 64, 16, kv.CACHE_DTYPES[cache])
+    args = dict(
+        query=torch.randn(2, 4, 64),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        scale=0.125,
+        **paged.storage(),
+    )
+    args["key_scale_cache"] = cut(args["key_scale_cache"])
+    args["value_scale_cache"] = cut(args["value_scale_cache"])
+    with pytest.raises(ValueError, match="num_groups"):
         paged_decode_attention(**args)

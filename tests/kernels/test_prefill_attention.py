@@ -6,11 +6,21 @@ block_size + 1 fresh tokens, 2 blocks of new tokens after a 1-block-plus prefix,
 token after 5 blocks, and a sequence with no new tokens; block ids are shuffled and, in
 some cases, shared between two sequences' prefixes.
 
+Quantized caches come from the conftest builders in kernels.quant's layout: scale caches
+[num_blocks, block_size, num_kv_heads, num_groups]; int4 packs two codes per byte with a
+float16 scale per 32 channels (two groups at head_dim 64, four at 128) or per head where
+head_dim does not divide by 32 (80: one group, the kernel's per-vector scale path).
+
 Error bounds (see test_decode_attention.py for the measures): float32 max_rel_err <= 1e-4
-vs float64; bf16 <= 1.5e-2; int8 / fp8 with a float32 query <= 1e-4 vs the float64
+vs float64; bf16 <= 1.5e-2; int8 / fp8 / int4 with a float32 query <= 1e-4 vs the float64
 reference on the same quantized cache, and vs the unquantized float64 reference int8
 rel_l2 <= 0.03, max_rel_err <= 0.045, fp8 rel_l2 <= 0.15, max_rel_err <= 0.25 (worst of 120
-random configurations of these builders: int8 0.011 / 0.026, fp8 0.040 / 0.097).
+random configurations of these builders: int8 0.011 / 0.026, fp8 0.040 / 0.097), int4
+rel_l2 <= 0.22, max_rel_err <= 0.8: the worst of 320 random configurations (head_dim 32,
+64, 80, 128, head groups 1-8, windows) was 0.173 / 0.568, both at head_dim 80, where one
+scale spans 80 channels; rel_l2 stays in 0.12-0.17, while the stored int4 values read with
+the wrong group's scale score >= 0.26 and with swapped nibbles >= 1.35, so the rel_l2 bound
+separates them (max_rel_err does not: it is a sanity bound).
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from kvchat.kernels.prefill_attention import (
 
 FP32_TOL = 1e-4
 BF16_TOL = 1.5e-2
-QUANT_VS_FULL = {"int8": (0.03, 0.045), "fp8": (0.15, 0.25)}  # (rel_l2, max_rel_err)
+# (rel_l2, max_rel_err) vs the unquantized float64 reference; measured in the docstring
+QUANT_VS_FULL = {"int8": (0.03, 0.045), "fp8": (0.15, 0.25), "int4": (0.22, 0.8)}
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,10 @@ CASES = [
     PrefillCase("fp8", 80, 8, 16, window=30, sinks=5, drop_outside_window=True),
     PrefillCase("fp8", 128, 4, 32),
     PrefillCase("fp8", 64, 4, 16, query="bfloat16"),
+    PrefillCase("int4", 64, 4, 16, block_m=16, block_n=16),  # two scale groups
+    PrefillCase("int4", 128, 1, 32, window=33, shared_prefix_blocks=1),  # four
+    PrefillCase("int4", 80, 2, 16, window=30, sinks=5, drop_outside_window=True),  # one
+    PrefillCase("int4", 64, 8, 16, query="bfloat16"),
 ]
 
 
@@ -206,6 +221,38 @@ def test_prefill_rejects_bad_arguments(kv, change, message: str) -> None:
         **paged.storage(),
     )
     change(args)
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_attention(**args)
+
+
+@pytest.mark.parametrize("cache", ["int8", "int4"])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # The 3-d scale cache of the layout before groups: one scale per vector, no group dim.
+        (lambda s: s[..., 0], "key_scale_cache must be"),
+        (lambda s: s.float() if s.dtype == torch.float16 else s.half(), "key_scale_cache must be"),
+        (lambda s: s.transpose(0, 3).contiguous().transpose(0, 3), "contiguous groups"),
+    ],
+    ids=["3d", "dtype", "group-stride"],
+)
+def test_prefill_rejects_bad_scale_caches(kv, cache: str, change, message: str) -> None:
+    """Scale caches must be [num_blocks, block_size, num_kv_heads, num_groups] in the
+    cache dtype's scale dtype with contiguous groups (the kernel assumes group stride 1)."""
+    paged = kv.build_paged_kv(kv.generator("bad-scales"), [5, 9], 2, 64, 16, kv.CACHE_DTYPES[cache])
+    assert paged.key_scale_cache is not None and paged.value_scale_cache is not None
+    args = dict(
+        query=torch.randn(14, 4, 64),
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+        query_start_loc=torch.tensor([0, 5, 14], dtype=torch.int32),
+        scale=0.125,
+        **paged.storage(),
+    )
+    args.update(
+        key_scale_cache=change(paged.key_scale_cache),
+        value_scale_cache=change(paged.value_scale_cache),
+    )
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(**args)
 

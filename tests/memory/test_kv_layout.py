@@ -13,7 +13,7 @@ import torch
 
 from kvchat.kernels.quant import kv_storage_dtype
 from kvchat.memory.config import CacheConfig
-from kvchat.memory.kv_cache import SCALE_DTYPE, KVCache
+from kvchat.memory.kv_cache import KVCache
 from kvchat.memory.kv_layout import CPU_DEFAULT_KV_CACHE_BYTES, DeviceMemory, plan_kv_layout
 from kvchat.memory.kv_spec import KV_CACHE_DTYPES, KVCacheSpec
 
@@ -40,7 +40,7 @@ def test_spec_bytes_match_the_allocated_tensors(
     spec = KVCacheSpec(
         num_layers=rng.randint(1, 3),
         num_kv_heads=rng.randint(1, 4),
-        head_dim=rng.choice([2, 8, 16]),
+        head_dim=rng.choice([2, 8, 16, 64, 96]),
         block_size=rng.choice([1, 4, 16]),
         model_dtype=model_dtype,
         kv_cache_dtype=kv_cache_dtype,
@@ -53,15 +53,34 @@ def test_spec_bytes_match_the_allocated_tensors(
     assert allocated == spec.bytes_per_block * num_blocks
     assert spec.storage_dtype == kv_storage_dtype(kv_cache_dtype, model_dtype)
     assert spec.storage_dtype_name == str(spec.storage_dtype).removeprefix("torch.")
-    assert spec.element_bytes == cache.kv.element_size()
+    assert spec.element_bytes * spec.head_dim == cache.kv.element_size() * cache.kv.shape[-1]
     assert spec.is_quantized == (cache.scales is not None)
-    scales = SCALE_DTYPE.itemsize * 2 * spec.num_layers * spec.num_kv_heads
-    assert spec.scale_bytes_per_token == (scales if spec.is_quantized else 0)
+    if cache.scales is not None:
+        per_token = cache.scales[:, :, 0, 0].numel() * cache.scales.element_size()
+        assert spec.scale_bytes_per_token == per_token
+    else:
+        assert spec.scale_bytes_per_token == 0
+
+
+def test_int4_packs_two_channels_a_byte_with_a_float16_scale_per_32() -> None:
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64.
+    bf16 = KVCacheSpec(30, 3, 64, 16, torch.bfloat16)
+    int4 = KVCacheSpec(30, 3, 64, 16, torch.bfloat16, "int4")
+    assert int4.value_bytes_per_token == 2 * 30 * 3 * 32
+    assert int4.scale_bytes_per_token == 2 * 30 * 3 * 2 * 2
+    assert int4.bytes_per_token == 6480
+    assert int4.bytes_per_token / bf16.bytes_per_token < 0.3
+    cache = KVCache(int4, 2, torch.device("cpu"))
+    assert cache.kv.shape[-1] == 32 and cache.kv.dtype == torch.uint8
+    assert cache.scales is not None and cache.scales.shape[-1] == 2
+    assert cache.scales.dtype == torch.float16
 
 
 def test_an_unknown_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        KVCacheSpec(1, 1, 2, 16, torch.float32, "int4")
+        KVCacheSpec(1, 1, 2, 16, torch.float32, "int2")
+    with pytest.raises(ValueError, match="even head_dim"):
+        KVCacheSpec(1, 1, 3, 16, torch.float32, "int4")
 
 
 PER_BLOCK = 4096

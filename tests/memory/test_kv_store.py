@@ -182,7 +182,7 @@ def stored_engine(path: Path, store: Path, **cache: Any) -> Engine:
     return make_engine(path, kv_store_dir=str(store), kv_store_bytes=1 << 30, **cache)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_a_restarted_engine_loads_the_conversation_and_computes_only_the_new_tokens(
     tiny_llama: tuple[Path, Any], tmp_path: Path, kv_cache_dtype: str
 ) -> None:

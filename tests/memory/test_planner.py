@@ -75,6 +75,12 @@ def test_quantized_cache_counts_its_scales() -> None:
     assert "-> 67,584 B per token" in result.stdout
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16, "int8")
     assert spec.bytes_per_token / KVCacheSpec(32, 8, 128, 16, torch.bfloat16).bytes_per_token < 0.55
+    config = str(CONFIGS / "llama-3-8b.json")
+    int4 = runner.invoke(app, ["memory", "plan", "--config", config, "--kv-cache-dtype", "int4"])
+    assert int4.exit_code == 0, int4.output
+    # 32,768 B of packed codes + 2 x 32 x 8 x 4 groups x 2 B of float16 scales.
+    assert "x 0.5 B = 32,768 B" in int4.stdout
+    assert "-> 36,864 B per token" in int4.stdout
 
 
 def test_plan_math_matches_a_direct_computation() -> None:
@@ -105,7 +111,7 @@ def test_model_dir_works_like_its_config(tmp_path: Path) -> None:
         (["--config", "/nope.json"], "does not exist"),
         (["--config", str(CONFIGS / "llama-3-8b.json"), "--memory", "lots"], "cannot read 'lots'"),
         (
-            ["--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "int4"],
+            ["--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "int2"],
             "kv_cache_dtype",
         ),
         (["--config", str(CONFIGS / "llama-3-8b.json"), "--block-size", "12"], "power of two"),

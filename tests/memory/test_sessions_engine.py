@@ -21,7 +21,7 @@ from kvchat_testing.session_engines import (
     turn,
 )
 
-KV_DTYPES = ["auto", "int8", "fp8"]
+KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 
 
 def test_turn_two_prefills_only_the_new_tokens(tiny_llama: tuple[Path, Any]) -> None:

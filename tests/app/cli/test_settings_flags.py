@@ -100,7 +100,7 @@ def test_serve_help_lists_every_setting_with_its_help_and_default() -> None:
         else:
             text = str(default).lower() if isinstance(default, bool) else str(default)
             assert param.show_default and param.default in (text, [text]), name
-    assert params["kv_cache_dtype"].metavar == "[auto|int8|fp8]"
+    assert params["kv_cache_dtype"].metavar == "[auto|int8|fp8|int4]"
     assert params["ws_compression"].metavar == "[true|false]"
     assert params["port"].metavar == "INTEGER"
     assert params["cors_origins"].multiple
@@ -125,7 +125,7 @@ def test_serve_help_in_a_real_process_shows_flags_and_defaults_but_no_secret() -
         assert flag_name(name) in proc.stdout, name
     assert "Tokens per KV-cache block." in proc.stdout
     assert "[default: 16]" in proc.stdout
-    assert "[auto|int8|fp8]" in proc.stdout
+    assert "[auto|int8|fp8|int4]" in proc.stdout
     assert secret not in proc.stdout
 
 
@@ -184,8 +184,8 @@ def test_list_and_optional_flags() -> None:
             "integer (got 'eighty')",
         ),
         (
-            ["--kv-cache-dtype", "int4"],
-            "error: --kv-cache-dtype: Input should be 'auto', 'int8' or 'fp8' (got 'int4')",
+            ["--kv-cache-dtype", "int2"],
+            "error: --kv-cache-dtype: Input should be 'auto', 'int8', 'fp8' or 'int4' (got 'int2')",
         ),
         (
             ["--dtype", "float64"],
