@@ -89,8 +89,8 @@ def check_cache_pair(
 ) -> set[torch.device]:
     """Checks every kernel makes of the paged cache: K and V of one shape, dtype and strides
     with a contiguous head_dim; for a quantized cache, scale caches
-    [num_blocks, block_size, num_kv_heads, num_groups] (kernels.quant: float32, one group, for
-    int8/fp8; float16 groups of INT4_GROUP_SIZE for int4) sharing strides. Returns the devices
+    [num_blocks, block_size, num_kv_heads, num_groups] (kernels.quant: float16, groups of
+    SCALE_GROUP_SIZE channels) sharing strides. Returns the devices
     involved."""
     if key_cache.dim() != 4:
         raise ValueError(

@@ -5,10 +5,9 @@ Layout (shared by every kernel in this package; `kernels.quant` defines the form
                                         or [.., head_dim // 2] uint8 for int4 (two codes a
                                         byte: channel 2j in the low nibble, 2j + 1 high)
     key_scale_cache, value_scale_cache: [num_blocks, block_size, num_kv_heads, num_groups]
-                                        (only for quantized caches): float32, one group,
-                                        for int8 / fp8; float16, groups of INT4_GROUP_SIZE
-                                        channels (one group if head_dim is not a multiple),
-                                        for int4
+                                        float16 (only for quantized caches), groups of
+                                        SCALE_GROUP_SIZE channels (one group if head_dim is
+                                        not a multiple)
     slot_mapping:                       [num_tokens] int64, block_id * block_size + offset;
                                         -1 marks a token that is not written (padding).
 
@@ -17,9 +16,9 @@ scale = max(amax / QMAX, min_scale) and x / scale with IEEE division (`div_rn`),
 int4 codes rounded half to even like torch's `round()` (`_rint`), fp8 e4m3 encoded with
 round-to-nearest-even by integer arithmetic on the float32 bits and stored through a uint8
 view. (Triton 3.9's interpreter drops the carry when an fp32 -> fp8 cast rounds up into the
-next binade, 1.97 -> 1.0; the integer encoding is exact both there and compiled.) int4 takes
-the amax per group, rounds the scale to float16 (round to nearest even in both the
-interpreter and compiled code) and divides by that rounded value, as the reference does, then
+next binade, 1.97 -> 1.0; the integer encoding is exact both there and compiled.) The amax is
+taken per group, the scale rounded to float16 (round to nearest even in both the interpreter
+and compiled code) and x divided by that rounded value, as the reference does; int4 then
 packs channel pairs into bytes. Bit-exact with the torch reference on the CPU; on CUDA, torch
 divides by the Python scalar QMAX as a multiplication by its reciprocal, so the reference's
 scales there can differ in the last bit (and a code by one step); bench/gpu_kernels.py checks
@@ -137,18 +136,19 @@ def _quantize_store(
     offs_g = tl.arange(0, NUM_GROUPS_PAD)
     mask_g = mask_h[:, None] & (offs_g < NUM_GROUPS)[None, :]
     scale_ptrs = scale_ptr + offs_h[:, None] * stride_sh + offs_g[None, :]
+    # One scale per group of GROUP_PAD channels (NUM_GROUPS_PAD * GROUP_PAD == HEAD_DIM_PAD;
+    # with one group it spans the padding too, which holds zeros and so leaves the amax
+    # alone). The view is [heads, groups, channels of the group].
+    x3 = tl.reshape(x, [NUM_KV_HEADS_PAD, NUM_GROUPS_PAD, GROUP_PAD])
+    amax = tl.max(tl.abs(x3), axis=2)  # [NUM_KV_HEADS_PAD, NUM_GROUPS_PAD]
+    # The scale is stored as float16, and the codes divide by that stored value (as
+    # quant.quantize does), so round it before dividing. MIN_SCALE_ is a float16 normal:
+    # clamping before or after the rounding gives the same.
+    scale16 = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_).to(tl.float16)
+    scaled = tl.math.div_rn(x3, scale16.to(tl.float32)[:, :, None])
+    scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
+    scaled = tl.reshape(scaled, [NUM_KV_HEADS_PAD, HEAD_DIM_PAD])
     if QUANT == 3:
-        # int4: one scale per group of GROUP_PAD channels (NUM_GROUPS_PAD * GROUP_PAD ==
-        # HEAD_DIM_PAD; with one group it spans the padding too, which holds zeros and so
-        # leaves the amax alone). The view is [heads, groups, channels of the group].
-        x3 = tl.reshape(x, [NUM_KV_HEADS_PAD, NUM_GROUPS_PAD, GROUP_PAD])
-        amax = tl.max(tl.abs(x3), axis=2)  # [NUM_KV_HEADS_PAD, NUM_GROUPS_PAD]
-        # The scale is stored as float16, and the codes divide by that stored value (as
-        # quant.quantize does), so round it before dividing. MIN_SCALE_ is a float16 normal:
-        # clamping before or after the rounding gives the same.
-        scale16 = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_).to(tl.float16)
-        scaled = tl.math.div_rn(x3, scale16.to(tl.float32)[:, :, None])
-        scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
         nibbles = (_rint(scaled) + 8.0).to(tl.int32)  # code + 8, in [1, 15]
         # Channel 2j goes to the low nibble of byte j, channel 2j + 1 to the high one:
         # split the (row-major) channel axis into pairs.
@@ -158,21 +158,15 @@ def _quantize_store(
         offs_p = tl.arange(0, HEAD_DIM_PAD // 2)
         mask_p = mask_h[:, None] & (offs_p < HEAD_DIM // 2)[None, :]
         tl.store(cache_ptr + offs_h[:, None] * stride_ch + offs_p[None, :], packed, mask=mask_p)
-        tl.store(scale_ptrs, scale16, mask=mask_g)
     else:
-        # int8 / fp8: one float32 scale per (token, head) vector (NUM_GROUPS == 1).
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
         cache_ptrs = cache_ptr + offs_h[:, None] * stride_ch + offs_d[None, :]
-        amax = tl.max(tl.abs(x), axis=1)  # [NUM_KV_HEADS_PAD]
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_)
-        scaled = tl.math.div_rn(x, scale[:, None])
-        scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
         if QUANT == 1:
             tl.store(cache_ptrs, _rint(scaled).to(tl.int8), mask=mask)
         else:
             tl.store(cache_ptrs, _fp32_to_e4m3_bits(scaled), mask=mask)
-        tl.store(scale_ptrs, scale[:, None], mask=mask_g)
+    tl.store(scale_ptrs, scale16, mask=mask_g)
 
 
 @triton.jit
@@ -311,7 +305,7 @@ def write_kv_cache(
         if num_groups > 1:
             # The kernel views the padded head as [groups, group] tiles, so the group must be
             # a power of two (then it divides head_dim_pad too). check_cache_pair has held
-            # multi-group scales to INT4_GROUP_SIZE channels.
+            # multi-group scales to SCALE_GROUP_SIZE channels.
             group_pad = head_dim // num_groups
             assert group_pad & (group_pad - 1) == 0, f"group size {group_pad}"
             num_groups_pad = head_dim_pad // group_pad

@@ -297,7 +297,7 @@ def _paged_prefill_kernel(
                 block_ids, offs_key, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE
             )
             k_scale = tl.load(key_scale_ptr + offs_scale, mask=mask_n, other=0.0)
-            s = s * k_scale[None, :]
+            s = s * k_scale.to(tl.float32)[None, :]
         seen = mask_n[None, :] & (offs_key[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             seen = seen & (
@@ -321,7 +321,7 @@ def _paged_prefill_kernel(
         if IS_QUANTIZED and not GROUPED:
             # One scale per value vector: it multiplies that key's probability instead.
             v_scale = tl.load(value_scale_ptr + offs_scale, mask=mask_n, other=0.0)
-            p = p * v_scale[None, :]
+            p = p * v_scale.to(tl.float32)[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
         m_i = m_new
 

@@ -4,8 +4,8 @@ Layout: one tensor for all layers,
     kv:     [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
     scales: [num_layers, 2, num_blocks, block_size, num_kv_heads, num_groups] (quantized only)
 so a block's whole KV (every layer) moves with one index along dim 2. int4 packs two channels
-per byte (the last dim is head_dim / 2) and keeps float16 scales per group of channels;
-int8 / fp8 keep one float32 scale per vector (kernels.quant). A quantized cache holds keys
+per byte (the last dim is head_dim / 2); every quantized cache keeps a float16 scale per
+group of 32 channels (kernels.quant). A quantized cache holds keys
 turned by `key_rotation`, and the model turns queries to match.
 """
 
@@ -50,7 +50,7 @@ class KVCache:
         if s.is_quantized:
             dtype = scale_dtype(s.storage_dtype)
             # KVCacheSpec counts these bytes without torch: the two must agree.
-            assert dtype.itemsize == SCALE_BYTES[s.kv_cache_dtype]
+            assert dtype.itemsize == SCALE_BYTES
             assert s.head_dim // group_size(s.storage_dtype, s.head_dim) == s.scale_groups
             groups = (*shape[:-1], s.scale_groups)
             scales = torch.zeros(groups, dtype=dtype, device=device, pin_memory=pin)

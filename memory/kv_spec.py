@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# `auto` stores the model's dtype; int8 and fp8 store 1-byte values with a float32 scale per
-# token and KV head; int4 stores two 4-bit codes per byte with a float16 scale per group of
-# INT4_GROUP_SIZE channels (kernels.quant says how, and must agree with the numbers here).
+# `auto` stores the model's dtype; int8 and fp8 store 1-byte values, int4 two 4-bit codes per
+# byte, each with a float16 scale per group of SCALE_GROUP_SIZE channels (kernels.quant says
+# how, and must agree with the numbers here).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
 QUANTIZED_STORAGE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn", "int4": "uint8"}
 ELEMENTS_PER_BYTE = {"int8": 1, "fp8": 1, "int4": 2}
-SCALE_BYTES = {"int8": 4, "fp8": 4, "int4": 2}  # float32; float16
-INT4_GROUP_SIZE = 32
+SCALE_BYTES = 2  # float16
+SCALE_GROUP_SIZE = 32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -89,12 +89,12 @@ class KVCacheSpec:
 
     @property
     def scale_groups(self) -> int:
-        """Scales per (token, layer, K/V, KV head): 1, or head_dim / INT4_GROUP_SIZE (int4
-        where head_dim divides by it); 0 unquantized."""
+        """Scales per (token, layer, K/V, KV head): head_dim / SCALE_GROUP_SIZE where it
+        divides, else 1; 0 unquantized."""
         if not self.is_quantized:
             return 0
-        if self.kv_cache_dtype == "int4" and self.head_dim % INT4_GROUP_SIZE == 0:
-            return self.head_dim // INT4_GROUP_SIZE
+        if self.head_dim % SCALE_GROUP_SIZE == 0:
+            return self.head_dim // SCALE_GROUP_SIZE
         return 1
 
     @property
@@ -108,8 +108,7 @@ class KVCacheSpec:
         """The scales of each token, layer, K/V and KV head (quantized caches only)."""
         if not self.is_quantized:
             return 0
-        scale_bytes = SCALE_BYTES[self.kv_cache_dtype]
-        return 2 * self.num_layers * self.num_kv_heads * self.scale_groups * scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.scale_groups * SCALE_BYTES
 
     @property
     def bytes_per_token(self) -> int:

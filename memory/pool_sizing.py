@@ -60,12 +60,10 @@ class MemoryPlan:
             f"{s.head_dim} head_dim x {elem:g} B = {s.value_bytes_per_token:,} B",
         ]
         if s.is_quantized:
-            scale_bytes = SCALE_BYTES[s.kv_cache_dtype]
-            kind = "float32" if scale_bytes == 4 else "float16"
             per = "token and kv head" if s.scale_groups == 1 else "group of channels"
             out.append(
                 f"  + scales: 2 x {s.num_layers} x {s.num_kv_heads} x {s.scale_groups} x "
-                f"{scale_bytes} B (one {kind} per {per}) = {s.scale_bytes_per_token:,} B "
+                f"{SCALE_BYTES} B (one float16 per {per}) = {s.scale_bytes_per_token:,} B "
                 f"-> {s.bytes_per_token:,} B per token"
             )
         out.append(

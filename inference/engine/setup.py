@@ -103,6 +103,8 @@ def open_kv_store(
     layout: dict[str, object] = {}
     if spec.keys_rotated:  # keys turned by kernels.quant.key_rotation (its seed) when stored
         layout["key_rotation"] = KEY_ROTATION_SEED
+    if spec.is_quantized:  # the scales' format: a store of another reads as garbage
+        layout["scales"] = f"float16 x {spec.scale_groups} groups"
     fingerprint = store_fingerprint(
         weights_fingerprint(model_dir),
         {

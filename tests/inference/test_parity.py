@@ -275,13 +275,16 @@ def teacher_forced_kl(
     return sum(kl) / len(kl)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+# fp8 is left out: its error is relative to each value, so outliers cost it little once each
+# group of 32 channels has its own scale; here turned keys measured KL 8.7e-3 against 1.8e-3
+# unturned. On the real model they still help it (bench/kv_quality.py's fp8/plain row).
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_turned_keys_keep_quantized_attention_close_where_keys_have_outlier_channels(
     kv_cache_dtype: str, tmp_path: Path
 ) -> None:
     # Real models' keys carry a few channels far larger than the rest, and their queries are
-    # large in the same channels; one scale per key vector then leaves the other channels a
-    # few codes each. Give this model such channels: in every layer and head, one RoPE pair
+    # large in the same channels; one scale per group of 32 channels then leaves the other
+    # channels of the group a few codes each. Give this model such channels: in every layer and head, one RoPE pair
     # (d, d + 32) of k_proj's rows 12x larger, and of q_proj's 4x.
     model = build_hf_model(tmp_path, "llama", seed=3, hidden_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=64)  # fmt: skip
@@ -309,6 +312,5 @@ def test_turned_keys_keep_quantized_attention_close_where_keys_have_outlier_chan
     kl_turned = teacher_forced_kl(turned, prompt, forced, recorder.logits)
     kl_plain = teacher_forced_kl(plain, prompt, forced, recorder.logits)
     print(f"\n{kv_cache_dtype}: KL turned {kl_turned:.3e}, plain {kl_plain:.3e}")
-    # Measured: int8 1.7e-4 against 1.4e-3 unturned, fp8 6.9e-3 against 1.2e-2 (fp8's error is
-    # relative to each value, so spreading the outliers helps it less).
-    assert kl_turned < kl_plain / (4 if kv_cache_dtype == "int8" else 1.3)
+    # Measured: int8 1.4e-4 against 7.2e-4 unturned, int4 6.7e-2 against 1.7e-1.
+    assert kl_turned < kl_plain / {"int8": 4, "int4": 2}[kv_cache_dtype]

@@ -21,7 +21,6 @@ from kvchat.kernels.quant import (
     INT4_MAX,
     INT8_MAX,
     MIN_SCALE,
-    MIN_SCALE_FP16,
     dequantize,
     group_size,
     is_packed,
@@ -159,7 +158,7 @@ def test_int8_rounds_half_to_even_like_torch() -> None:
     row = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -2.5, 3.49, 0.0])
     key = torch.nn.functional.pad(row, (0, 6)).view(1, 1, 16)
     cache = torch.full((1, 8, 1, 16), -128, dtype=torch.int8)
-    scales = torch.full((1, 8, 1, 1), float("nan"))
+    scales = torch.full((1, 8, 1, 1), float("nan"), dtype=torch.float16)
     write_kv_cache(
         key, key.clone(), cache, cache.clone(), torch.tensor([3]), scales, scales.clone()
     )
@@ -220,7 +219,7 @@ def test_fp8_rounds_to_nearest_even_like_torch() -> None:
     )
     key = row.view(1, 1, 16)
     cache = torch.full((1, 8, 1, 16), float("nan")).to(torch.float8_e4m3fn)
-    scales = torch.full((1, 8, 1, 1), float("nan"))
+    scales = torch.full((1, 8, 1, 1), float("nan"), dtype=torch.float16)
     write_kv_cache(
         key, key.clone(), cache, cache.clone(), torch.tensor([5]), scales, scales.clone()
     )
@@ -239,14 +238,15 @@ def test_dequantized_values_within_quantization_step(cache: str, kv) -> None:
         2 * torch.randn(40, 2, 1, generator=gen)
     )
     caches = [torch.empty(5, 8, 2, 64, dtype=cache_dtype) for _ in range(2)]
-    scales = [torch.empty(5, 8, 2, 1) for _ in range(2)]
+    scales = [torch.empty(5, 8, 2, 2, dtype=torch.float16) for _ in range(2)]  # 2 groups of 32
     write_kv_cache(key, key.clone(), caches[0], caches[1], torch.arange(40), *scales)
-    codes = caches[0].view(40, 2, 64).float()
-    scale = scales[0].view(40, 2, 1)
+    codes = caches[0].view(40, 2, 2, 32).float()
+    scale = scales[0].view(40, 2, 2, 1).float()
+    grouped = key.view(40, 2, 2, 32)
     qmax = INT8_MAX if cache == "int8" else FP8_E4M3_MAX
-    torch.testing.assert_close(
-        scale, (key.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE), rtol=0, atol=0
-    )
+    expected = (grouped.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE).half()
+    torch.testing.assert_close(scale, expected.float(), rtol=0, atol=0)
+    key = grouped  # a code clamped where the float16 scale rounded down is off by far less
     err = (codes * scale - key).abs()
     if cache == "int8":
         bound = 0.5 * scale * (1 + 1e-6)
@@ -279,9 +279,9 @@ def test_int4_dequantized_values_within_half_a_step(head_dim: int, kv) -> None:
     q = caches[0].view(num_tokens, num_kv_heads, head_dim // 2)
     scale = scales[0].view(num_tokens, num_kv_heads, head_dim // group)
     grouped = key.view(num_tokens, num_kv_heads, head_dim // group, group)
-    expected_scale = (grouped.abs().amax(-1) / INT4_MAX).clamp_min(MIN_SCALE_FP16).half()
+    expected_scale = (grouped.abs().amax(-1) / INT4_MAX).clamp_min(MIN_SCALE).half()
     assert torch.equal(scale, expected_scale)
-    assert scale[0, 0].eq(MIN_SCALE_FP16).all()
+    assert scale[0, 0].eq(MIN_SCALE).all()
     err = (dequantize(q, scale, torch.float32) - key).abs()
     step = scale.float().repeat_interleave(group, dim=-1)
     assert bool((err <= 0.5 * step + 2.0**-21 * key.abs()).all())

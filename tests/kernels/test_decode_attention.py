@@ -39,13 +39,13 @@ from kvchat.kernels.decode_attention import (
     paged_decode_attention_ref,
     paged_decode_attention_with_config,
 )
-from kvchat.kernels.quant import INT4_GROUP_SIZE
+from kvchat.kernels.quant import SCALE_GROUP_SIZE
 
 FP32_TOL = 1e-4
 BF16_TOL = 1.5e-2
 # (rel_l2, max_rel_err) of the quantized result against the unquantized one (see above).
 QUANT_VS_FULL = {"int8": (0.03, 0.045), "fp8": (0.15, 0.25), "int4": (0.22, 0.45)}
-INT4_ONE_GROUP_VS_FULL = (0.35, 0.6)  # head_dim not a multiple of INT4_GROUP_SIZE
+INT4_ONE_GROUP_VS_FULL = (0.35, 0.6)  # head_dim not a multiple of SCALE_GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def test_decode_matches_reference(case: DecodeCase, kv) -> None:
             query.double(), scale=scale, **tables, **paged.full_f64(), **window
         )
         l2_bound, max_bound = QUANT_VS_FULL[case.cache]
-        if case.cache == "int4" and case.head_dim % INT4_GROUP_SIZE:
+        if case.cache == "int4" and case.head_dim % SCALE_GROUP_SIZE:
             l2_bound, max_bound = INT4_ONE_GROUP_VS_FULL
         assert kv.rel_l2_err(out, full) <= l2_bound
         assert kv.max_rel_err(out, full) <= max_bound

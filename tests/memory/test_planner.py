@@ -71,8 +71,8 @@ def test_quantized_cache_counts_its_scales() -> None:
         ["memory", "plan", "--config", str(CONFIGS / "llama-3-8b.json"), "--kv-cache-dtype", "fp8"],
     )
     assert result.exit_code == 0, result.output
-    # 65,536 B of fp8 values + 2 x 32 x 8 x 4 B of scales.
-    assert "-> 67,584 B per token" in result.stdout
+    # 65,536 B of fp8 values + 2 x 32 x 8 x 4 groups x 2 B of float16 scales.
+    assert "-> 69,632 B per token" in result.stdout
     spec = KVCacheSpec(32, 8, 128, 16, torch.bfloat16, "int8")
     assert spec.bytes_per_token / KVCacheSpec(32, 8, 128, 16, torch.bfloat16).bytes_per_token < 0.55
     config = str(CONFIGS / "llama-3-8b.json")
