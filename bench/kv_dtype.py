@@ -1,4 +1,4 @@
-"""Quantized KV cache quality and size: int8 and fp8 against the model-dtype cache (`auto`) on
+"""Quantized KV cache quality and size: int8, fp8 and int4 against the model-dtype cache (`auto`) on
 the bench model and a fixed set of prompts, in one run.
 
     python bench/kv_dtype.py [--new-tokens 128]
@@ -32,6 +32,7 @@ PROMPTS = [
     "Paged attention stores the key and value cache in fixed-size blocks so that",
     "Once upon a time, in a village at the edge of a great forest, there lived",
 ]
+QUANTIZED = ("int8", "fp8", "int4")
 
 
 def main() -> None:
@@ -53,23 +54,23 @@ def main() -> None:
                 cache=CacheConfig(kv_cache_dtype=kv, kv_cache_bytes=256 * 2**20),
             )
         )
-        for kv in ("auto", "int8", "fp8")
+        for kv in ("auto", *QUANTIZED)
     }
     tokenizer = engines["auto"].tokenizer
     assert tokenizer is not None
     prompts = [tokenizer.encode(p) for p in PROMPTS]
 
     reference: list[tuple[list[int], list[torch.Tensor]]] = []
-    kl: dict[str, list[float]] = {"int8": [], "fp8": []}
-    forced_agree: dict[str, list[float]] = {"int8": [], "fp8": []}
-    free_prefix: dict[str, list[int]] = {"int8": [], "fp8": []}
-    with tqdm(total=len(prompts) * 5, desc="runs", unit="run") as bar:
+    kl: dict[str, list[float]] = {kv: [] for kv in QUANTIZED}
+    forced_agree: dict[str, list[float]] = {kv: [] for kv in QUANTIZED}
+    free_prefix: dict[str, list[int]] = {kv: [] for kv in QUANTIZED}
+    with tqdm(total=len(prompts) * (1 + 2 * len(QUANTIZED)), desc="runs", unit="run") as bar:
         for prompt in prompts:
             ref = run(engines["auto"], prompt, args.new_tokens, None)
             tokens, logits = ref.tokens, ref.logits
             reference.append((tokens, logits))
             bar.update(1)
-            for kv in ("int8", "fp8"):
+            for kv in QUANTIZED:
                 q_logits = run(engines[kv], prompt, args.new_tokens, tokens).logits
                 for p_logits, q in zip(logits, q_logits):
                     logp, logq = p_logits.log_softmax(-1), q.log_softmax(-1)
@@ -96,12 +97,14 @@ def main() -> None:
             f"{args.new_tokens}/{args.new_tokens}",
         ]
     ]
-    for kv in ("int8", "fp8"):
+    for kv in QUANTIZED:
         spec = engines[kv].kv_spec
         rows.append(
             [
                 kv,
-                f"{str(spec.storage_dtype).removeprefix('torch.')} + fp32 scale per token/head"
+                f"{str(spec.storage_dtype).removeprefix('torch.')}"
+                + (" (two codes a byte)" if kv == "int4" else "")
+                + f" + fp16 scale per {spec.head_dim // spec.scale_groups} channels"
                 + (", keys turned" if spec.keys_rotated else ""),
                 f"{spec.bytes_per_token:,}",
                 f"{spec.bytes_per_token / auto_bytes:.3f}",
