@@ -8,6 +8,8 @@
   chunk's linears where the CPU has no native half-precision GEMM;
 - `decode_attention(...)` (kernels/cpu_decode_attention.cpp): paged decode attention read in
   place through the block table;
+- `decode_attention_quantized(...)` (same file): the same over an int8 / fp8 / int4 cache
+  and its scale caches, each row decoded as it is read;
 - `prefill_attention(...)` (kernels/cpu_prefill_attention.cpp): paged prefill / extend
   attention (a chunk against its cached prefix, causal within), read in place the same way;
 - `rms_norm(x, weight, eps)` (kernels/cpu_rms_norm.cpp): RMSNorm with torch's rounding, one op;

@@ -59,7 +59,8 @@ def paged_decode_attention_ref(
     value_scale_cache: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> torch.Tensor:
-    """Torch reference (and the CPU path): all sequences at once, padded to the longest."""
+    """Torch reference (and the CPU path where kvchat's C++ kernel does not apply: a window or
+    sinks; see `torch_ops.StepDecode`): all sequences at once, padded to the longest."""
     plan = plan_decode_gather(
         block_tables,
         seq_lens,

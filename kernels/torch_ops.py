@@ -15,6 +15,7 @@ from .cache_write import write_kv_slots_ref
 from .cpu_ops import load_cpu_ops
 from .decode_attention import DecodeGather, paged_decode_attention_gathered, plan_decode_gather
 from .prefill_attention import paged_prefill_attention_ref
+from .quant import is_quantized
 
 
 def _stamp(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -26,30 +27,48 @@ def _same(stamp: tuple[torch.Tensor, int | None] | None, t: torch.Tensor) -> boo
     return stamp is not None and stamp[0] is t and stamp == _stamp(t)
 
 
+# Query dtypes (and scale dtypes) the C++ decode attention over a quantized cache takes.
+_QUANTIZED_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCALE_DTYPES = (torch.float32, torch.float16)
+
+
 def cpu_kernel_applies(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     sliding_window: int | None,
     num_sink_tokens: int,
     key_scale_cache: torch.Tensor | None,
+    *,
+    quantized: bool = False,
 ) -> bool:
     """Whether kvchat's C++ attention kernels take this call: full attention over a plain cache
-    of the query's dtype, on the CPU, where the ops could be built."""
+    of the query's dtype, on the CPU, where the ops could be built. With `quantized` (the
+    decode kernel has a quantized twin, the prefill kernel has not), also over an int8 / fp8 /
+    int4 cache with its scale cache, for a float32, bfloat16 or float16 query."""
+    if key_scale_cache is None:
+        cache_fits = query.dtype == key_cache.dtype
+    else:
+        cache_fits = (
+            quantized
+            and is_quantized(key_cache.dtype)
+            and key_scale_cache.dtype in _SCALE_DTYPES
+            and query.dtype in _QUANTIZED_QUERY_DTYPES
+        )
     return (
         sliding_window is None
         and num_sink_tokens == 0
-        and key_scale_cache is None
+        and cache_fits
         and query.device.type == "cpu"
-        and query.dtype == key_cache.dtype
         and load_cpu_ops()
     )
 
 
 class StepDecode:
     """`paged_decode_attention_ref` with the gather plan made once per step (per window
-    setting: layers may differ in sliding window). On the CPU, full attention over a plain
-    cache runs kvchat's C++ kernel instead (kernels/cpu_decode_attention.cpp: no gather, no
-    mask; the same float32 arithmetic, up to summation order)."""
+    setting: layers may differ in sliding window). On the CPU, full attention runs kvchat's C++
+    kernel instead (kernels/cpu_decode_attention.cpp: no gather, no mask; the same float32
+    arithmetic, up to summation order), over a plain cache or a quantized one (each row
+    decoded as it is read, no dequantized copy of the context)."""
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.use_cpu_kernel = use_cpu_kernel
@@ -73,13 +92,27 @@ class StepDecode:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.use_cpu_kernel and cpu_kernel_applies(
-            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache
+            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache, quantized=True
         ):
             if out is None:
                 out = torch.empty_like(query)
-            torch.ops.kvchat_cpu.decode_attention(
-                query, key_cache, value_cache, block_tables, seq_lens, scale, out
-            )
+            if key_scale_cache is None:
+                torch.ops.kvchat_cpu.decode_attention(
+                    query, key_cache, value_cache, block_tables, seq_lens, scale, out
+                )
+            else:
+                assert value_scale_cache is not None, "quantized cache needs its scale cache"
+                torch.ops.kvchat_cpu.decode_attention_quantized(
+                    query,
+                    key_cache,
+                    value_cache,
+                    key_scale_cache,
+                    value_scale_cache,
+                    block_tables,
+                    seq_lens,
+                    scale,
+                    out,
+                )
             return out
         if not (_same(self._tables, block_tables) and _same(self._lens, seq_lens)):
             self._tables, self._lens, self._plans = _stamp(block_tables), _stamp(seq_lens), {}

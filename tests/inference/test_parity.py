@@ -284,8 +284,8 @@ def test_turned_keys_keep_quantized_attention_close_where_keys_have_outlier_chan
 ) -> None:
     # Real models' keys carry a few channels far larger than the rest, and their queries are
     # large in the same channels; one scale per group of 32 channels then leaves the other
-    # channels of the group a few codes each. Give this model such channels: in every layer and head, one RoPE pair
-    # (d, d + 32) of k_proj's rows 12x larger, and of q_proj's 4x.
+    # channels of the group a few codes each. Give this model such channels: in every layer
+    # and head, one RoPE pair (d, d + 32) of k_proj's rows 12x larger, and of q_proj's 4x.
     model = build_hf_model(tmp_path, "llama", seed=3, hidden_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=64)  # fmt: skip
     with torch.no_grad():
