@@ -41,9 +41,10 @@ from kvchat.inference.text.chat_template import ChatMessage, load_chat_template
 from kvchat.memory.config import CacheConfig
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "kv_quality_prompts.json"
-# The variants: a kv_cache_dtype, and "/plain" for one that stores keys unturned (CacheConfig's
-# rotate_keys off: what kernels.quant.key_rotation buys).
-KV_DTYPES = ("auto", "int8", "int8/plain", "fp8", "fp8/plain", "int4")
+# The variants: a kv_cache_dtype, or one with "/plain" (`--kv-dtypes auto,int8,int8/plain`)
+# for a cache that stores keys unturned (CacheConfig's rotate_keys off: what
+# kernels.quant.key_rotation buys).
+KV_DTYPES = ("auto", "int8", "fp8", "int4")
 WEIGHTS = ("float32", "bfloat16")  # float32 first: bfloat16's rows are compared with it too
 PERPLEXITY_TEXT = "How a turn reuses memory"  # a README section, about 1,000 tokens
 PERPLEXITY_CONTEXT = 16
