@@ -183,7 +183,7 @@ def bad_type_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--model", "{tiny}", "--prompt-ids", "1,2,99999"], "token id 99999 is outside"),
         (["--model", "{tiny}", "--prompt-ids", "1,x"], "comma-separated integers"),
         (["--model", "{tiny}", "--prompt", "hi"], "no tokenizer files"),
-        (["--model", "{tiny}", "--prompt-ids", "1", "--kv-cache-dtype", "int4"], "kv_cache_dtype"),
+        (["--model", "{tiny}", "--prompt-ids", "1", "--kv-cache-dtype", "int2"], "kv_cache_dtype"),
         (["--model", "{tiny}", "--prompt-ids", "1", "--attention-backend", "cuda"], "backend"),
         (["--model", "{tiny}"], "exactly one of --prompt or --prompt-ids"),
         # Not a CUDA device here (no CUDA), nor on a GPU machine (no device 99).
