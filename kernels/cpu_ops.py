@@ -19,19 +19,24 @@
 They are compiled once per machine with `-march=native` by torch's extension builder and
 cached under `$XDG_CACHE_HOME/kvchat/extensions` (or `KVCHAT_EXTENSIONS_DIR`), keyed by the
 sources, their flags, torch's version and the CPU's flags, so a cache moved to another CPU is
-rebuilt, never run with instructions it lacks. Where they cannot be built (no C++ compiler),
-`load_cpu_ops()` says why and returns False; `Linear` then chooses among the library paths
-only and the layers take the torch ops.
+rebuilt, never run with instructions it lacks. Processes that start together build once: the
+builder holds an OS lock on `cpu_ops-<key>.flock` (released by the kernel when it exits, however
+it exits) and the others wait on it, so a builder killed mid-build never leaves the rest waiting
+on torch's own lock file, which is removed as stale when found under that lock. Where they
+cannot be built (no C++ compiler), `load_cpu_ops()` says why and returns False; `Linear` then
+chooses among the library paths only and the layers take the torch ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -157,15 +162,22 @@ def load_cpu_ops() -> bool:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(
-            name=f"kvchat_cpu_ops_{key}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with builder_lock(build_dir):
+            clear_stale_baton(build_dir)
+            if not any(build_dir.glob("*.so")):
+                log.info(
+                    "building kvchat's CPU ops for this CPU in %s (once a machine, about a minute)",
+                    build_dir,
+                )
+            cpp_extension.load(
+                name=f"kvchat_cpu_ops_{key}",
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # any build failure leaves the library paths
         log.warning(
             "kvchat's CPU ops could not be built (%s: %s); decode linears use the "
@@ -174,4 +186,34 @@ def load_cpu_ops() -> bool:
             str(e).splitlines()[0][:200],
         )
         return False
+    return True
+
+
+@contextlib.contextmanager
+def builder_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build of `build_dir` against other processes: an flock on a file beside it,
+    which the kernel releases when the holder exits, killed or not."""
+    with open(build_dir.with_name(build_dir.name + ".flock"), "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(
+                "another process is building kvchat's CPU ops in %s; waiting for it", build_dir
+            )
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def clear_stale_baton(build_dir: Path) -> bool:
+    """Remove torch's build lock (`lock`, which its builder waits on for ever) when it is found
+    under `builder_lock`: every builder holds that lock, so a baton seen then was left by a
+    builder that died. True where one was removed."""
+    baton = build_dir / "lock"
+    if not baton.exists():
+        return False
+    log.warning("removing %s, left by a build of kvchat's CPU ops that did not finish", baton)
+    baton.unlink(missing_ok=True)
     return True
