@@ -164,7 +164,8 @@ def main() -> None:
             + (f" and {args.against}, alternating" if args.against else ""),
             "command": "python bench/kv_decode.py"
             + (f" --against {args.against}" if args.against else "")
-            + f" --rounds {args.rounds}",
+            + f" --rounds {args.rounds} --weights {','.join(weights)}"
+            + (f" --kv-dtypes {','.join(dtypes)}" if tuple(dtypes) != KV_DTYPES else ""),
         },
     )
     text = header + "\n" + markdown_table(header_cols, rows) + "\n"
