@@ -1,14 +1,15 @@
-"""Decode step time of each KV cache dtype, against a git revision, in the same run.
+"""Decode step and prefill time of each KV cache dtype, against a git revision, in the same run.
 
     python bench/kv_decode.py --against REV [--rounds 3] [--weights bfloat16,float32]
 
-What a change to the quantized caches costs the decoder: for this checkout and for REV (its
+What a change to the quantized caches costs the engine: for this checkout and for REV (its
 code exported from git into a temporary folder), each KV cache dtype both have decodes the
-same prompt (a kv_quality prompt, about 1,000 tokens) for --new-tokens greedy tokens in a
-fresh process, the real model on the CPU, the variants alternating round by round so a
-noisy machine slows both alike. Reports the median step per dtype and the ratio (below 1:
-this checkout is faster), with the load average in the header. Writes
-bench/results/kv_decode.md."""
+same prompt (a kv_quality prompt, about 1,000 tokens) for --new-tokens greedy tokens, then
+prefills three other prompts (1,400-1,900 tokens, nothing of them cached) to their first
+token, in a fresh process, the real model on the CPU, the variants alternating round by
+round so a noisy machine slows both alike. Reports the median decode step and prefill time
+per 1,000 prompt tokens per dtype and the ratios (below 1: this checkout is faster), with the
+load average in the header. Writes bench/results/kv_decode.md."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from kvchat.bench.turn_overhead import export, git_revision
 
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
 PROMPT_INDEX = 0  # bench/data/kv_quality_prompts.json's first prompt
+PREFILL_PROMPTS = (1, 2, 5)  # and the ones prefilled (no prefix in common but the template's)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -67,7 +69,17 @@ def worker(args: argparse.Namespace) -> None:
     times.clear()
     engine.generate([ids], params)
     steps = [b - a for a, b in itertools.pairwise(times[1:])]  # after the prefill's sample
-    print(json.dumps({"prompt_tokens": len(ids), "steps": steps}))
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefills = []  # seconds per prompt token
+    for index in PREFILL_PROMPTS:
+        messages = [ChatMessage(m["role"], m["content"]) for m in prompts[index]["messages"]]
+        other = load_chat_template(args.model, engine.tokenizer).render_ids(
+            messages, add_generation_prompt=True
+        )
+        start = time.perf_counter()
+        engine.generate([other], first)
+        prefills.append((time.perf_counter() - start) / len(other))
+    print(json.dumps({"prompt_tokens": len(ids), "steps": steps, "prefills": prefills}))
 
 
 def measure(code: Path | None, dtype: str, weights: str, args: argparse.Namespace) -> dict:
@@ -117,6 +129,7 @@ def main() -> None:
             for name, code in variants.items()
         }
         steps: dict[tuple[str, str, str], list[float]] = {}
+        prefills: dict[tuple[str, str, str], list[float]] = {}
         prompt_tokens = 0
         runs = [
             (name, w, kv)
@@ -132,34 +145,40 @@ def main() -> None:
                 for name, w, kv in order:
                     result = measure(variants[name], kv, w, args)
                     steps.setdefault((name, w, kv), []).extend(result["steps"])
+                    prefills.setdefault((name, w, kv), []).extend(result["prefills"])
                     prompt_tokens = result["prompt_tokens"]
                     bar.update()
     rows = []
     for w in weights:
-        base = statistics.median(steps[("this checkout", w, "auto")])
         for kv in dtypes:
-            ours = steps.get(("this checkout", w, kv))
-            if ours is None:
+            if ("this checkout", w, kv) not in steps:
                 continue
-            mine = statistics.median(ours)
-            row: list[object] = [w, kv, f"{1e3 * mine:.2f} ms", f"{mine / base:.3f}"]
-            if args.against:
-                theirs = steps.get((args.against, w, kv))
-                if theirs:
-                    other = statistics.median(theirs)
-                    row += [f"{1e3 * other:.2f} ms", f"{mine / other:.3f}"]
-                else:
-                    row += [f"(no {kv} at {args.against})", "-"]
+            row: list[object] = [w, kv]
+            for times, scale, unit in ((steps, 1e3, "ms"), (prefills, 1e6, "ms / 1k tokens")):
+                mine = statistics.median(times[("this checkout", w, kv)])
+                base = statistics.median(times[("this checkout", w, "auto")])
+                row += [f"{scale * mine:.2f} {unit}", f"{mine / base:.3f}"]
+                if args.against:
+                    theirs = times.get((args.against, w, kv))
+                    if theirs:
+                        other = statistics.median(theirs)
+                        row += [f"{scale * other:.2f} {unit}", f"{mine / other:.3f}"]
+                    else:
+                        row += [f"(no {kv} at {args.against})", "-"]
             rows.append(row)
-    header_cols = ["weights", "kv_cache_dtype", "decode step, this checkout (median)", "vs auto"]
-    if args.against:
-        header_cols += [f"decode step, {args.against}", "this checkout / it"]
+    header_cols = ["weights", "kv_cache_dtype"]
+    for what in ("decode step", "prefill"):
+        header_cols += [f"{what}, this checkout (median)", "vs auto"]
+        if args.against:
+            header_cols += [f"{what}, {args.against}", "this checkout / it"]
     header = machine_header(
-        "Decode step time of each KV cache dtype",
+        "Decode step and prefill time of each KV cache dtype",
         {
             "model": f"{args.model.name}, CPU",
             "prompt": f"kv_quality prompt {PROMPT_INDEX} ({prompt_tokens} tokens), "
-            f"{args.new_tokens} greedy tokens, {args.rounds} rounds, a fresh process per run",
+            f"{args.new_tokens} greedy tokens; prefill: prompts "
+            f"{', '.join(map(str, PREFILL_PROMPTS))} to their first token; {args.rounds} rounds, "
+            "a fresh process per run",
             "compared": f"this checkout ({git_revision()})"
             + (f" and {args.against}, alternating" if args.against else ""),
             "command": "python bench/kv_decode.py"

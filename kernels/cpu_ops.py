@@ -12,6 +12,9 @@
   and its scale caches, each row decoded as it is read;
 - `prefill_attention(...)` (kernels/cpu_prefill_attention.cpp): paged prefill / extend
   attention (a chunk against its cached prefix, causal within), read in place the same way;
+- `prefill_attention_quantized(...)` (same file): the same over an int8 / fp8 / int4 cache,
+  each row decoded into the task's float32 tile as it is read (kernels/cpu_quant.h, shared
+  with the decode kernel);
 - `rms_norm(x, weight, eps)` (kernels/cpu_rms_norm.cpp): RMSNorm with torch's rounding, one op;
 - `rotary_cache_write(...)`, `silu_mul(gate_up)` (kernels/cpu_layer_ops.cpp): RoPE on
   q and k with the KV cache write, and the MLP's activation, one op each.
@@ -53,7 +56,8 @@ SOURCES = tuple(
         "cpu_layer_ops.cpp",
     )
 )
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: in the build key
+# included by the sources: in the build key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant.h"))
 GEMV_MAX_ROWS = 16  # MAX_ROWS in the source
 # -fopenmp: at::parallel_for is OpenMP in a header, serial without it; the runtime it links is
 # the libgomp torch has already loaded (the same soname).

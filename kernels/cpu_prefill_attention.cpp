@@ -30,6 +30,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "cpu_quant.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -43,7 +44,8 @@
 
 namespace {
 
-using namespace kvchat_cpu_vec;  // kernels/cpu_vec.h
+using namespace kvchat_cpu_vec;    // kernels/cpu_vec.h
+using namespace kvchat_cpu_quant;  // kernels/cpu_quant.h
 
 constexpr int64_t BQ = 32;  // new tokens per task
 
@@ -60,10 +62,73 @@ constexpr int NKV = 4;
 constexpr int64_t KT = NKV * LANES;
 constexpr int64_t R = LANES == 16 ? 4 : 2;  // rows whose scores are in registers together
 
-// One task: tokens [t0, t1) of a sequence's Q new ones, KV head h. NV vectors per head row.
+// Where a task's K and V rows come from, as float32: a plain cache (the model's dtype), each
+// row widened...
 template <typename T, int NV>
-void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* key_cache,
-                 const T* value_cache, int64_t stride_cb, int64_t stride_ct, int64_t stride_ch,
+struct PlainRows {
+  const T* key_cache;
+  const T* value_cache;
+  int64_t stride_cb, stride_ct, stride_ch;
+  void load(const T* cache, int64_t block, int64_t j, int64_t h, float* dst) const {
+    const T* src = cache + block * stride_cb + j * stride_ct + h * stride_ch;
+    for (int i = 0; i < NV; ++i) vstore(dst + i * LANES, load_row(src + i * LANES));
+  }
+  void key(int64_t block, int64_t j, int64_t h, float* dst) const {
+    load(key_cache, block, j, h, dst);
+  }
+  void value(int64_t block, int64_t j, int64_t h, float* dst) const {
+    load(value_cache, block, j, h, dst);
+  }
+};
+
+// ...or a quantized one (int8, fp8, packed int4: kernels/cpu_quant.h), each row's codes
+// decoded and multiplied by their group's scale (code * scale in float32, as the reference
+// dequantizes), once per task for all the rows of the tile that read it.
+struct QuantSource {
+  const uint8_t* key_cache;  // [blocks, block_size, kv_heads, D (int4: D / 2)], bytes
+  const uint8_t* value_cache;
+  const void* key_scales;  // [blocks, block_size, kv_heads, num_groups], float or Half
+  const void* value_scales;
+  int64_t num_groups;
+  int64_t stride_cb, stride_ct, stride_ch;  // the caches', in bytes
+  int64_t stride_sb, stride_st, stride_sh;  // the scale caches', in elements
+};
+
+template <Codes C, typename S, int NV>
+struct QuantRows {
+  static constexpr int64_t D = NV * LANES;
+  const QuantSource& src;
+  ScaleMode mode;
+  int64_t group_size;
+  int64_t vector_group[NV];
+  explicit QuantRows(const QuantSource& source) : src(source) {
+    group_size = D / src.num_groups;
+    // one scale a row is a group of the whole row: never folded into the scores here
+    mode = group_size % LANES == 0 ? ScaleMode::kVectors : ScaleMode::kChannels;
+    for (int i = 0; i < NV; ++i) vector_group[i] = i * LANES / group_size;
+  }
+  void load(const uint8_t* cache, const void* scales, int64_t block, int64_t j, int64_t h,
+            float* dst) const {
+    Vec x[NV];
+    load_codes<C, NV>(cache + block * src.stride_cb + j * src.stride_ct + h * src.stride_ch, x);
+    const S* sr = static_cast<const S*>(scales) + block * src.stride_sb + j * src.stride_st +
+                  h * src.stride_sh;
+    alignas(64) float chan[D];
+    apply_scales<C, S, NV>(mode, sr, vector_group, src.num_groups, group_size, x, chan);
+    for (int i = 0; i < NV; ++i) vstore(dst + i * LANES, x[i]);
+  }
+  void key(int64_t block, int64_t j, int64_t h, float* dst) const {
+    load(src.key_cache, src.key_scales, block, j, h, dst);
+  }
+  void value(int64_t block, int64_t j, int64_t h, float* dst) const {
+    load(src.value_cache, src.value_scales, block, j, h, dst);
+  }
+};
+
+// One task: tokens [t0, t1) of a sequence's Q new ones, KV head h. NV vectors per head row;
+// the K and V rows from `rows` (PlainRows or QuantRows).
+template <typename T, int NV, typename Rows>
+void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const Rows& rows_in,
                  const int32_t* table, int64_t block_size, int64_t seq_len, int64_t q_len,
                  int64_t t0, int64_t t1, int64_t h, int64_t group, float scale, T* out,
                  int64_t stride_ot, int64_t stride_oh, Scratch& scratch) {
@@ -103,15 +168,10 @@ void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* 
     for (int64_t j = 0; j < KT; ++j) {
       if (j < nk) {
         const int64_t t = k0 + j;
-        const int64_t slot = table[t / block_size] * stride_cb + (t % block_size) * stride_ct +
-                             h * stride_ch;
-        const T* kr = key_cache + slot;
-        const T* vr = value_cache + slot;
+        const int64_t block = table[t / block_size], slot = t % block_size;
         alignas(64) float krow[D];
-        for (int i = 0; i < NV; ++i) {
-          vstore(krow + i * LANES, load_row(kr + i * LANES));
-          vstore(vt + j * D + i * LANES, load_row(vr + i * LANES));
-        }
+        rows_in.key(block, slot, h, krow);
+        rows_in.value(block, slot, h, vt + j * D);
         for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = krow[d];
       } else {
         for (int64_t d = 0; d < D; ++d) kt[d * KT + j] = 0.0f;
@@ -199,6 +259,31 @@ void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const T* 
     const float inv = 1.0f / row_sum[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
   }
+}
+
+// attend_tile over a plain cache: the kernel's TileFn.
+template <typename T, int NV>
+void attend_tile_plain(const T* query, int64_t stride_qt, int64_t stride_qh, const T* key_cache,
+                       const T* value_cache, int64_t stride_cb, int64_t stride_ct,
+                       int64_t stride_ch, const int32_t* table, int64_t block_size,
+                       int64_t seq_len, int64_t q_len, int64_t t0, int64_t t1, int64_t h,
+                       int64_t group, float scale, T* out, int64_t stride_ot, int64_t stride_oh,
+                       Scratch& scratch) {
+  const PlainRows<T, NV> rows{key_cache, value_cache, stride_cb, stride_ct, stride_ch};
+  attend_tile<T, NV>(query, stride_qt, stride_qh, rows, table, block_size, seq_len, q_len, t0,
+                     t1, h, group, scale, out, stride_ot, stride_oh, scratch);
+}
+
+// attend_tile over a quantized cache of codes C and scales S: the quantized kernel's tiles.
+template <typename T, Codes C, typename S, int NV>
+void attend_tile_quant(const T* query, int64_t stride_qt, int64_t stride_qh,
+                       const QuantSource& source, const int32_t* table, int64_t block_size,
+                       int64_t seq_len, int64_t q_len, int64_t t0, int64_t t1, int64_t h,
+                       int64_t group, float scale, T* out, int64_t stride_ot, int64_t stride_oh,
+                       Scratch& scratch) {
+  const QuantRows<C, S, NV> rows(source);
+  attend_tile<T, NV>(query, stride_qt, stride_qh, rows, table, block_size, seq_len, q_len, t0,
+                     t1, h, group, scale, out, stride_ot, stride_oh, scratch);
 }
 
 #if defined(__AVX512BF16__)
@@ -419,15 +504,85 @@ TileFn<T> tile_fn(int64_t head_dim) {
   }
 #endif
   switch (head_dim / LANES) {
-    case 1: return attend_tile<T, 1>;
-    case 2: return attend_tile<T, 2>;
-    case 4: return attend_tile<T, 4>;
-    case 8: return attend_tile<T, 8>;
-    case 16: return attend_tile<T, 16>;
+    case 1: return attend_tile_plain<T, 1>;
+    case 2: return attend_tile_plain<T, 2>;
+    case 4: return attend_tile_plain<T, 4>;
+    case 8: return attend_tile_plain<T, 8>;
+    case 16: return attend_tile_plain<T, 16>;
     default: return nullptr;
   }
 }
+
+template <typename T>
+using QuantTileFn = void (*)(const T*, int64_t, int64_t, const QuantSource&, const int32_t*,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                             T*, int64_t, int64_t, Scratch&);
+
+template <typename T, Codes C, typename S>
+QuantTileFn<T> quant_tile_fn(int64_t head_dim) {
+  if (head_dim % LANES != 0) return nullptr;
+  switch (head_dim / LANES) {
+    case 1: return attend_tile_quant<T, C, S, 1>;
+    case 2: return attend_tile_quant<T, C, S, 2>;
+    case 4: return attend_tile_quant<T, C, S, 4>;
+    case 8: return attend_tile_quant<T, C, S, 8>;
+    case 16: return attend_tile_quant<T, C, S, 16>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+QuantTileFn<T> quant_tile_fn(Codes codes, bool half_scales, int64_t head_dim) {
+  switch (codes) {
+    case Codes::kInt8:
+      return half_scales ? quant_tile_fn<T, Codes::kInt8, c10::Half>(head_dim)
+                         : quant_tile_fn<T, Codes::kInt8, float>(head_dim);
+    case Codes::kFp8:
+      return half_scales ? quant_tile_fn<T, Codes::kFp8, c10::Half>(head_dim)
+                         : quant_tile_fn<T, Codes::kFp8, float>(head_dim);
+    default:
+      return half_scales ? quant_tile_fn<T, Codes::kInt4, c10::Half>(head_dim)
+                         : quant_tile_fn<T, Codes::kInt4, float>(head_dim);
+  }
+}
 #endif
+
+// Runs run(task_seq, t0, t1, h) for every (tile of BQ new tokens, KV head) of the call.
+// A task's cost grows with the keys its tile sees: the longest go first, and each thread takes
+// the next task when it is free, so a thread slowed by other work on its core takes fewer of
+// them instead of holding the others at the end of the call.
+template <typename Run>
+void run_tiles(const int32_t* lens, const int32_t* starts, int64_t num_seqs, int64_t num_kv_heads,
+               const Run& run) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first new token of the tile)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, ": more new tokens than its length");
+    for (int64_t t = 0; t < q_len; t += BQ) tiles.emplace_back(s, t);
+  }
+  if (tiles.empty()) return;
+  const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  std::vector<int64_t> order(tiles.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto keys_seen = [&](int64_t i) {
+    const auto [s, t0] = tiles[i];
+    const int64_t q_len = starts[s + 1] - starts[s];
+    return lens[s] - q_len + std::min(t0 + BQ, q_len);
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys_seen(a) > keys_seen(b); });
+  std::atomic<int64_t> next{0};
+  const int64_t num_threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t task = next++; task < num_tasks; task = next++) {
+      const auto [s, t0] = tiles[order[task / num_kv_heads]];
+      const int64_t q_len = starts[s + 1] - starts[s];
+      run(s, t0, std::min(t0 + BQ, q_len), task % num_kv_heads, q_len, scratch);
+    }
+  });
+}
 
 // Whether this build runs a head of `head_dim` here (else the caller takes the reference).
 bool prefill_attention_supported(int64_t head_dim) {
@@ -437,6 +592,20 @@ bool prefill_attention_supported(int64_t head_dim) {
   (void)head_dim;
   return false;
 #endif
+}
+
+// The checks both prefill kernels make of the batch's int32 tables; returns num_seqs.
+int64_t check_batch(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& query_start_loc) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block tables, seq lens and query starts are int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "int32 tables contiguous");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc has num_seqs + 1 entries");
+  return num_seqs;
 }
 
 void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -457,64 +626,86 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
               "query, cache and out share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt,
-              "block tables, seq lens and query starts are int32");
-  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
-                  query_start_loc.is_contiguous(),
-              "int32 tables contiguous");
   TORCH_CHECK(out.sizes() == query.sizes(), "out has the query's shape");
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc has num_seqs + 1 entries");
+  const int64_t num_seqs = check_batch(block_tables, seq_lens, query_start_loc);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  // tasks: (sequence, first new token of the tile); each runs every KV head
-  std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = starts[s + 1] - starts[s];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, ": more new tokens than its length");
-    for (int64_t t = 0; t < q_len; t += BQ) tiles.emplace_back(s, t);
-  }
-  if (tiles.empty()) return;
   const int64_t group = num_heads / num_kv_heads;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
                                   "prefill_attention", [&] {
     const TileFn<scalar_t> fn = tile_fn<scalar_t>(head_dim);
-    // A task's cost grows with the keys its tile sees: the longest go first, and each thread
-    // takes the next task when it is free, so a thread slowed by other work on its core takes
-    // fewer of them instead of holding the others at the end of the call.
-    const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_kv_heads;
-    std::vector<int64_t> order(tiles.size());
-    std::iota(order.begin(), order.end(), 0);
-    auto keys_seen = [&](int64_t i) {
-      const auto [s, t0] = tiles[i];
-      const int64_t q_len = starts[s + 1] - starts[s];
-      return lens[s] - q_len + std::min(t0 + BQ, q_len);
-    };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return keys_seen(a) > keys_seen(b); });
-    std::atomic<int64_t> next{0};
-    const int64_t num_threads =
-        std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-      Scratch scratch;
-      for (int64_t task = next++; task < num_tasks; task = next++) {
-        const auto [s, t0] = tiles[order[task / num_kv_heads]];
-        const int64_t h = task % num_kv_heads;
-        const int64_t q_len = starts[s + 1] - starts[s];
-        const int64_t t1 = std::min(t0 + BQ, q_len);
-        const scalar_t* q = query.data_ptr<scalar_t>() + starts[s] * query.stride(0);
-        scalar_t* o = out.data_ptr<scalar_t>() + starts[s] * out.stride(0);
-        fn(q, query.stride(0), query.stride(1), key_cache.data_ptr<scalar_t>(),
-           value_cache.data_ptr<scalar_t>(), key_cache.stride(0), key_cache.stride(1),
-           key_cache.stride(2), tables + s * block_tables.stride(0), block_size, lens[s], q_len,
-           t0, t1, h, group, static_cast<float>(scale), o, out.stride(0), out.stride(1),
-           scratch);
-      }
+    run_tiles(lens, starts, num_seqs, num_kv_heads,
+              [&](int64_t s, int64_t t0, int64_t t1, int64_t h, int64_t q_len, Scratch& scratch) {
+      fn(query.data_ptr<scalar_t>() + starts[s] * query.stride(0), query.stride(0),
+         query.stride(1), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+         tables + s * block_tables.stride(0), block_size, lens[s], q_len, t0, t1, h, group,
+         static_cast<float>(scale), out.data_ptr<scalar_t>() + starts[s] * out.stride(0),
+         out.stride(0), out.stride(1), scratch);
     });
   });
+#else
+  (void)lens, (void)starts, (void)group, (void)tables;
+#endif
+}
+
+// Whether this build runs a quantized cache's head of `head_dim` here.
+bool prefill_attention_quantized_supported(int64_t head_dim) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  return quant_tile_fn<float>(Codes::kInt8, true, head_dim) != nullptr;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// prefill_attention over an int8 / fp8 / int4 cache and its scale caches (kernels/quant.py):
+// each K and V row decoded into the task's float32 tile as it is read (no dequantized copy of
+// the context), then the same arithmetic.
+void prefill_attention_quantized(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                 const at::Tensor& value_scales, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                 double scale, at::Tensor& out) {
+  const QuantLayout layout =
+      check_quantized(query, key_cache, value_cache, key_scales, value_scales, out);
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(prefill_attention_quantized_supported(head_dim), "head_dim ", head_dim,
+              " is not supported by this build");
+  const int64_t num_seqs = check_batch(block_tables, seq_lens, query_start_loc);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t group = num_heads / num_kv_heads;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const QuantSource source{static_cast<const uint8_t*>(key_cache.data_ptr()),
+                           static_cast<const uint8_t*>(value_cache.data_ptr()),
+                           key_scales.data_ptr(),
+                           value_scales.data_ptr(),
+                           key_scales.size(3),
+                           key_cache.stride(0),
+                           key_cache.stride(1),
+                           key_cache.stride(2),
+                           key_scales.stride(0),
+                           key_scales.stride(1),
+                           key_scales.stride(2)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
+                                  "prefill_attention_quantized", [&] {
+    const QuantTileFn<scalar_t> fn = quant_tile_fn<scalar_t>(layout.codes, layout.half_scales, head_dim);
+    run_tiles(lens, starts, num_seqs, num_kv_heads,
+              [&](int64_t s, int64_t t0, int64_t t1, int64_t h, int64_t q_len, Scratch& scratch) {
+      fn(query.data_ptr<scalar_t>() + starts[s] * query.stride(0), query.stride(0),
+         query.stride(1), source, tables + s * block_tables.stride(0), block_size, lens[s],
+         q_len, t0, t1, h, group, static_cast<float>(scale),
+         out.data_ptr<scalar_t>() + starts[s] * out.stride(0), out.stride(0), out.stride(1),
+         scratch);
+    });
+  });
+#else
+  (void)lens, (void)starts, (void)group, (void)tables;
 #endif
 }
 
@@ -525,6 +716,14 @@ TORCH_LIBRARY_FRAGMENT(kvchat_cpu, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
         "Tensor(a!) out) -> ()");
   m.def("prefill_attention_supported(int head_dim) -> bool", &prefill_attention_supported);
+  m.def("prefill_attention_quantized(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
+  m.def("prefill_attention_quantized_supported(int head_dim) -> bool",
+        &prefill_attention_quantized_supported);
 }
 
-TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(kvchat_cpu, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_quantized", &prefill_attention_quantized);
+}

@@ -198,6 +198,31 @@ def random_query(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtyp
     return torch.randn(shape, generator=gen).to(dtype)
 
 
+def assert_takes_the_quantized_kernel(step, args, scales, ref, monkeypatch, reference: str) -> None:
+    """`step` (a StepDecode or StepPrefill) runs the C++ kernel over a quantized cache: the
+    torch reference it would fall back to (`reference`, a name in kernels.torch_ops) is never
+    called, with or without `out`, and the result matches `ref`; a sliding window (which the
+    kernels do not take) calls the reference."""
+    from kvchat.kernels import torch_ops
+
+    calls = []
+    original = getattr(torch_ops, reference)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(torch_ops, reference, counted)
+    assert max_rel_err(step(*args, **scales), ref.double()) <= 1e-5
+    assert not calls, "a quantized cache took the torch reference"
+    out = torch.empty_like(args[0])
+    assert step(*args, **scales, out=out) is out
+    assert max_rel_err(out, ref.double()) <= 1e-5
+    assert not calls
+    step(*args, **scales, sliding_window=12, num_sink_tokens=2)
+    assert calls, "a windowed call took the C++ kernel"
+
+
 @pytest.fixture
 def kv() -> ModuleType:
     """This module: the builders above."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.kernels import torch_ops
 from kvchat.kernels.cpu_ops import load_cpu_ops
 from kvchat.kernels.decode_attention import paged_decode_attention_ref
 from kvchat.kernels.quant import dequantize
@@ -310,23 +309,9 @@ def test_step_decode_takes_the_quantized_kernel(cache_dtype: torch.dtype, kv, mo
     scales = dict(key_scale_cache=paged.key_scale_cache, value_scale_cache=paged.value_scale_cache)
     ref = paged_decode_attention_ref(*args, **scales)
 
-    calls = []
-    reference = torch_ops.paged_decode_attention_gathered
-
-    def counted(*a, **k):
-        calls.append(1)
-        return reference(*a, **k)
-
-    monkeypatch.setattr(torch_ops, "paged_decode_attention_gathered", counted)
-    fast = StepDecode()
-    assert kv.max_rel_err(fast(*args, **scales), ref.double()) <= FP32_TOL
-    assert not calls, "a quantized cache took the torch reference"
-    out = torch.empty_like(query)
-    assert fast(*args, **scales, out=out) is out
-    assert kv.max_rel_err(out, ref.double()) <= FP32_TOL
-    assert not calls
-    fast(*args, **scales, sliding_window=12, num_sink_tokens=2)
-    assert calls, "a windowed call took the C++ kernel"
+    kv.assert_takes_the_quantized_kernel(
+        StepDecode(), args, scales, ref, monkeypatch, "paged_decode_attention_gathered"
+    )
     slow = StepDecode(use_cpu_kernel=False)
     assert kv.max_rel_err(slow(*args, **scales), ref.double()) == 0.0
 

@@ -3,7 +3,9 @@ float64 reference, on shuffled block pools: whole prompts (causal only), chunks 
 prefix, one new token, lengths on and off the kernel's tiles (32 new tokens, 32 or 64 keys)
 and the cache's blocks, several sequences in one call, every GQA group, float32 / bfloat16 /
 float16 caches; scores far apart (most exponentials underflow); and through StepPrefill,
-which takes the kernel only where it applies (full attention over a plain cache)."""
+which takes the kernel only where it applies (full attention). Its quantized twin
+(prefill_attention_quantized: int8, fp8 and packed int4 caches, any scale grouping) against
+the same reference on the stored codes and scales."""
 
 from __future__ import annotations
 
@@ -150,3 +152,152 @@ def test_cpu_kernel_checks_its_arguments(kv) -> None:
         call(query, lens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="num_seqs \\+ 1"):
         call(query, starts=torch.tensor([0, 2, 4], dtype=torch.int32))
+
+
+# -- quantized caches --------------------------------------------------------------------------
+
+QUANT_CASES = [  # (cache dtype, head_dim, group, block_size, query dtype)
+    (torch.int8, 64, 3, 16, torch.float32),
+    (torch.int8, 128, 4, 32, torch.bfloat16),
+    (torch.int8, 32, 1, 8, torch.float16),
+    (torch.float8_e4m3fn, 64, 1, 16, torch.float32),
+    (torch.float8_e4m3fn, 64, 3, 16, torch.bfloat16),
+    (torch.float8_e4m3fn, 128, 8, 16, torch.float32),
+    (torch.uint8, 64, 3, 16, torch.float32),  # int4: two groups of 32 channels
+    (torch.uint8, 128, 4, 32, torch.float32),  # four groups
+    (torch.uint8, 64, 2, 8, torch.bfloat16),
+    (torch.uint8, 32, 2, 16, torch.float16),  # one group, one AVX-512 vector of 16 bytes' halves
+]
+QUANT_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}
+
+
+def quant_id(case: tuple) -> str:
+    cache, head_dim, group, block_size, qdtype = case
+    return f"{QUANT_NAMES[cache]}-d{head_dim}-g{group}-bs{block_size}-{str(qdtype)[6:]}"
+
+
+def run_quantized(query, storage, batch, scale) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))  # poison: an unwritten element fails
+    torch.ops.kvchat_cpu.prefill_attention_quantized(
+        query,
+        storage["key_cache"],
+        storage["value_cache"],
+        storage["key_scale_cache"],
+        storage["value_scale_cache"],
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        scale,
+        out,
+    )
+    return out
+
+
+def quantized_case(kv, case_id: str, cache_dtype, head_dim, group, block_size, qdtype, seqs):
+    gen = kv.generator(case_id)
+    lens = [length for length, _ in seqs]
+    q_lens = [new for _, new in seqs]
+    num_kv_heads = 2
+    paged = kv.build_paged_kv(gen, lens, num_kv_heads, head_dim, block_size, cache_dtype)
+    query = kv.random_query(gen, (sum(q_lens), num_kv_heads * group, head_dim), qdtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    batch = dict(block_tables=paged.block_tables, seq_lens=paged.seq_lens, query_start_loc=starts)
+    return paged, query, batch
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=quant_id)
+def test_quantized_kernel_matches_reference(case: tuple, kv) -> None:
+    head_dim, qdtype = case[1], case[4]
+    if not torch.ops.kvchat_cpu.prefill_attention_quantized_supported(head_dim):
+        pytest.skip(f"this build's vector width does not divide head_dim {head_dim}")
+    paged, query, batch = quantized_case(kv, f"quant-{quant_id(case)}", *case, SEQS)
+    scale = head_dim**-0.5
+    storage = paged.storage()
+    out = run_quantized(query, storage, batch, scale)
+    # the reference on the same codes and scales, dequantized in float64
+    ref = paged_prefill_attention_ref(query.double(), scale=scale, **batch, **paged.storage_f64())
+    tol = FP32_TOL if qdtype == torch.float32 else HALF_TOL
+    assert kv.max_rel_err(out, ref) <= tol
+    # and what the engine ran before (the reference, dequantizing through torch): the same
+    same = paged_prefill_attention_ref(query, scale=scale, **batch, **storage)
+    assert kv.max_rel_err(out, same.double()) <= tol
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("num_groups", [1, 2, 4, 8])
+@pytest.mark.parametrize("cache_dtype", list(QUANT_NAMES), ids=QUANT_NAMES.get)
+def test_quantized_kernel_takes_any_scale_layout(
+    cache_dtype: torch.dtype, num_groups: int, scale_dtype: torch.dtype, kv
+) -> None:
+    """Scales of either dtype, in any number of groups dividing head_dim: one per row, groups
+    of whole vectors (64 / 2, 64 / 4 on AVX-512) and groups smaller than a vector (64 / 8 on
+    AVX-512: a per-channel scale row)."""
+    case_id = f"layout-{QUANT_NAMES[cache_dtype]}-{num_groups}-{scale_dtype}"
+    seqs = [(70, 70), (100, 33), (5, 1)]
+    paged, query, batch = quantized_case(kv, case_id, cache_dtype, 64, 3, 16, torch.float32, seqs)
+    shape = (*paged.key_cache.shape[:3], num_groups)
+    gen = kv.generator(case_id + "-scales")
+    storage = paged.storage()
+    for name in ("key_scale_cache", "value_scale_cache"):  # random scales, 0.01 to 0.1
+        storage[name] = (0.01 + 0.09 * torch.rand(shape, generator=gen)).to(scale_dtype)
+    out = run_quantized(query, storage, batch, 0.125)
+    f64 = dict(storage)
+    for name in ("key_scale_cache", "value_scale_cache"):
+        f64[name] = storage[name].double()
+    ref = paged_prefill_attention_ref(query.double(), scale=0.125, **batch, **f64)
+    assert kv.max_rel_err(out, ref) <= FP32_TOL
+
+
+@pytest.mark.parametrize("cache_dtype", list(QUANT_NAMES), ids=QUANT_NAMES.get)
+def test_step_prefill_takes_the_quantized_kernel(cache_dtype: torch.dtype, kv, monkeypatch) -> None:
+    """StepPrefill runs the C++ kernel over a quantized cache (the reference is never called)
+    and still takes the reference for a sliding window."""
+    paged, query, batch = quantized_case(
+        kv,
+        f"step-{QUANT_NAMES[cache_dtype]}",
+        cache_dtype,
+        64,
+        2,
+        16,
+        torch.float32,
+        [(40, 40), (90, 20)],
+    )
+    args = (
+        query,
+        paged.key_cache,
+        paged.value_cache,
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        0.125,
+    )
+    scales = dict(key_scale_cache=paged.key_scale_cache, value_scale_cache=paged.value_scale_cache)
+    ref = paged_prefill_attention_ref(*args, **scales)
+
+    kv.assert_takes_the_quantized_kernel(
+        StepPrefill(), args, scales, ref, monkeypatch, "paged_prefill_attention_ref"
+    )
+
+
+def test_quantized_kernel_checks_its_arguments(kv) -> None:
+    paged, query, batch = quantized_case(
+        kv, "quant-checks", torch.int8, 64, 2, 16, torch.float32, [(4, 4)]
+    )
+    storage = paged.storage()
+    with pytest.raises(RuntimeError, match="quantized cache is int8"):
+        plain = kv.build_paged_kv(kv.generator("plain"), [4], 2, 64, 16, torch.float32).storage()
+        run_quantized(
+            query, {**storage, **{k: plain[k] for k in ("key_cache", "value_cache")}}, batch, 0.125
+        )
+    with pytest.raises(RuntimeError, match="scale groups divide head_dim"):
+        bad = torch.ones(*paged.key_cache.shape[:3], 3)
+        run_quantized(
+            query, {**storage, "key_scale_cache": bad, "value_scale_cache": bad}, batch, 1.0
+        )
+    with pytest.raises(RuntimeError, match="not the query's"):
+        run_quantized(query[..., :32].contiguous(), storage, batch, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        run_quantized(query[:, :3].contiguous(), storage, batch, 0.125)
+    with pytest.raises(RuntimeError, match="more new tokens than its length"):
+        short = dict(batch, seq_lens=torch.tensor([3], dtype=torch.int32))
+        run_quantized(query, storage, short, 0.125)
