@@ -20,8 +20,11 @@
 // another process shares takes fewer, where a fixed split would hold every other thread at the
 // end of the call for it.
 //
-// Plain caches (the model's dtype), full attention only, head sizes a multiple of the vector
-// width; anything else takes the reference (kernels/torch_ops.py decides).
+// Plain caches (the model's dtype) run `prefill_attention`; quantized ones (int8, fp8 e4m3fn,
+// packed int4: kernels/quant.py) `prefill_attention_quantized`, the same tiles with each K and
+// V row decoded into them as it is read (kernels/cpu_quant.h), where the reference dequantizes
+// the whole context first. Full attention only, head sizes a multiple of the vector width;
+// anything else takes the reference (kernels/torch_ops.py decides).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -126,7 +129,7 @@ struct QuantRows {
 };
 
 // One task: tokens [t0, t1) of a sequence's Q new ones, KV head h. NV vectors per head row;
-// the K and V rows from `rows` (PlainRows or QuantRows).
+// the K and V rows from `rows_in` (PlainRows or QuantRows).
 template <typename T, int NV, typename Rows>
 void attend_tile(const T* query, int64_t stride_qt, int64_t stride_qh, const Rows& rows_in,
                  const int32_t* table, int64_t block_size, int64_t seq_len, int64_t q_len,

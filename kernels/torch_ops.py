@@ -27,7 +27,7 @@ def _same(stamp: tuple[torch.Tensor, int | None] | None, t: torch.Tensor) -> boo
     return stamp is not None and stamp[0] is t and stamp == _stamp(t)
 
 
-# Query dtypes (and scale dtypes) the C++ decode attention over a quantized cache takes.
+# Query dtypes (and scale dtypes) the C++ attention over a quantized cache takes.
 _QUANTIZED_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALE_DTYPES = (torch.float32, torch.float16)
 
@@ -38,19 +38,15 @@ def cpu_kernel_applies(
     sliding_window: int | None,
     num_sink_tokens: int,
     key_scale_cache: torch.Tensor | None,
-    *,
-    quantized: bool = False,
 ) -> bool:
-    """Whether kvchat's C++ attention kernels take this call: full attention over a plain cache
-    of the query's dtype, on the CPU, where the ops could be built. With `quantized` (the
-    callers whose kernel has a quantized twin), also over an int8 / fp8 / int4 cache with its
-    scale cache, for a float32, bfloat16 or float16 query."""
+    """Whether kvchat's C++ attention kernels take this call: full attention on the CPU, where
+    the ops could be built, over a plain cache of the query's dtype or an int8 / fp8 / int4
+    cache with its scale cache (for a float32, bfloat16 or float16 query)."""
     if key_scale_cache is None:
         cache_fits = query.dtype == key_cache.dtype
     else:
         cache_fits = (
-            quantized
-            and is_quantized(key_cache.dtype)
+            is_quantized(key_cache.dtype)
             and key_scale_cache.dtype in _SCALE_DTYPES
             and query.dtype in _QUANTIZED_QUERY_DTYPES
         )
@@ -92,7 +88,7 @@ class StepDecode:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.use_cpu_kernel and cpu_kernel_applies(
-            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache, quantized=True
+            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache
         ):
             if out is None:
                 out = torch.empty_like(query)
@@ -170,7 +166,7 @@ class StepPrefill:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.use_cpu_kernel and cpu_kernel_applies(
-            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache, quantized=True
+            query, key_cache, sliding_window, num_sink_tokens, key_scale_cache
         ):
             ops = torch.ops.kvchat_cpu
             scales: tuple[torch.Tensor, ...] = ()
