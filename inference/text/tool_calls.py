@@ -25,11 +25,19 @@ name (arguments ""), then one delta with the arguments.
 from __future__ import annotations
 
 import json
-import math
-import re
 import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
+
+from .json_scanner import (
+    COMPLETE,
+    INVALID,
+    PARTIAL,
+    WS_RUN,
+    JsonObjectScanner,
+    finite_float,
+    run_end,
+)
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
@@ -120,7 +128,7 @@ class ToolCallStreamParser:
         # hermes: outside a block, inside one (buffer = text after <tool_call>), or inside
         # one known to be content whose end (the first </tool_call>) is not yet seen.
         self._mode = "start" if fmt == LLAMA3_JSON else "outside"
-        self._scanner: _JsonObjectScanner | None = None
+        self._scanner: JsonObjectScanner | None = None
         self._close_search_from = 0
         self._num_emitted = 0
         # llama3_json: calls found so far, the position after them, and whether a `;` follows.
@@ -192,7 +200,7 @@ class ToolCallStreamParser:
     def _as_call(self, json_text: str) -> tuple[str, str] | None:
         """(name, arguments) of a complete JSON object, or None if it is not a valid call."""
         try:
-            value = json.loads(json_text, parse_float=_finite_float)
+            value = json.loads(json_text, parse_float=finite_float)
         except (ValueError, RecursionError):  # also: a float beyond double range, deep nesting
             return None
         if not isinstance(value, dict):
@@ -242,7 +250,7 @@ class ToolCallStreamParser:
         no complete object), or to the end of output.
         """
         block = self._buffer
-        start = _run_end(_WS_RUN, block)
+        start = run_end(WS_RUN, block)
         if start == len(block):
             if final:
                 self._end_content_block(out, len(block))
@@ -250,15 +258,15 @@ class ToolCallStreamParser:
         if block[start] != "{":
             return self._content_block(out, 0, final)
         if self._scanner is None:
-            self._scanner = _JsonObjectScanner(start)
+            self._scanner = JsonObjectScanner(start)
         scanner = self._scanner
         scanner.advance(block)
-        if scanner.status == _INVALID or (scanner.status == _PARTIAL and final):
+        if scanner.status == INVALID or (scanner.status == PARTIAL and final):
             return self._content_block(out, 0, final)
-        if scanner.status == _PARTIAL:
+        if scanner.status == PARTIAL:
             return False
         end = scanner.end
-        after = _run_end(_WS_RUN, block, end)
+        after = run_end(WS_RUN, block, end)
         rest = block[after:]
         if rest.startswith(_CLOSE):
             call = self._as_call(block[start:end])
@@ -306,10 +314,10 @@ class ToolCallStreamParser:
     def _advance_llama3(self, out: list[StreamEvent], final: bool) -> None:
         text = self._buffer
         if self._mode == "start":
-            start = _run_end(_WS_RUN, text)
+            start = run_end(WS_RUN, text)
             rest = text[start:]
             if rest.startswith(_PYTHON_TAG):
-                start = _run_end(_WS_RUN, text, start + len(_PYTHON_TAG))
+                start = run_end(WS_RUN, text, start + len(_PYTHON_TAG))
                 rest = text[start:]
             if not rest or _PYTHON_TAG.startswith(rest):  # maybe still a call
                 if final:
@@ -318,7 +326,7 @@ class ToolCallStreamParser:
             if rest[0] != "{":
                 self._llama3_content(out)
                 return
-            self._mode, self._scanner = "calls", _JsonObjectScanner(start)
+            self._mode, self._scanner = "calls", JsonObjectScanner(start)
         if self._mode == "content":
             self._emit_content(out, text)
             self._buffer = ""
@@ -327,17 +335,17 @@ class ToolCallStreamParser:
             scanner = self._scanner
             if scanner is not None:
                 scanner.advance(text)
-                if scanner.status == _PARTIAL and not final:
+                if scanner.status == PARTIAL and not final:
                     return
                 call = None
-                if scanner.status == _COMPLETE:
+                if scanner.status == COMPLETE:
                     call = self._as_call(text[scanner.start : scanner.end])
                 if call is None:
                     self._llama3_content(out)
                     return
                 self._pending.append(call)
                 self._scanner, self._position = None, scanner.end
-            after = _run_end(_WS_RUN, text, self._position)
+            after = run_end(WS_RUN, text, self._position)
             if after == len(text):
                 if final:
                     for name, arguments in self._pending:
@@ -347,7 +355,7 @@ class ToolCallStreamParser:
             if text[after] == ";" and not self._after_semicolon:
                 self._position, self._after_semicolon = after + 1, True
             elif text[after] == "{" and self._after_semicolon:
-                self._scanner, self._after_semicolon = _JsonObjectScanner(after), False
+                self._scanner, self._after_semicolon = JsonObjectScanner(after), False
             else:
                 self._llama3_content(out)
                 return
@@ -364,161 +372,3 @@ def _partial_suffix_len(text: str, tag: str) -> int:
         if text.endswith(tag[:length]):
             return length
     return 0
-
-
-def _run_end(pattern: re.Pattern[str], text: str, pos: int = 0) -> int:
-    """End of `pattern`'s match at text[pos]; the run patterns match the empty string too."""
-    match = pattern.match(text, pos)
-    assert match is not None
-    return match.end()
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is beyond double range")
-    return value
-
-
-# -- an incremental JSON object scanner --------------------------------------------------------
-
-_PARTIAL, _COMPLETE, _INVALID = "partial", "complete", "invalid"
-_WS_RUN = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
-_STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
-_NUMBER_RUN = re.compile(r"[0-9eE.+-]*")
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_NUMBER_PREFIX = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?)?")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_LITERALS = ("true", "false", "null")
-
-
-class _JsonObjectScanner:
-    """Where the JSON object at text[start] ends, found a piece of text at a time.
-
-    `advance(text)` reads what was appended to `text` since the last call (the caller
-    passes the whole text each time, its prefix unchanged). status: partial while some
-    continuation could still complete the object; complete once its closing brace is read
-    (`end` is the index after it; no continuation changes that); invalid as soon as no
-    continuation could make it JSON (RFC 8259: Python's NaN and Infinity are not JSON).
-    """
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.status = _PARTIAL
-        self.end = -1  # valid once complete
-        self._pos = start
-        self._state = "object"  # what the next character may be
-        self._stack: list[str] = []  # open containers, "{" or "["
-        self._is_key = False  # the open string is an object key
-        self._token_start = 0  # of the open number or literal
-        self._hex_left = 0  # digits still due in a \\uXXXX escape
-
-    def advance(self, text: str) -> None:
-        i, n = self._pos, len(text)
-        while i < n and self.status == _PARTIAL:
-            i = self._step(text, i)
-        self._pos = i
-
-    def _step(self, text: str, i: int) -> int:
-        """Reads from text[i]; returns the next index to read."""
-        state = self._state
-        if state == "string":
-            i = _run_end(_STRING_RUN, text, i)
-            if i == len(text):
-                return i
-            char = text[i]
-            if char == '"':
-                self._state = "colon" if self._is_key else "after_value"
-            elif char == "\\":
-                self._state = "escape"
-            else:  # a raw control character
-                self.status = _INVALID
-            return i + 1
-        char = text[i]
-        if state == "escape":
-            if char == "u":
-                self._state, self._hex_left = "unicode", 4
-            elif char in '"\\/bfnrt':
-                self._state = "string"
-            else:
-                self.status = _INVALID
-            return i + 1
-        if state == "unicode":
-            if char not in _HEX_DIGITS:
-                self.status = _INVALID
-            self._hex_left -= 1
-            if self._hex_left == 0:
-                self._state = "string"
-            return i + 1
-        if state == "number":
-            end = _run_end(_NUMBER_RUN, text, i)
-            token = text[self._token_start : end]
-            if not _NUMBER_PREFIX.fullmatch(token):
-                self.status = _INVALID
-            elif end < len(text):  # the number ended
-                if _NUMBER.fullmatch(token):
-                    self._state = "after_value"
-                else:
-                    self.status = _INVALID
-            return end
-        if state == "literal":
-            token = text[self._token_start : i + 1]
-            if token in _LITERALS:
-                self._state = "after_value"
-            elif not any(literal.startswith(token) for literal in _LITERALS):
-                self.status = _INVALID
-            return i + 1
-        if char in " \t\n\r":
-            return _run_end(_WS_RUN, text, i)
-        if state == "object":
-            if char == "{":
-                self._open(char)
-            else:
-                self.status = _INVALID
-        elif state in ("value", "value_or_end"):
-            if char == "]" and state == "value_or_end":
-                self._close(i)
-            elif char in "{[":
-                self._open(char)
-            elif char == '"':
-                self._state, self._is_key = "string", False
-            elif char == "-" or "0" <= char <= "9":
-                self._state, self._token_start = "number", i
-                return i  # the number state reads it
-            elif char in "tfn":
-                self._state, self._token_start = "literal", i
-                return i
-            else:
-                self.status = _INVALID
-        elif state in ("key", "key_or_end"):
-            if char == '"':
-                self._state, self._is_key = "string", True
-            elif char == "}" and state == "key_or_end":
-                self._close(i)
-            else:
-                self.status = _INVALID
-        elif state == "colon":
-            if char == ":":
-                self._state = "value"
-            else:
-                self.status = _INVALID
-        else:  # after_value
-            container = self._stack[-1]
-            if char == ",":
-                self._state = "key" if container == "{" else "value"
-            elif char == ("}" if container == "{" else "]"):
-                self._close(i)
-            else:
-                self.status = _INVALID
-        return i + 1
-
-    def _open(self, char: str) -> None:
-        self._stack.append(char)
-        self._state = "key_or_end" if char == "{" else "value_or_end"
-
-    def _close(self, i: int) -> None:
-        self._stack.pop()
-        if self._stack:
-            self._state = "after_value"
-        else:
-            self.status, self.end = _COMPLETE, i + 1

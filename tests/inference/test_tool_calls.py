@@ -10,6 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvchat.inference.text.chat_template import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
+from kvchat.inference.text.json_scanner import JsonObjectScanner
 from kvchat.inference.text.tool_calls import (
     ContentDelta,
     ParsedOutput,
@@ -17,7 +18,6 @@ from kvchat.inference.text.tool_calls import (
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
-    _JsonObjectScanner,
     detect_tool_call_format,
     new_tool_call_id,
     parse_tool_calls,
@@ -395,8 +395,8 @@ JSON_VALUES = st.recursive(
 JSON_OBJECTS = st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=4)
 
 
-def scan(text: str) -> _JsonObjectScanner:
-    scanner = _JsonObjectScanner(0)
+def scan(text: str) -> JsonObjectScanner:
+    scanner = JsonObjectScanner(0)
     scanner.advance(text)
     return scanner
 
