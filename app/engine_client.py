@@ -83,8 +83,9 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them; the last one is finished."""
 
-    def abort(self, request_id: str) -> None:
-        """End a request at the engine's next step (idempotent; unknown ids are ignored)."""
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request at the engine's next step (idempotent; unknown ids are ignored); its
+        last output says `reason` (its abort_reason)."""
 
     async def set_session_budget(
         self, session_id: str, budget: SessionBudget
@@ -169,8 +170,8 @@ class ThreadEngineClient:
     ) -> AsyncIterator[RequestOutput]:
         return self._async.generate(request_id, request, cache_salt=cache_salt, priority=priority)
 
-    def abort(self, request_id: str) -> None:
-        self._async.abort(request_id)
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        self._async.abort(request_id, reason)
 
     async def set_session_budget(
         self, session_id: str, budget: SessionBudget

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     )
     from .text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
     from .text.context_builder import ContextBuilder, MessageCounts, history_message
+    from .text.generic_tool_calls import GENERIC
+    from .text.reply_ids import ids_without_spans
     from .text.tokenizer import Tokenizer, TokenizerError
     from .text.tokenizer_files import load_tokenizer
     from .text.tool_calls import (
@@ -114,6 +116,8 @@ _MODULE_OF = {
     "SchedulerConfig": "engine.scheduler",
     **dict.fromkeys(("Tokenizer", "TokenizerError"), "text.tokenizer"),
     "load_tokenizer": "text.tokenizer_files",
+    "GENERIC": "text.generic_tool_calls",
+    "ids_without_spans": "text.reply_ids",
     **dict.fromkeys(
         ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser", "parse_tool_calls"),
         "text.tool_calls",

@@ -1,7 +1,13 @@
 """One generation seen from the service: runs a prompt on the async engine and turns its
 outputs into text deltas, tool-call deltas (when tools were offered) and a final result with
 usage and timings. `stop()` ends it within one engine step; the partial result is still
-returned (finish_reason "cancelled"), so the caller can store it."""
+returned (finish_reason "cancelled"), so the caller can store it.
+
+A reply that repeats one of its tool calls is done: a small model under a grammar that allows
+several calls loops on the first one until max_tokens. The repeat is not sent, the engine
+stops the request at its next step (finish_reason "tool_calls"), and the stored reply ends
+with the last new call, as if the model had closed it there (the generic format's `]}` is
+added), so the next turn's history reads as a well-formed reply."""
 
 from __future__ import annotations
 
@@ -18,8 +24,11 @@ from kvchat.inference import (
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
+    ids_without_spans,
 )
 from kvchat.memory import HistoryStats
+
+REPEATED_CALL = "repeated_call"  # the abort reason of a reply that repeated a call
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ToolDelta:
 @dataclass
 class Generated:
     request_id: str
-    text: str = ""  # everything the model wrote (decoded)
+    text: str = ""  # everything the model wrote (decoded), less the repeated calls dropped
     content: str | None = None  # the text outside tool calls
     tool_calls: list[ToolCall] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -93,6 +102,7 @@ class Generation:
         self.result = Generated(self.request_id, prompt_tokens=request.num_prompt_tokens)
         self.on_finish = on_finish
         self._stopped = False
+        self._repeated = False  # the reply repeated a call: stopped, its rest not parsed
 
     def stop(self) -> None:
         """End the generation at the next engine step (idempotent)."""
@@ -127,10 +137,13 @@ class Generation:
             if parser is None:
                 if out.new_text or logprobs:
                     yield TextDelta(out.new_text, logprobs)
-            else:
+            elif not self._repeated:
                 for event in parser.push(out.new_text):
                     yield _event(event)
-                if out.finished:
+                if parser.dropped_spans and not out.finished:
+                    self._repeated = True
+                    self.runtime.engine_client.abort(self.request_id, REPEATED_CALL)
+                elif out.finished:
                     for event in parser.finish():
                         yield _event(event)
             if out.finished:
@@ -160,15 +173,34 @@ class Generation:
         if parser is not None:  # the calls as streamed, with the ids the deltas carried
             parsed = parser.result()
             result.content, result.tool_calls = parsed.content, list(parsed.tool_calls)
+            if parser.dropped_spans:
+                self._drop_repeats(parser)
         else:
             result.content = result.text
-        if out.finish_reason == "abort":
+        if out.finish_reason == "abort" and out.abort_reason == REPEATED_CALL:
+            result.finish_reason = "tool_calls"
+        elif out.finish_reason == "abort":
             result.finish_reason = "cancelled"
             result.abort_reason = out.abort_reason
         elif result.tool_calls and out.finish_reason == "stop":
             result.finish_reason = "tool_calls"
         else:
             result.finish_reason = out.finish_reason or "stop"
+
+    def _drop_repeats(self, parser: ToolCallStreamParser) -> None:
+        """The repeated calls out of the stored reply's ids and text; when the repeat stopped
+        the reply, everything from it on, and the generic format's calls closed."""
+        result, template = self.result, self.runtime.template
+        spans = parser.dropped_spans
+        if self._repeated:
+            spans = [(spans[0][0], len(result.text))]
+        ids, text = ids_without_spans(
+            result.token_ids, result.text, spans, self.runtime.tokenizer.decode, template.tokenize
+        )
+        if self._repeated and parser.calls_end:
+            ids += template.tokenize(parser.calls_end)
+            text += parser.calls_end
+        result.token_ids, result.text = ids, text
 
 
 def _event(event: ContentDelta | ToolCallDelta) -> TextDelta | ToolDelta:

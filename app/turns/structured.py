@@ -3,9 +3,11 @@ reply must match (or None for a free reply), every schema compiled before anythi
 so what cannot be enforced is a 400 naming the field, never a silent unconstrained run.
 
 - `tool_choice` "required": one call (with `parallel_tool_calls`, the default, one or more) of
-  the offered tools, in the template's tool-call format, arguments valid for each schema;
-  a named function: calls of that function only; "auto": free, unless a JSON response_format
-  is given too (then the reply is either calls or that JSON); "none": no tools.
+  the offered tools, in the template's tool-call format, arguments valid for each schema
+  (`strict`: every declared property present); a named function: calls of that function
+  only; "auto": free, unless a JSON response_format is given too (then the reply is either
+  calls or that JSON), or the format is the generic one (then the reply is either calls or a
+  response: a string, or that JSON); "none": no tools.
 - `response_format` json_object: a JSON object; json_schema: JSON valid for the schema
   (enforced whether or not `strict` is set). With tool_choice required or named the reply is
   calls, which response_format does not apply to.
@@ -28,6 +30,7 @@ from kvchat.app.schemas.chat import NamedToolChoice, SamplingFields
 from kvchat.app.schemas.json_input import json_depth
 from kvchat.inference import (
     ANY_OBJECT,
+    GENERIC,
     Grammar,
     GrammarCompiler,
     GrammarError,
@@ -49,7 +52,8 @@ def output_grammar(
     tools = fields.tools or []
     choice = fields.tool_choice
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    if not tools or choice == "none" or not (forced or content is not None):
+    generic = tool_format == GENERIC
+    if not tools or choice == "none" or not (forced or content is not None or generic):
         return _content_grammar(fields, content)
     if tool_format is None:
         raise invalid_request(
@@ -66,12 +70,13 @@ def output_grammar(
         parameters = tool.function.parameters
         if parameters is not None:
             _compile(compiler, json_schema_grammar(parameters), f"tools.{i}.function.parameters")
-        specs.append(ToolSpec(tool.function.name, parameters))
+        specs.append(ToolSpec(tool.function.name, parameters, strict=bool(tool.function.strict)))
     grammar = tool_call_grammar(
         specs,
         tool_format,
         parallel=fields.parallel_tool_calls is not False,
         content_schema=None if forced else content,
+        answer=generic and not forced,
     )
     _compile(compiler, grammar, "tools")
     return grammar

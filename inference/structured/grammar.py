@@ -12,7 +12,14 @@ the calls the grammar allowed:
 
 - hermes: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, several joined by
   a newline;
-- llama3_json: `{"name": "f", "parameters": {...}}`, several joined by `"; "`.
+- llama3_json: `{"name": "f", "parameters": {...}}`, several joined by `"; "`;
+- generic: `{"tool_calls": [{"name": "f", "arguments": {...}}, ...]}`, or where an answer is
+  allowed `{"response": "..."}` (the JSON a response_format asks for in place of the string).
+
+A call's arguments follow its function's `parameters`, with objects that do not say
+`additionalProperties` closed (no argument the function does not declare: what llama.cpp's and
+xgrammar's schema compilers do, and what no client wants); a `strict` function's arguments
+also carry every declared property, as OpenAI's strict mode guarantees.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..text.generic_tool_calls import CALLS_KEY, GENERIC, RESPONSE_KEY
 from ..text.tool_calls import HERMES, LLAMA3_JSON, TOOL_CALL_FORMATS
 
 # llguidance's JSON options (its "x-guidance" key): json.dumps' separators, no free whitespace.
@@ -39,7 +47,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 class Grammar:
     """An output constraint. `source` is llguidance grammar text; equal sources compile once
     (see GrammarCompiler). `kind` says what it was built for: json_schema | json_object |
-    tool_calls | tool_calls_or_json."""
+    tool_calls | tool_calls_or_json | tool_calls_or_answer."""
 
     source: str
     kind: str
@@ -49,6 +57,7 @@ class Grammar:
 class ToolSpec:
     name: str
     parameters: Mapping[str, Any] | None  # a JSON schema of type object; None: no parameters
+    strict: bool = False  # every declared property present (OpenAI's strict mode)
 
 
 def json_rule(schema: Mapping[str, Any]) -> str:
@@ -67,16 +76,54 @@ def json_object_grammar() -> Grammar:
 
 def call_schema(tool: ToolSpec, fmt: str) -> dict[str, Any]:
     """The JSON schema of one call object of `tool` in format `fmt`."""
-    arguments = "arguments" if fmt == HERMES else "parameters"
+    arguments = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    parameters = NO_PARAMETERS
+    if tool.parameters is not None:
+        parameters = closed_schema(tool.parameters, require_all=tool.strict)
     return {
         "type": "object",
-        "properties": {
-            "name": {"const": tool.name},
-            arguments: dict(tool.parameters) if tool.parameters is not None else NO_PARAMETERS,
-        },
+        "properties": {"name": {"const": tool.name}, arguments: parameters},
         "required": ["name", arguments],
         "additionalProperties": False,
     }
+
+
+# Where a schema holds other schemas: one (`items`), a list (`anyOf`), or a map (`properties`).
+_ONE_SCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_schema(schema: Mapping[str, Any], *, require_all: bool = False) -> dict[str, Any]:
+    """`schema` with every object schema that declares `properties` and does not say
+    `additionalProperties` (or `unevaluatedProperties`) closed to those properties, and with
+    `require_all` each such object's properties all required. Members of `allOf` are left
+    as they are (closing one would refuse its siblings' properties), and so is an object
+    whose properties come from elsewhere too (`allOf`, `$ref`, `patternProperties`)."""
+    out: dict[str, Any] = dict(schema)
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed_schema(out[key], require_all=require_all)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [
+                closed_schema(s, require_all=require_all) if isinstance(s, Mapping) else s
+                for s in out[key]
+            ]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {
+                name: closed_schema(s, require_all=require_all) if isinstance(s, Mapping) else s
+                for name, s in out[key].items()
+            }
+    properties = out.get("properties")
+    merged_from_elsewhere = any(k in out for k in ("allOf", "$ref", "patternProperties"))
+    if isinstance(properties, Mapping) and not merged_from_elsewhere:
+        if "additionalProperties" not in out and "unevaluatedProperties" not in out:
+            out["additionalProperties"] = False
+        if require_all:
+            out["required"] = list(properties)
+    return out
 
 
 def tool_call_grammar(
@@ -85,14 +132,20 @@ def tool_call_grammar(
     *,
     parallel: bool,
     content_schema: Mapping[str, Any] | None = None,
+    answer: bool = False,
 ) -> Grammar:
     """One call (or with `parallel` one or more) of the given tools in format `fmt`. With
     `content_schema`, the output may instead be JSON valid for it (tool_choice auto together
-    with a JSON response_format)."""
+    with a JSON response_format). In the generic format `answer` allows a response instead of
+    calls (tool_choice auto): a string, or JSON valid for `content_schema`."""
     if fmt not in TOOL_CALL_FORMATS:
         raise ValueError(f"unknown tool-call format {fmt!r}")
     if not tools:
         raise ValueError("a tool-call grammar needs at least one tool")
+    if fmt == GENERIC:
+        return _generic_grammar(
+            tools, parallel=parallel, content_schema=content_schema, answer=answer
+        )
     lines = []
     if content_schema is not None:
         lines.append("start: calls | content")
@@ -106,7 +159,37 @@ def tool_call_grammar(
     else:
         assert fmt == LLAMA3_JSON
         lines.append("call: call_json")
-    lines.append("call_json: " + " | ".join(f"tool_{i}" for i in range(len(tools))))
-    lines += [f"tool_{i}: {json_rule(call_schema(t, fmt))}" for i, t in enumerate(tools)]
+    lines += _call_rules(tools, fmt)
     kind = "tool_calls" if content_schema is None else "tool_calls_or_json"
+    return Grammar("\n".join(lines) + "\n", kind)
+
+
+def _call_rules(tools: Sequence[ToolSpec], fmt: str) -> list[str]:
+    """`call_json`: one call object of any of the tools."""
+    return [
+        "call_json: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
+        *(f"tool_{i}: {json_rule(call_schema(t, fmt))}" for i, t in enumerate(tools)),
+    ]
+
+
+def _generic_grammar(
+    tools: Sequence[ToolSpec],
+    *,
+    parallel: bool,
+    content_schema: Mapping[str, Any] | None,
+    answer: bool,
+) -> Grammar:
+    opening = json.dumps("{" + json.dumps(CALLS_KEY) + ": [")
+    lines = ["start: calls | response" if answer else "start: calls"]
+    lines.append(
+        f'calls: {opening} call_json (", " call_json)* "]}}"'
+        if parallel
+        else f'calls: {opening} call_json "]}}"'
+    )
+    if answer:
+        value = content_schema if content_schema is not None else {"type": "string"}
+        lines.append(f'response: {json.dumps("{" + json.dumps(RESPONSE_KEY) + ": ")} value "}}"')
+        lines.append(f"value: {json_rule(value)}")
+    lines += _call_rules(tools, GENERIC)
+    kind = "tool_calls_or_answer" if answer else "tool_calls"
     return Grammar("\n".join(lines) + "\n", kind)

@@ -14,12 +14,18 @@ before rendering (each special-token text becomes a private-use marker the templ
 through untouched) and each marker is tokenized as plain text afterwards.
 
 Tools (OpenAI tool objects) reach the template as its `tools` variable, as Hugging Face's
-`apply_chat_template(tools=...)` passes them, escaped like content. A template supports tools
-if it reads that variable. One that does not, but renders plain conversations exactly as
-ChatML does (the dev model's, most ChatML fine-tunes'), is rendered with CHATML_TOOLS_TEMPLATE:
-Qwen2.5's Hermes-style tool prompt on ChatML, identical to ChatML without tools. Any other
-template without tool support refuses tools (ChatTemplateError) rather than silently
-dropping them. `tool_call_format` names the format the model will write calls in.
+`apply_chat_template(tools=...)` passes them, escaped like content. A template has a tool
+format of its own if it reads that variable. One that does not, but renders plain
+conversations exactly as ChatML does (the dev model's, most ChatML fine-tunes'), is rendered
+with CHATML_TOOLS_TEMPLATE: Qwen2.5's Hermes-style tool prompt on ChatML, identical to ChatML
+without tools. Any other template gets the generic format (inference.text.generic_tool_calls):
+the tools go in a section at the end of the system message (a system message of their own when
+the conversation has none; the first message when the template has no system role), assistant
+calls render as `{"tool_calls": [...]}`, tool results as `{"tool_response": ...}` in the `tool`
+role (the `user` role when the template renders no `tool` message), and while tools are offered
+a plain answer as `{"response": ...}`: the shapes the grammar makes the model write, so the
+history reads as the model wrote it. `tool_call_format` names the format the model will write
+calls in.
 
 Assistant tool calls keep the OpenAI shape, except that `function.arguments` (a JSON string)
 is given to the template as the parsed object, as Hugging Face's docs ask (Llama 3.1 and
@@ -44,6 +50,7 @@ import jinja2.ext
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvchat.inference.text import generic_tool_calls as generic
 from kvchat.inference.text.tokenizer import Tokenizer
 from kvchat.inference.text.tool_calls import detect_tool_call_format
 
@@ -190,6 +197,7 @@ class ChatTemplate:
         # (tests check a turn's work does not grow with the conversation).
         self.num_renders = 0
         self.num_tokenized_chars = 0
+        self.is_generic = False  # decided below, once the template's own renders are probed
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
@@ -216,17 +224,18 @@ class ChatTemplate:
         self._escape_re = re.compile("|".join(re.escape(t) for t in self._escaped))
         # Stands in for an assistant's content to find where the template puts it.
         self._sentinel = f"KVCHATCONTENT{uuid.uuid4().hex}"
-
-    @property
-    def supports_tools(self) -> bool:
-        """Whether `tools` can be rendered: the template reads them, or it is ChatML."""
-        return self._rendered_source is not None
+        # The generic tool format: where its tools section and tool results can go.
+        self.is_generic = self._rendered_source is None
+        self._has_system_role = self.is_generic and self._renders_role("system")
+        self._tool_role = "tool" if self.is_generic and self._renders_role("tool") else "user"
 
     @property
     def tool_call_format(self) -> str | None:
-        """The format the model writes tool calls in (see inference.text.tool_calls), if known."""
+        """The format the model writes tool calls in (see inference.text.tool_calls): the
+        template's own, the generic one for a template without one, None for a template that
+        reads `tools` in a format the server does not know."""
         if self._rendered_source is None:
-            return None
+            return generic.GENERIC
         return detect_tool_call_format(self._rendered_source)
 
     def render_text(
@@ -237,8 +246,9 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         self._validate(messages)
-        dicts = [self._as_dict(m) for m in messages]
-        text = self._render(dicts, add_generation_prompt, self._tools_variable(tools))
+        tools_variable = self._tools_variable(tools)
+        dicts = self._as_dicts(messages, 0, tools_variable)
+        text = self._render(dicts, add_generation_prompt, tools_variable)
         return _MARKER.sub(lambda m: self._escaped[int(m.group(1))], text)
 
     def render_ids(
@@ -303,7 +313,7 @@ class ChatTemplate:
             reused = len(previous.keys)
         dicts = [
             *(previous.dicts if reused and previous else ()),
-            *(self._as_dict(m) for m in messages[reused:]),
+            *self._as_dicts(messages, reused, tools_variable),
         ]
         without = self._render(dicts, False, tools_variable)
         full = self._render(dicts, True, tools_variable) if add_generation_prompt else without
@@ -422,11 +432,6 @@ class ChatTemplate:
         """The template's `tools`: escaped copies; None for none (an empty list too)."""
         if not tools:
             return None
-        if not self.supports_tools:
-            raise ChatTemplateError(
-                "this model's chat template does not support tools (it never reads `tools` "
-                "and is not ChatML); send the request without tools"
-            )
         for i, tool in enumerate(tools):
             if not isinstance(tool, Mapping):
                 raise ChatTemplateError(f"tools[{i}] must be an object")
@@ -461,6 +466,8 @@ class ChatTemplate:
         *,
         template: jinja2.Template | None = None,
     ) -> str:
+        if self.is_generic and template is None:
+            dicts, tools = self._generic_view(dicts, tools), None
         variables: dict[str, Any] = {
             "messages": dicts,
             "add_generation_prompt": add_generation_prompt,
@@ -476,6 +483,96 @@ class ChatTemplate:
             return (template or self._template).render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+    def _as_dicts(
+        self,
+        messages: Sequence[ChatMessage],
+        start: int,
+        tools: list[dict[str, Any]] | None,
+    ) -> list[dict[str, Any]]:
+        """The template's dicts of messages[start:] (the earlier ones give the names of the
+        calls their tool results answer, for the generic format)."""
+        if not self.is_generic:
+            return [self._as_dict(m) for m in messages[start:]]
+        names: dict[str, str] = {}
+        dicts = []
+        for i, message in enumerate(messages):
+            for call in message.tool_calls or ():
+                function = call.get("function")
+                name = function.get("name") if isinstance(function, Mapping) else None
+                if isinstance(name, str) and isinstance(call.get("id"), str):
+                    names[call["id"]] = name
+            if i >= start:
+                dicts.append(self._as_generic_dict(message, names, answers=tools is not None))
+        return dicts
+
+    def _as_generic_dict(
+        self, message: ChatMessage, call_names: Mapping[str, str], *, answers: bool
+    ) -> dict[str, Any]:
+        """A message in the generic tool format: calls, results, and (with `answers`, while
+        tools are offered) a plain answer as the JSON the model writes. Generated replies
+        keep their ids."""
+        result = self._as_dict(message)
+        if message.token_ids is not None:
+            return result
+        if message.role == "assistant" and message.tool_calls:
+            text = generic.calls_text([self._escape(c) for c in message.tool_calls])
+            if message.content:  # never written by the model in this format, but kept
+                text = text[:-1] + ", " + generic.response_text(result["content"])[1:]
+            result = {"role": "assistant", "content": text}
+        elif message.role == "assistant" and answers and message.content is not None:
+            result["content"] = generic.response_text(result["content"])
+        elif message.role == "tool":
+            name = message.name or call_names.get(message.tool_call_id or "")
+            text = generic.tool_result_text(
+                None if name is None else self._escape(name), result["content"]
+            )
+            result = {"role": "tool", "content": text}
+        return result
+
+    def _generic_view(
+        self, dicts: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[dict[str, Any]]:
+        """The messages as a template without tool support is given them: tool results in
+        the `user` role unless it renders `tool` (a run of them as one message, since such
+        templates tend to insist that roles alternate), and the tools section where the
+        model reads it: at the end of the leading system message, else in a system message
+        of its own, else (no system role) before the first message's content."""
+        if self._tool_role != "tool":
+            merged: list[dict[str, Any]] = []
+            for d in dicts:
+                if d["role"] != "tool":
+                    merged.append(d)
+                elif merged and merged[-1].get("_results"):
+                    last = merged[-1]
+                    merged[-1] = dict(last, content=f"{last['content']}\n{d['content']}")
+                else:
+                    merged.append({"role": "user", "content": d["content"], "_results": True})
+            dicts = merged
+        if not tools or not dicts:
+            return dicts
+        section = generic.tools_section(tools)
+        first = dicts[0]
+        if first["role"] == "system" and self._has_system_role:
+            joined = f"{first['content']}\n\n{section}" if first["content"] else section
+            return [dict(first, content=joined), *dicts[1:]]
+        if self._has_system_role:
+            return [{"role": "system", "content": section}, *dicts]
+        joined = f"{section}\n\n{first['content']}" if first["content"] else section
+        return [dict(first, content=joined), *dicts[1:]]
+
+    def _renders_role(self, role: str) -> bool:
+        """Whether the template renders a message of `role` with its content (probed)."""
+        marker = f"KVCHATROLE{uuid.uuid4().hex}"
+        probe = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        probe = [{"role": role, "content": marker}, *probe] if role == "system" else probe
+        if role != "system":
+            probe.append({"role": role, "content": marker})
+        try:
+            text = self._render(probe, False, None, template=self._template)
+        except ChatTemplateError:
+            return False
+        return marker in text
 
     def _as_dict(self, message: ChatMessage) -> dict[str, Any]:
         content = message.content

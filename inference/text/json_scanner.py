@@ -32,21 +32,23 @@ _LITERALS = ("true", "false", "null")
 
 
 class JsonObjectScanner:
-    """Where the JSON object at text[start] ends, found a piece of text at a time.
+    """Where the JSON object (with `any_value`, any JSON value) at text[start] ends, found a
+    piece of text at a time.
 
     `advance(text)` reads what was appended to `text` since the last call (the caller
     passes the whole text each time, its prefix unchanged). status: partial while some
-    continuation could still complete the object; complete once its closing brace is read
-    (`end` is the index after it; no continuation changes that); invalid as soon as no
+    continuation could still complete the value; complete once its end is read (`end` is the
+    index after it; no continuation changes that: a number is complete only once a character
+    that cannot continue it follows); invalid as soon as no
     continuation could make it JSON (RFC 8259: Python's NaN and Infinity are not JSON).
     """
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, *, any_value: bool = False) -> None:
         self.start = start
         self.status = PARTIAL
         self.end = -1  # valid once complete
         self._pos = start
-        self._state = "object"  # what the next character may be
+        self._state = "value" if any_value else "object"  # what the next character may be
         self._stack: list[str] = []  # open containers, "{" or "["
         self._is_key = False  # the open string is an object key
         self._token_start = 0  # of the open number or literal
@@ -67,7 +69,10 @@ class JsonObjectScanner:
                 return i
             char = text[i]
             if char == '"':
-                self._state = "colon" if self._is_key else "after_value"
+                if self._is_key:
+                    self._state = "colon"
+                else:
+                    self._after_value(i + 1)
             elif char == "\\":
                 self._state = "escape"
             else:  # a raw control character
@@ -96,14 +101,14 @@ class JsonObjectScanner:
                 self.status = INVALID
             elif end < len(text):  # the number ended
                 if _NUMBER.fullmatch(token):
-                    self._state = "after_value"
+                    self._after_value(end)
                 else:
                     self.status = INVALID
             return end
         if state == "literal":
             token = text[self._token_start : i + 1]
             if token in _LITERALS:
-                self._state = "after_value"
+                self._after_value(i + 1)
             elif not any(literal.startswith(token) for literal in _LITERALS):
                 self.status = INVALID
             return i + 1
@@ -157,7 +162,11 @@ class JsonObjectScanner:
 
     def _close(self, i: int) -> None:
         self._stack.pop()
+        self._after_value(i + 1)
+
+    def _after_value(self, end: int) -> None:
+        """A value ended before text[end]: the top-level one completes the scan."""
         if self._stack:
             self._state = "after_value"
         else:
-            self.status, self.end = COMPLETE, i + 1
+            self.status, self.end = COMPLETE, end

@@ -238,15 +238,12 @@ class SegmentRenderer:
             [system, user, reply, other],
             [user, reply, other, generated, other],
             [system, system, user, reply],
+            [system, user, calls, result, reply, other],
+            [user, calls, result, result2, other],
         ]
-        if self.template.supports_tools:
-            probes += [
-                [system, user, calls, result, reply, other],
-                [user, calls, result, result2, other],
-            ]
         try:
             for probe in probes:
-                for tools in (None, _PROBE_TOOLS) if self.template.supports_tools else (None,):
+                for tools in (None, _PROBE_TOOLS):
                     for prompt in (True, False):
                         whole = self.template.render_segments(
                             probe, add_generation_prompt=prompt, tools=tools

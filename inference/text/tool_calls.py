@@ -1,12 +1,16 @@
 """Tool calls in model output: parsed whole, or streamed as deltas while the text arrives.
 
-Two formats, named as vLLM names its parsers:
+Three formats, the first two named as vLLM names its parsers:
 
 - ``hermes`` (Hermes, Qwen2/2.5, our ChatML default): any number of
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among ordinary text.
 - ``llama3_json`` (Llama 3.1/3.2): the whole output is one ``{"name": ..., "parameters": {...}}``
   object, optionally after ``<|python_tag|>``, or several joined by ``;`` (Llama 3.2).
   All or nothing: if any part is not a valid call, the whole output is content.
+- ``generic`` (any template without a tool format of its own): the whole output is one JSON
+  object, ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` or
+  ``{"response": "..."}``, whose response is streamed as content as it is decoded
+  (inference.text.generic_tool_calls).
 
 A block is a call only if it is a JSON object with a non-empty string ``name`` (one of
 ``tool_names`` when given) and object arguments (``arguments`` or ``parameters``; missing means
@@ -19,7 +23,9 @@ back only text that could still become a call: a trailing tag prefix (``<tool``)
 ``<tool_call>`` block until it closes (a JSON scanner tells as soon as it cannot be a call), a
 Llama reply that starts with ``{`` until the output ends, and leading whitespace (content that is
 only whitespace is None). A call is emitted once it is certain: a first delta with the id and
-name (arguments ""), then one delta with the arguments.
+name (arguments ""), then one delta with the arguments. A call that repeats an earlier one of
+the same output is dropped, and `dropped_spans` says where it lay in the text, so the caller
+can take it out of the reply's token ids too.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from .generic_tool_calls import CALLS_END, GENERIC, GenericReader
 from .json_scanner import (
     COMPLETE,
     INVALID,
@@ -41,12 +48,16 @@ from .json_scanner import (
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
-TOOL_CALL_FORMATS = (HERMES, LLAMA3_JSON)
+TOOL_CALL_FORMATS = (HERMES, LLAMA3_JSON, GENERIC)
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 # Where a call's arguments are looked up, in order.
-_ARGUMENT_KEYS = {HERMES: ("arguments", "parameters"), LLAMA3_JSON: ("parameters", "arguments")}
+_ARGUMENT_KEYS = {
+    HERMES: ("arguments", "parameters"),
+    LLAMA3_JSON: ("parameters", "arguments"),
+    GENERIC: ("arguments",),
+}
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ class ToolCallStreamParser:
             )
         self.fmt = fmt
         self._tool_names = frozenset(tool_names) if tool_names is not None else None
-        self._buffer = ""  # received, not yet emitted
+        self._buffer = ""  # received, not yet emitted (always the end of what was received)
+        self._num_received = 0  # characters pushed
         self._is_finished = False
         # Content that is only whitespace so far is held: it may stay that way (then None).
         self._held_space = ""
@@ -125,20 +137,30 @@ class ToolCallStreamParser:
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls
+        # Where dropped repeats lay in the whole output: [start, end) character offsets.
+        self.dropped_spans: list[tuple[int, int]] = []
         # hermes: outside a block, inside one (buffer = text after <tool_call>), or inside
         # one known to be content whose end (the first </tool_call>) is not yet seen.
         self._mode = "start" if fmt == LLAMA3_JSON else "outside"
         self._scanner: JsonObjectScanner | None = None
         self._close_search_from = 0
         self._num_emitted = 0
-        # llama3_json: calls found so far, the position after them, and whether a `;` follows.
-        self._pending: list[tuple[str, str]] = []
+        # llama3_json: calls found so far (with their spans: a call's `;` is its own), the
+        # position after them, and whether a `;` follows.
+        self._pending: list[tuple[str, str, tuple[int, int]]] = []
         self._position = 0
+        self._call_from = 0
         self._after_semicolon = False
+        self._generic = GenericReader(self) if fmt == GENERIC else None
 
     def push(self, text_delta: str) -> list[StreamEvent]:
         if self._is_finished:
             raise RuntimeError("push() after finish()")
+        self._num_received += len(text_delta)
+        if self._generic is not None:
+            out: list[StreamEvent] = []
+            self._generic.push(out, text_delta, final=False)
+            return _merged(out)
         self._buffer += text_delta
         return self._advance(final=False)
 
@@ -146,9 +168,20 @@ class ToolCallStreamParser:
         """End of output: everything still held is decided (an open block is content)."""
         if self._is_finished:
             raise RuntimeError("finish() called twice")
-        events = self._advance(final=True)
+        if self._generic is not None:
+            out: list[StreamEvent] = []
+            self._generic.push(out, "", final=True)
+            events = _merged(out)
+        else:
+            events = self._advance(final=True)
         self._is_finished = True
         return events
+
+    @property
+    def calls_end(self) -> str:
+        """What closes an output of calls cut right after one of them (the generic format's
+        `]}`; the others' calls close themselves)."""
+        return CALLS_END if self.fmt == GENERIC else ""
 
     def result(self) -> ParsedOutput:
         """Everything emitted so far, assembled (the same ids as the deltas)."""
@@ -163,14 +196,23 @@ class ToolCallStreamParser:
             self._advance_hermes(out, final)
         else:
             self._advance_llama3(out, final)
-        merged: list[StreamEvent] = []
-        for event in out:
-            previous = merged[-1] if merged else None
-            if isinstance(event, ContentDelta) and isinstance(previous, ContentDelta):
-                merged[-1] = ContentDelta(previous.text + event.text)
-            else:
-                merged.append(event)
-        return merged
+        return _merged(out)
+
+    def _at(self, index: int) -> int:
+        """Where buffer[index] lies in the whole output."""
+        return self._num_received - len(self._buffer) + index
+
+    # The generic reader's sink (inference.text.generic_tool_calls.Sink).
+
+    def on_content(self, out: list[StreamEvent], text: str) -> None:
+        self._emit_content(out, text)
+
+    def on_call(self, out: list[StreamEvent], json_text: str, span: tuple[int, int]) -> bool:
+        call = self._as_call(json_text)
+        if call is None:
+            return False
+        self._emit_call(out, *call, span)
+        return True
 
     def _emit_content(self, out: list[StreamEvent], text: str) -> None:
         if not text:
@@ -183,12 +225,16 @@ class ToolCallStreamParser:
         self._content.append(text)
         out.append(ContentDelta(text))
 
-    def _emit_call(self, out: list[StreamEvent], name: str, arguments: str) -> None:
+    def _emit_call(
+        self, out: list[StreamEvent], name: str, arguments: str, span: tuple[int, int]
+    ) -> None:
         """A complete call, unless the output already made the same one (same name and
         arguments, keys in any order): a client would run the tool twice. Small models under
-        a grammar that allows several calls repeat the first one."""
+        a grammar that allows several calls repeat the first one. `span`: where the call
+        lies in the whole output."""
         same = (name, json.dumps(json.loads(arguments), sort_keys=True))
         if same in self._made:
+            self.dropped_spans.append(span)
             return
         self._made.add(same)
         call = ToolCall(new_tool_call_id(), name, arguments)
@@ -273,7 +319,8 @@ class ToolCallStreamParser:
             if call is None:
                 self._end_content_block(out, after + len(_CLOSE))
             else:
-                self._emit_call(out, *call)
+                span = (self._at(0) - len(_OPEN), self._at(after + len(_CLOSE)))
+                self._emit_call(out, *call, span)
                 self._buffer, self._mode = block[after + len(_CLOSE) :], "outside"
             return True
         if not final and _CLOSE.startswith(rest):
@@ -327,6 +374,7 @@ class ToolCallStreamParser:
                 self._llama3_content(out)
                 return
             self._mode, self._scanner = "calls", JsonObjectScanner(start)
+            self._call_from = start
         if self._mode == "content":
             self._emit_content(out, text)
             self._buffer = ""
@@ -343,17 +391,19 @@ class ToolCallStreamParser:
                 if call is None:
                     self._llama3_content(out)
                     return
-                self._pending.append(call)
+                span = (self._at(self._call_from), self._at(scanner.end))
+                self._pending.append((*call, span))
                 self._scanner, self._position = None, scanner.end
             after = run_end(WS_RUN, text, self._position)
             if after == len(text):
                 if final:
-                    for name, arguments in self._pending:
-                        self._emit_call(out, name, arguments)
+                    for name, arguments, span in self._pending:
+                        self._emit_call(out, name, arguments, span)
                     self._buffer = ""
                 return
             if text[after] == ";" and not self._after_semicolon:
                 self._position, self._after_semicolon = after + 1, True
+                self._call_from = after
             elif text[after] == "{" and self._after_semicolon:
                 self._scanner, self._after_semicolon = JsonObjectScanner(after), False
             else:
@@ -364,6 +414,18 @@ class ToolCallStreamParser:
         self._mode, self._pending = "content", []
         self._emit_content(out, self._buffer)
         self._buffer = ""
+
+
+def _merged(events: list[StreamEvent]) -> list[StreamEvent]:
+    """Adjacent content deltas joined."""
+    merged: list[StreamEvent] = []
+    for event in events:
+        previous = merged[-1] if merged else None
+        if isinstance(event, ContentDelta) and isinstance(previous, ContentDelta):
+            merged[-1] = ContentDelta(previous.text + event.text)
+        else:
+            merged.append(event)
+    return merged
 
 
 def _partial_suffix_len(text: str, tag: str) -> int:

@@ -605,7 +605,7 @@ def test_real_templates_render_tools_as_hugging_face_does(
     tokenizer: Tokenizer = request.getfixturevalue(tokenizer_name)
     source_text = QWEN25_TEMPLATE if source == "qwen" else LLAMA31_TEMPLATE
     template = ChatTemplate(source_text, tokenizer)
-    assert template.supports_tools
+    assert not template.is_generic
     assert template.tool_call_format == ("hermes" if source == "qwen" else "llama3_json")
     text = template.render_text(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     assert text == hf_render(source_text, tokenizer, messages, tools, add_generation_prompt)
@@ -664,7 +664,7 @@ CHATML_TOOLS_BLOCK = (
 
 def test_chatml_default_renders_tools(chatml: ChatTemplate, dev_tokenizer: Tokenizer) -> None:
     assert chatml.source == CHATML_TEMPLATE
-    assert chatml.supports_tools and chatml.tool_call_format == "hermes"
+    assert not chatml.is_generic and chatml.tool_call_format == "hermes"
     text = chatml.render_text(TOOL_CONVERSATION, tools=TOOLS)
     assert text == (
         "<|im_start|>system\nYou are terse.\n\n"
@@ -737,16 +737,15 @@ def test_which_templates_get_the_chatml_tools_default(
     dev_tokenizer: Tokenizer, llama3_tokenizer: Tokenizer
 ) -> None:
     hf_chatml = ChatTemplate(HF_CHATML_TEMPLATE, dev_tokenizer)
-    assert hf_chatml.supports_tools and hf_chatml.tool_call_format == "hermes"
+    assert not hf_chatml.is_generic and hf_chatml.tool_call_format == "hermes"
     assert "# Tools" in hf_chatml.render_text(CONVERSATION, tools=TOOLS)
-    # Its own default system prompt would be lost: not ChatML, so no tools.
+    # Its own default system prompt would be lost: not ChatML, so the generic format.
     for template in (
         ChatTemplate(DEFAULT_SYSTEM_CHATML, dev_tokenizer),
         ChatTemplate(LLAMA3_TEMPLATE, llama3_tokenizer),
     ):
-        assert not template.supports_tools and template.tool_call_format is None
-        with pytest.raises(ChatTemplateError, match="does not support tools"):
-            template.render_ids(CONVERSATION, tools=TOOLS)
+        assert template.is_generic and template.tool_call_format == "generic"
+        assert '{"tool_calls": ' in template.render_text(CONVERSATION, tools=TOOLS)
         assert template.render_text(CONVERSATION, tools=[]) == template.render_text(CONVERSATION)
     qwen = ChatTemplate(QWEN25_TEMPLATE, dev_tokenizer)
     assert qwen.render_text(CONVERSATION[1:]).startswith(
@@ -827,8 +826,9 @@ def test_generated_tool_call_turn_is_spliced_from_its_ids(
 
 
 def test_tool_call_arguments_are_the_object_and_the_text(dev_tokenizer: Tokenizer) -> None:
-    template = ChatTemplate(
-        "{% for m in messages %}{% for c in m.tool_calls %}{% set a = c.function.arguments %}"
+    template = ChatTemplate(  # reads `tools`: calls in its own format, not the generic one
+        "{{ tools or '' }}{% for m in messages %}{% for c in m.tool_calls %}"
+        "{% set a = c.function.arguments %}"
         "[{{ a }}|{{ '>' + a + '<' }}|{{ a | tojson }}|"
         "{% for k, v in a | items %}{{ k }}={{ v }};{% endfor %}|{{ a is mapping }}]"
         "{% endfor %}{% endfor %}",

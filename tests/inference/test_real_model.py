@@ -223,7 +223,7 @@ def test_a_tool_conversation_renders_as_transformers_does(
     # SmolLM2's own template knows no tools: Qwen2.5's (verbatim) stands in, over SmolLM2's
     # vocabulary, where its <tool_call> tags are plain text.
     template = ChatTemplate(QWEN25_TEMPLATE, tokenizer)
-    assert template.supports_tools
+    assert not template.is_generic
     expected = hf_tokenizer.apply_chat_template(
         hf_messages(TOOL_CONVERSATION),
         tools=TOOLS,

@@ -1,6 +1,6 @@
 """SegmentRenderer: exactly render_segments on every template the project supports (ChatML, its
-tools default, Hugging Face's ChatML, a default system prompt, Llama 3, Llama 3.1 and
-Qwen2.5 with tools), as a conversation grows turn by turn, is trimmed at the front, branches
+tools default, Hugging Face's ChatML, a default system prompt, Llama 3 (both with the generic
+tool format), Llama 3.1 and Qwen2.5 with tools), as a conversation grows turn by turn, is trimmed at the front, branches
 and gets a summary; and a turn's rendering work does not grow with the conversation."""
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ TEMPLATES = [
     ("chatml-tools", CHATML_TEMPLATE, "dev_tokenizer", TOOLS, True),
     ("hf-chatml", HF_CHATML_TEMPLATE, "dev_tokenizer", None, True),
     ("default-system", DEFAULT_SYSTEM_CHATML, "dev_tokenizer", None, False),
+    ("default-system-generic-tools", DEFAULT_SYSTEM_CHATML, "dev_tokenizer", TOOLS, False),
     ("llama3", LLAMA3_TEMPLATE, "llama3_tokenizer", None, False),
+    ("llama3-generic-tools", LLAMA3_TEMPLATE, "llama3_tokenizer", TOOLS, False),
     ("llama3.1-tools", LLAMA31_TEMPLATE, "llama3_tokenizer", TOOLS, False),
     ("llama3.1", LLAMA31_TEMPLATE, "llama3_tokenizer", None, False),
     ("qwen2.5-tools", QWEN25_TEMPLATE, "dev_tokenizer", TOOLS, False),

@@ -88,6 +88,10 @@ HERMES_PARALLEL = (
     "\nDone."
 )
 LLAMA31 = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+GENERIC_CALLS = (
+    '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "search", "arguments": {"q": "n"}}]}'
+)
 LLAMA32 = (
     '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
     '{"name": "search", "parameters": {"q": "news"}}'
@@ -173,6 +177,45 @@ CASES = [
     ),
     ("llama3_json", " The weather is {sunny}.", " The weather is {sunny}.", []),
     ("llama3_json", "", None, []),
+    (
+        "generic",
+        GENERIC_CALLS,
+        None,
+        [("get_weather", '{"city":"Paris"}'), ("search", '{"q":"n"}')],
+    ),
+    ("generic", '{"response": "It is sunny."}', "It is sunny.", []),
+    (
+        "generic",
+        '{"response": "a\\"b\\\\c\\n\\t\\u00e9\\ud83c\\udf26 \\/ 東京"}',
+        'a"b\\c\n\té🌦 / 東京',
+        [],
+    ),
+    ("generic", '\n {  "response" :"spaced" } \n', "spaced", []),
+    (
+        "generic",
+        '{"response": {"city": "Oslo", "days": [1, 2]}}',
+        '{"city": "Oslo", "days": [1, 2]}',
+        [],
+    ),
+    ("generic", '{"response": 42}', "42", []),
+    ("generic", '{"response": {"a": nope}}', '{"a": nope}}', []),  # without the grammar only
+    ("generic", '{"response": ""}', None, []),
+    ("generic", '{"response": "   "}', None, []),
+    ("generic", '{"tool_calls": []}', None, []),
+    ("generic", '{"tool_calls": [{"name": "search"}]}', None, [("search", "{}")]),
+    # cut short (max_tokens): what was complete stays, an unfinished call or escape goes
+    (
+        "generic",
+        '{"tool_calls": [{"name": "search", "arguments": {}}, {"name": "get_w',
+        None,
+        [("search", "{}")],
+    ),
+    ("generic", '{"response": "Half an ans', "Half an ans", []),
+    ("generic", '{"response": "cut in an escape \\u00', "cut in an escape ", []),
+    ("generic", '{"tool_calls": [', None, []),
+    ("generic", ' {"response": "', None, []),
+    ("generic", "Plain text, no JSON.", "Plain text, no JSON.", []),
+    ("generic", "", None, []),
 ]
 
 # Outputs that only look like calls: all content, verbatim. (format, output, tool names)
@@ -206,6 +249,19 @@ LOOKALIKES = [
     ("llama3_json", "<|python_tag|>", NAMES),
     ("llama3_json", 'Sure: {"name": "search", "parameters": {}}', NAMES),
     ("llama3_json", '<tool_call>{"name": "search", "arguments": {}}</tool_call>', NAMES),
+    # generic: anything that goes astray before a call or some text was sent is all content
+    ("generic", '{"tool_calls": [{"name": "rm_rf", "arguments": {}}]}', NAMES),
+    ("generic", '{"tool_calls": [{"name": "search", "arguments": [1]}]}', NAMES),
+    ("generic", '{"tool_calls": [{"name": "search", "arguments": {"x": NaN}}]}', NAMES),
+    ("generic", '{"tool_calls": ["search"]}', NAMES),
+    ("generic", '{"tool_calls": {"name": "search"}}', NAMES),
+    ("generic", '{"tool_call": [{"name": "search", "arguments": {}}]}', NAMES),
+    ("generic", '{"answer": "no"}', NAMES),
+    ("generic", '{"response": "\\ud800 lone"}', NAMES),
+    ("generic", '{"response": "\\x"}', NAMES),
+    ("generic", '{"responses": "x"}', NAMES),
+    ("generic", '["response"]', NAMES),
+    ("generic", "{", NAMES),
 ]
 
 ALL_OUTPUTS = [(fmt, text, NAMES) for fmt, text, _, _ in CASES] + LOOKALIKES
@@ -481,16 +537,50 @@ def test_scanner_decides_as_early_as_it_can(text: str, status: str) -> None:
     assert scan(text).status == status
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+ARGUMENTS = ('{"city": "Paris", "unit": "c"}', '{"unit": "c", "city": "Paris"}')
+
+
+def repeated_call_output(fmt: str) -> str:
+    """Paris, Paris again (keys in another order), then Tokyo, in `fmt`."""
+    if fmt == "hermes":
+        block = '<tool_call>{{"name": "get_weather", "arguments": {}}}</tool_call>'
+        return "\n".join(block.format(a) for a in (*ARGUMENTS, '{"city": "Tokyo", "unit": "c"}'))
+    if fmt == "generic":
+        call = '{{"name": "get_weather", "arguments": {}}}'
+        calls = ", ".join(call.format(a) for a in (*ARGUMENTS, '{"city": "Tokyo", "unit": "c"}'))
+        return '{"tool_calls": [' + calls + "]}"
+    call = '{{"name": "get_weather", "parameters": {}}}'
+    return "; ".join(call.format(a) for a in (*ARGUMENTS, '{"city": "Tokyo", "unit": "c"}'))
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "generic"])
+def test_a_repeated_call_is_dropped_and_its_span_told(fmt: str) -> None:
+    """The repeat's span (with its joiner) taken out of the text leaves the output the model
+    would have written without it: the same calls, nothing else dropped."""
+    text = repeated_call_output(fmt)
+    parser = ToolCallStreamParser(fmt, NAMES)
+    for i in range(0, len(text), 5):
+        parser.push(text[i : i + 5])
+    parser.finish()
+    assert len(parser.dropped_spans) == 1
+    start, end = parser.dropped_spans[0]
+    assert '"unit": "c", "city": "Paris"' in text[start:end]
+    without = text[:start] + text[end:]
+    assert '"unit": "c", "city": "Paris"' not in without
+    again = ToolCallStreamParser(fmt, NAMES)
+    again.push(without)
+    again.finish()
+    assert again.dropped_spans == []
+    assert calls_of(again.result()) == calls_of(parser.result())
+    assert again.result().content == parser.result().content
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "generic"])
 def test_a_repeated_call_is_made_once(fmt: str) -> None:
     """The same name and arguments (keys in any order) twice in one output: one call; the
     same tool with other arguments is another call."""
-    if fmt == "hermes":
-        block = '<tool_call>{{"name": "get_weather", "arguments": {}}}</tool_call>'
-        text = "".join(
-            block.format(a)
-            for a in ('{"city": "Paris", "unit": "c"}', '{"unit": "c", "city": "Paris"}')
-        ) + block.format('{"city": "Tokyo", "unit": "c"}')
+    if fmt != "llama3_json":
+        text = repeated_call_output(fmt)
     else:
         call = '{{"name": "get_weather", "parameters": {}}}'
         text = "; ".join(
