@@ -405,8 +405,7 @@ class Engine:
             [s.params for s in sampling_seqs],
             [s.generator for s in sampling_seqs],
             grammar=grammar,
-            token_ids=[s.token_ids for s in sampling_seqs],
-            num_prompt_tokens=[s.num_prompt_tokens for s in sampling_seqs],
+            penalties=[s.current_penalties(logits.shape[1], logits.device) for s in sampling_seqs],
         )
         if grammar is not None:
             self.structured_output.note_checks(sampling_seqs, grammar, result.fell_back)

@@ -11,6 +11,7 @@ import torch
 
 from kvchat.memory.kv_cache_manager import KVState, KVWindow
 
+from ..model.penalty_state import PenaltyState
 from ..model.sampling_params import SamplingParams
 
 
@@ -75,12 +76,30 @@ class Sequence:
     # (Engine._note_checks): the steps left, and how many the next rejection gives.
     mask_first_steps: int = 0
     mask_first_backoff: int = 0
+    # Penalties and logit_bias: what they read each step (vectors over the vocabulary), built
+    # on the first and then updated by one token a step (see current_penalties). It follows
+    # token_ids alone, so it survives preemption (swap or recompute) as it is.
+    penalty_state: PenaltyState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def current_penalties(self, vocab_size: int, device: torch.device) -> PenaltyState | None:
+        """The penalty state up to date with token_ids (None when the request asks for no
+        penalty): built from the whole history the first time, then taking in the tokens
+        appended since the last call (the one a step samples). Its vectors live on `device`
+        (the logits'), vocab_size * 4 bytes each (PenaltyState)."""
+        if not self.params.has_penalties:
+            return None
+        if self.penalty_state is None:
+            self.penalty_state = PenaltyState(
+                self.params, vocab_size, self.num_prompt_tokens, device
+            )
+        self.penalty_state.update(self.token_ids)
+        return self.penalty_state
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,7 +31,8 @@ from typing import Protocol
 
 import torch
 
-from .penalties import apply_penalties
+from .penalties import apply_penalties, apply_penalty_states
+from .penalty_state import PenaltyState
 from .sampling_params import SamplingParams
 
 
@@ -123,12 +124,15 @@ class Sampler:
         grammar: RowGrammars | None = None,
         token_ids: Sequence[Sequence[int]] | None = None,
         num_prompt_tokens: Sequence[int] | None = None,
+        penalties: Sequence[PenaltyState | None] | None = None,
     ) -> SamplerOutput:
         """`logit_mask` restricts rows up front; `grammar`'s rows are checked first where
         their parameters allow (see the module docstring), masked first otherwise. Rows with
-        penalties or logit_bias need `token_ids` (each row's prompt and output so far) and
-        `num_prompt_tokens`: their logits are changed first (inference/model/penalties.py), and
-        everything after, logprobs included, sees the changed logits."""
+        penalties or logit_bias need `penalties` (each row's PenaltyState, up to date with its
+        tokens; None for rows without), or else `token_ids` (each row's prompt and output so
+        far) and `num_prompt_tokens`, read whole: their logits are changed first
+        (inference/model/penalties.py), and everything after, logprobs included, sees the
+        changed logits."""
         vocab = logits.shape[1]
         checked: list[int] = []
         first: list[int] = []
@@ -147,9 +151,14 @@ class Sampler:
             if not copied:
                 logits = logits.clone()
             logits.index_fill_(1, self._invalid_ids, float("-inf"))
-        if any(p.has_penalties for p in params):
+        if penalties is not None:
+            assert [s is not None for s in penalties] == [p.has_penalties for p in params]
+            logits = apply_penalty_states(logits, penalties)
+        elif any(p.has_penalties for p in params):
             if token_ids is None or num_prompt_tokens is None:
-                raise ValueError("penalties need each row's token ids and prompt length")
+                raise ValueError(
+                    "penalties need each row's penalty state, or its token ids and prompt length"
+                )
             logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if len(random_rows) < len(params):
