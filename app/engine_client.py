@@ -50,6 +50,11 @@ class EngineClient(Protocol):
     def grammars(self) -> GrammarCompiler: ...
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation (the model's and the tokenizer's); its text is
+        never part of a reply."""
+
+    @property
     def stats(self) -> EngineStats: ...
 
     @property
@@ -123,6 +128,10 @@ class ThreadEngineClient:
     @property
     def grammars(self) -> GrammarCompiler:
         return self._engine.grammars
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._engine.eos_token_ids
 
     @property
     def stats(self) -> EngineStats:

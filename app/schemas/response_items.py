@@ -145,11 +145,29 @@ def parse_items(raw: list[Any], param: str) -> list[InputItem]:
 # -- items as answered ---------------------------------------------------------------------------
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a step (`bytes`: the token's UTF-8 bytes, which
+    may hold part of a character)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class OutputLogprob(TopLogprob):
+    """A token of the text, with the most likely ones at its step (top_logprobs of them)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[OutputLogprob] = Field(
+        default_factory=list,
+        description="With include ['message.output_text.logprobs']: the text's tokens.",
+    )
 
 
 class OutputMessage(BaseModel):

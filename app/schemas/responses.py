@@ -2,10 +2,12 @@
 SDKs parse (`openai.types.responses.*`).
 
 What kvchat takes of a request is typed here; anything the SDKs may send that kvchat does not
-do (`background`, `prompt`, `max_tool_calls`, logprobs, tools other than functions) is a 400
-naming the field. Fields the SDKs send empty (`include: []`, `reasoning: null`) and OpenAI's
-newer options are ignored (`extra="ignore"`), so a newer SDK still talks to this server.
-Input items and the items answered are in app/schemas/response_items.py.
+do (`background`, `prompt`, `max_tool_calls`, tools other than functions) is a 400 naming the
+field. Fields the SDKs send empty (`reasoning: null`) and OpenAI's newer options are ignored
+(`extra="ignore"`), so a newer SDK still talks to this server. `include` takes OpenAI's
+values; only `message.output_text.logprobs` adds something here (the others name outputs of
+tools kvchat does not have). Input items and the items answered are in
+app/schemas/response_items.py.
 
 kvchat's extensions, as on Chat Completions: `seed`, `stop`, `top_k`, `min_p`,
 `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `ignore_eos`."""
@@ -29,6 +31,18 @@ from kvchat.app.schemas.chat import NAME_PATTERN, token_id_keys
 from kvchat.app.schemas.response_items import FunctionCall, OutputMessage
 
 MAX_METADATA_PAIRS = 16
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's `include` values (openai.types.responses.ResponseIncludable).
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
@@ -107,6 +121,16 @@ class ResponseCreate(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = Field(None, max_length=512)
+    include: list[Includable] | None = Field(
+        None, description="'message.output_text.logprobs': the text's tokens and their logprobs."
+    )
+    top_logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="With include ['message.output_text.logprobs']: the most likely tokens "
+        "at each step (none without it, as OpenAI's).",
+    )
     # kvchat's extensions (as on Chat Completions)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
@@ -121,7 +145,6 @@ class ResponseCreate(BaseModel):
     background: bool | None = None
     prompt: dict[str, Any] | None = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -193,6 +216,10 @@ class ResponseCreate(BaseModel):
         return value
 
     @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_TEXT_LOGPROBS in (self.include or ())
+
+    @property
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, ConversationRef):
             return self.conversation.id
@@ -251,6 +278,7 @@ class ResponseObject(BaseModel):
     store: bool
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     text: ResponseTextOut
     tool_choice: str | dict[str, Any]
     tools: list[dict[str, Any]]

@@ -1,5 +1,10 @@
 """Responses API objects from what kvchat keeps: a stored reply (and its `response` record)
-or a stateless generation's result, as OpenAI's response object."""
+or a stateless generation's result, as OpenAI's response object.
+
+A reply's logprobs are not stored: the answer to the request that asked for them (whole or
+streamed) has them, from the text deltas of its generation (`text_logprobs`, `with_logprobs`);
+a response read back later (retrieve, cancel, one answered whole from an Idempotency-Key's
+record) has `logprobs: []`."""
 
 from __future__ import annotations
 
@@ -12,8 +17,10 @@ from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError
 from kvchat.app.schemas.response_items import (
     FunctionCall,
+    OutputLogprob,
     OutputMessage,
     OutputText,
+    TopLogprob,
 )
 from kvchat.app.schemas.responses import (
     ConversationRef,
@@ -26,7 +33,9 @@ from kvchat.app.schemas.responses import (
 )
 from kvchat.app.store import MessageRecord
 from kvchat.app.transports.response_items import call_item_id, response_id, visible_text
-from kvchat.app.turns.generation import Generated, Generation
+from kvchat.app.turns.events import TurnDelta, TurnEvent
+from kvchat.app.turns.generation import Generated, Generation, TokenLogprob
+from kvchat.inference import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,7 @@ def response_object(reply: Reply, model: str, *, failure: APIError | None = None
         store=record.get("store", True),
         temperature=record.get("temperature"),
         top_p=record.get("top_p"),
+        top_logprobs=record.get("top_logprobs"),
         text=ResponseTextOut(**record.get("text", {"format": {"type": "text"}})),
         tool_choice=record.get("tool_choice", "auto"),
         tools=record.get("tools", []),
@@ -229,3 +239,47 @@ def skeleton(state: AppState, message: MessageRecord) -> ResponseObject:
         Reply.of(message), status="generating", content=None, tool_calls=(), prompt_tokens=None
     )
     return response_object(pending, state.runtime.model_name)
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def output_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> list[OutputLogprob]:
+    """The entries as OpenAI's `logprobs` of an output_text part (a token's `token` is its
+    bytes decoded, U+FFFD where it holds part of a character; `bytes` are exact)."""
+
+    def token(token_id: int, logprob: float) -> TopLogprob:
+        raw = tokenizer.id_bytes(token_id)
+        return TopLogprob(
+            token=raw.decode("utf-8", errors="replace"), bytes=list(raw), logprob=logprob
+        )
+
+    return [
+        OutputLogprob(
+            **token(e.token_id, e.logprob).model_dump(),
+            top_logprobs=[token(t, lp) for t, lp in e.top or ()],
+        )
+        for e in entries
+    ]
+
+
+def text_logprobs(events: Sequence[TurnEvent]) -> list[TokenLogprob]:
+    """The logprobs of a reply's text: its text deltas' (empty unless it asked for them)."""
+    return [e for event in events if isinstance(event, TurnDelta) for e in event.logprobs]
+
+
+def with_logprobs(response: ResponseObject, logprobs: list[OutputLogprob]) -> ResponseObject:
+    """`response` with `logprobs` on its message's text part (unchanged without them)."""
+    if not logprobs:
+        return response
+    output = [
+        item.model_copy(
+            update={
+                "content": [part.model_copy(update={"logprobs": logprobs}) for part in item.content]
+            }
+        )
+        if isinstance(item, OutputMessage)
+        else item
+        for item in response.output
+    ]
+    return response.model_copy(update={"output": output})

@@ -33,8 +33,15 @@ def check_supported(body: ResponseCreate) -> None:
         refuse("prompt (a stored prompt template)", "prompt")
     if body.max_tool_calls is not None:
         refuse("max_tool_calls", "max_tool_calls")
-    if body.top_logprobs:
-        refuse("top_logprobs", "top_logprobs")
+    if body.wants_logprobs and body.tools and body.tool_choice != "none":
+        raise APIError(
+            400,
+            "logprobs ('message.output_text.logprobs' in include) are not available with tools: "
+            "a reply's text and calls are parsed out of what the model wrote, so the text is "
+            "not its tokens; drop the tools, or set tool_choice to 'none'",
+            param="include",
+            code="unsupported",
+        )
     if body.previous_response_id is not None and body.conversation is not None:
         raise invalid_request(
             "previous_response_id and conversation cannot both be given", "conversation"
@@ -71,6 +78,8 @@ def sampling_fields(body: ResponseCreate) -> SamplingFields:
         ignore_eos=body.ignore_eos,
         seed=body.seed,
         stop=body.stop,
+        logprobs=body.wants_logprobs,
+        top_logprobs=body.top_logprobs if body.wants_logprobs else None,
         tools=[
             Tool(
                 type="function",
@@ -146,6 +155,7 @@ def response_record(body: ResponseCreate, model: str, input_start: str | None) -
         "text": {"format": text_format},
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "max_output_tokens": body.max_output_tokens,
         "truncation": body.truncation or "disabled",
         "user": body.user,

@@ -71,9 +71,12 @@ from kvchat.app.transports.response_items import (
 from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
+    output_logprobs,
     response_object,
     skeleton,
     stored_response,
+    text_logprobs,
+    with_logprobs,
 )
 from kvchat.app.transports.response_requests import (
     check_supported,
@@ -387,18 +390,23 @@ async def create(
         started: Turn | Stateless = result
     else:
         started = await start(state, key, body)
-    model = state.runtime.model_name
+    model, tokenizer = state.runtime.model_name, state.runtime.tokenizer
     if isinstance(started, Stateless):
         if body.stream:
             return sse.sse_response(sse_lines(stateless_stream(state, started)))
         generation = started.generation
-        result_ = await sse.run_unless_disconnected(request, drained(generation), generation.stop)
-        return response_object(Reply.generated(started, result_), model)
+        result_, logprobs = await sse.run_unless_disconnected(
+            request, drained(generation), generation.stop
+        )
+        whole = response_object(Reply.generated(started, result_), model)
+        return with_logprobs(whole, output_logprobs(tokenizer, logprobs))
     turn = started
     if body.stream:
         return sse.sse_response(sse_lines(watched(state, turn)))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
-    return stored_response(state, final)
+    return with_logprobs(
+        stored_response(state, final), output_logprobs(tokenizer, text_logprobs(turn.log))
+    )
 
 
 # Idempotency records of the Responses API are the owner's, not a conversation's: the first
@@ -456,6 +464,7 @@ async def resume(
                 skeleton(state, message),
                 message.id,
                 final_stored(state, message),
+                state.runtime.tokenizer,
             ),
             starting_after,
         )
@@ -477,6 +486,6 @@ async def _without_markup(
             and visible != message.content
         ):
             if visible:
-                yield TurnDelta(event.message_id, visible, 0)
+                yield TurnDelta(event.message_id, visible, 0, event.logprobs)
             continue
         yield event

@@ -10,7 +10,14 @@ Sequence numbers count the events made from the turn's event log, from 0. The lo
 turn service's `attach()` gives (a live turn's, or one that ended here lately, exactly as it
 was published), so a stream resumed with `starting_after=N` gets exactly the events after N of
 the original. The text streams as one message item (output index 0 when text comes first);
-each tool call is an item of its own, in the order the model wrote them."""
+each tool call is an item of its own, in the order the model wrote them.
+
+With `include: ["message.output_text.logprobs"]` each `response.output_text.delta` has the
+logprobs of its text's tokens, and `response.output_text.done`, `response.content_part.done`,
+the message's `response.output_item.done` and the terminal event's response have them all.
+They come with the turn's events in this process (TurnDelta.logprobs): a stream resumed from
+the live turn, or one that ended here lately, has them as first sent; one resumed from another
+process's buffer or from the stored reply has `logprobs: []`."""
 
 from __future__ import annotations
 
@@ -20,15 +27,18 @@ from typing import Any
 
 from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, engine_failure
+from kvchat.app.schemas.response_items import OutputLogprob
 from kvchat.app.schemas.responses import ResponseObject
 from kvchat.app.store import MessageRecord
 from kvchat.app.transports.response_items import call_item_id
 from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
+    output_logprobs,
     response_object,
     skeleton,
     stored_response,
+    with_logprobs,
 )
 from kvchat.app.turns.events import (
     TurnDelta,
@@ -39,8 +49,16 @@ from kvchat.app.turns.events import (
     TurnToolCall,
     is_terminal,
 )
-from kvchat.app.turns.generation import Done, Generated, Generation, TextDelta, ToolDelta
+from kvchat.app.turns.generation import (
+    Done,
+    Generated,
+    Generation,
+    TextDelta,
+    TokenLogprob,
+    ToolDelta,
+)
 from kvchat.app.turns.turn import Turn
+from kvchat.inference import Tokenizer
 
 Event = dict[str, Any]
 FinalResponse = Callable[[TurnEvent], Awaitable[ResponseObject]]
@@ -56,13 +74,15 @@ TERMINAL_EVENT = {
 class ResponseEvents:
     """Builds the numbered events of one response, event by event of its turn."""
 
-    def __init__(self, skeleton: ResponseObject, message_id: str) -> None:
+    def __init__(self, skeleton: ResponseObject, message_id: str, tokenizer: Tokenizer) -> None:
         self.skeleton = skeleton
         self.message_id = message_id
+        self.tokenizer = tokenizer
         self.next_sequence = 0
         self.items: list[Event] = []  # the output items so far, by output index
         self.message_index: int | None = None  # the text's item
         self.text = ""
+        self.logprobs: list[OutputLogprob] = []  # the text's, when the request asked
         self.calls: dict[int, int] = {}  # the model's call index -> output index
         self.open_call: int | None = None  # output index of the call being written
 
@@ -80,12 +100,12 @@ class ResponseEvents:
 
     def on(self, event: TurnEvent) -> list[Event]:
         if isinstance(event, TurnDelta):
-            return self._text(event.text)
+            return self._text(event.text, event.logprobs)
         if isinstance(event, TurnToolCall):
             return self._call(event)
         return []
 
-    def _text(self, text: str) -> list[Event]:
+    def _text(self, text: str, entries: tuple[TokenLogprob, ...]) -> list[Event]:
         out = []
         if self.message_index is None:
             self.message_index = len(self.items)
@@ -110,6 +130,8 @@ class ResponseEvents:
                 ),
             ]
         self.text += text
+        logprobs = output_logprobs(self.tokenizer, entries)
+        self.logprobs += logprobs
         out.append(
             self._event(
                 "response.output_text.delta",
@@ -117,7 +139,7 @@ class ResponseEvents:
                 output_index=self.message_index,
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=_dumped(logprobs),
             )
         )
         return out
@@ -176,7 +198,7 @@ class ResponseEvents:
         if self.message_index is None:
             return []
         index = self.message_index
-        part = _text_part(self.text)
+        part = _text_part(self.text, self.logprobs)
         item = self.items[index] | {"status": status, "content": [part]}
         return [
             self._event(
@@ -185,7 +207,7 @@ class ResponseEvents:
                 output_index=index,
                 content_index=0,
                 text=self.text,
-                logprobs=[],
+                logprobs=part["logprobs"],
             ),
             self._event(
                 "response.content_part.done",
@@ -199,6 +221,7 @@ class ResponseEvents:
 
     def finished(self, final: ResponseObject, event: TurnEvent) -> list[Event]:
         status = "completed" if final.status == "completed" else "incomplete"
+        final = with_logprobs(final, self.logprobs)
         out = [*self._close_call(status), *self._close_text(status)]
         if isinstance(event, TurnFailed):
             out.append(self._event("error", code=event.code, message=event.message, param=None))
@@ -208,8 +231,17 @@ class ResponseEvents:
         return out
 
 
-def _text_part(text: str) -> Event:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[OutputLogprob] | None = None) -> Event:
+    return {
+        "type": "output_text",
+        "text": text,
+        "annotations": [],
+        "logprobs": _dumped(logprobs or []),
+    }
+
+
+def _dumped(logprobs: list[OutputLogprob]) -> list[Event]:
+    return [entry.model_dump(mode="json") for entry in logprobs]
 
 
 async def response_events(
@@ -217,10 +249,11 @@ async def response_events(
     skeleton: ResponseObject,
     message_id: str,
     final: FinalResponse,
+    tokenizer: Tokenizer,
 ) -> AsyncIterator[Event]:
     """The numbered stream events of a turn's events (from its start); `final` gives the
     response object once the turn's terminal event came."""
-    writer = ResponseEvents(skeleton, message_id)
+    writer = ResponseEvents(skeleton, message_id, tokenizer)
     async for event in events:
         if isinstance(event, TurnStarted):
             batch = writer.started()
@@ -271,16 +304,22 @@ async def watched(state: AppState, turn: Turn) -> AsyncIterator[Event]:
             skeleton(state, turn.assistant_message),
             turn.message_id,
             final_stored(state, turn.assistant_message),
+            state.runtime.tokenizer,
         ):
             yield event
     finally:
         turn.unwatch(None if state.shutting_down else state.settings.ws_grace_period)
 
 
-async def drained(generation: Generation) -> Generated:
+async def drained(generation: Generation) -> tuple[Generated, list[TokenLogprob]]:
+    """The generation's result, and the logprobs of its text (as its stream gives them)."""
+    shown = generation.shown_logprobs()
+    logprobs: list[TokenLogprob] = []
     async for event in generation.events():
-        if isinstance(event, Done):
-            return event.result
+        if isinstance(event, TextDelta):
+            logprobs += shown.of(event)
+        elif isinstance(event, Done):
+            return event.result, logprobs
     raise AssertionError("a generation ends with Done")
 
 
@@ -295,10 +334,14 @@ async def stateless_stream(state: AppState, stateless: Stateless) -> AsyncIterat
         message_id = stateless.id
         yield TurnStarted(message_id, None)
         offset = 0
+        shown = generation.shown_logprobs()
         try:
             async for event in generation.events():
-                if isinstance(event, TextDelta) and event.text:
-                    yield TurnDelta(message_id, event.text, offset)
+                if isinstance(event, TextDelta):
+                    logprobs = shown.of(event)
+                    if not event.text:
+                        continue
+                    yield TurnDelta(message_id, event.text, offset, logprobs)
                     offset += len(event.text)
                 elif isinstance(event, ToolDelta):
                     yield TurnToolCall(
@@ -324,6 +367,7 @@ async def stateless_stream(state: AppState, stateless: Stateless) -> AsyncIterat
             response_object(Reply.generated(stateless, None), model),
             stateless.id,
             final,
+            state.runtime.tokenizer,
         ):
             yield event
         finished = True

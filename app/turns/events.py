@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvchat.app.store import MessageRecord
+from kvchat.app.turns.generation import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class TurnDelta:
     message_id: str
     text: str
     offset: int  # characters of the reply before this text
+    # The logprobs of this text's tokens, when the request asked for them (ShownLogprobs). In
+    # this process only: frames (the WebSocket, SSE, the Redis buffer) and stored replies do
+    # not carry them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def frame(self) -> dict[str, Any]:
         return {

@@ -44,6 +44,28 @@ class TextDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+class ShownLogprobs:
+    """The logprobs of a reply's text, delta by delta: a text delta gets those of the tokens
+    that came with it and of the tokens before it that came without text (part of a
+    character, or text held back while it may start a stop string). A closing end-of-sequence
+    token (its text is never shown) and tokens whose text a stop string cut away go with none;
+    the token a stop string begins inside is listed whole. So a reply's deltas' logprobs,
+    joined, are those of its text, streamed or not."""
+
+    def __init__(self, closing_ids: frozenset[int]) -> None:
+        self._closing_ids = closing_ids
+        self._pending: list[TokenLogprob] = []
+
+    def of(self, delta: TextDelta) -> tuple[TokenLogprob, ...]:
+        """Those of `delta.text` (call it for every text delta, in order); () for a delta
+        without text, whose own are kept for the next one."""
+        self._pending += [e for e in delta.logprobs if e.token_id not in self._closing_ids]
+        if not delta.text:
+            return ()
+        shown, self._pending = tuple(self._pending), []
+        return shown
+
+
 @dataclass(frozen=True)
 class ToolDelta:
     index: int
@@ -103,6 +125,15 @@ class Generation:
         self.on_finish = on_finish
         self._stopped = False
         self._repeated = False  # the reply repeated a call: stopped, its rest not parsed
+
+    def shown_logprobs(self) -> ShownLogprobs:
+        """What gives each of this generation's text deltas the logprobs of its text: an
+        end-of-sequence token ends the reply unseen unless the request ignores it."""
+        params = self.request.params
+        closing = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            closing |= self.runtime.engine_client.eos_token_ids
+        return ShownLogprobs(closing)
 
     def stop(self) -> None:
         """End the generation at the next engine step (idempotent)."""

@@ -304,10 +304,14 @@ class TurnService:
         result: Generated | None = None
         error: BaseException | None = None
         checkpoints = Checkpoints(self.store, self.settings.reply_checkpoint_interval, turn)
+        shown = turn.generation.shown_logprobs()
         try:
             async for event in turn.generation.events():
-                if isinstance(event, TextDelta) and event.text:
-                    turn.publish(TurnDelta(turn.message_id, event.text, turn.text_sent))
+                if isinstance(event, TextDelta):
+                    logprobs = shown.of(event)
+                    if not event.text:
+                        continue
+                    turn.publish(TurnDelta(turn.message_id, event.text, turn.text_sent, logprobs))
                     turn.text += event.text
                     turn.text_sent += len(event.text)
                     checkpoints.maybe()

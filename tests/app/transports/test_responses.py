@@ -7,6 +7,7 @@ test_responses_server.py."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -23,6 +24,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 TOOL = {"type": "function", "name": "pick", "parameters": SCHEMA}
+LOGPROBS = "message.output_text.logprobs"
 
 
 def respond(service: Service, key: str | None = None, **body: Any) -> dict[str, Any]:
@@ -207,7 +209,28 @@ BAD_BODIES: list[tuple[str, dict[str, Any], int, str]] = [
     ),
     ("background", {"input": "x", "background": True}, 400, "background"),
     ("prompt", {"input": "x", "prompt": {"id": "p"}}, 400, "prompt"),
-    ("top_logprobs", {"input": "x", "top_logprobs": 3}, 400, "top_logprobs"),
+    (
+        "top_logprobs over 20",
+        {"input": "x", "include": [LOGPROBS], "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    ("top_logprobs negative", {"input": "x", "top_logprobs": -1}, 400, "top_logprobs"),
+    ("top_logprobs a string", {"input": "x", "top_logprobs": "3"}, 400, "top_logprobs"),
+    ("top_logprobs a float", {"input": "x", "top_logprobs": 2.5}, 400, "top_logprobs"),
+    ("include not a list", {"input": "x", "include": LOGPROBS}, 400, "include"),
+    (
+        "include unknown",
+        {"input": "x", "include": ["message.output_text.logprob"]},
+        400,
+        "include.0",
+    ),
+    (
+        "logprobs with tools",
+        {"input": "x", "include": [LOGPROBS], "tools": [TOOL]},
+        400,
+        "include",
+    ),
     ("unknown conversation", {"input": "x", "conversation": "conv_nope"}, 404, "conversation"),
     (
         "unknown previous",
@@ -702,3 +725,162 @@ def test_sampling_knobs_reach_the_engine(service: Service) -> None:
         return r.status_code, r.json()["error"]["param"]
 
     check_sampling_knobs(service.state.runtime.tokenizer, reply, refused)
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+WITH_LOGPROBS: dict[str, Any] = {
+    "input": "Tell me about cats.",
+    "max_output_tokens": 8,
+    "include": [LOGPROBS],
+    "top_logprobs": 3,
+}
+
+
+def text_part(response: dict[str, Any]) -> dict[str, Any]:
+    (message,) = [item for item in response["output"] if item["type"] == "message"]
+    (part,) = message["content"]
+    assert part["type"] == "output_text"
+    return part  # type: ignore[no-any-return]
+
+
+def streamed(service: Service, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with service.client.stream(
+        "POST", "/v1/responses", json={**SHORT, **body, "stream": True}, headers=service.headers()
+    ) as stream:
+        return [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+
+
+def assert_same_logprobs(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """The same tokens (and alternatives); logprobs equal up to float noise (a second request
+    reads its prompt's KV from the prefix cache)."""
+
+    def tokens(entries: list[dict[str, Any]]) -> list[Any]:
+        return [(e["bytes"], [t["bytes"] for t in e["top_logprobs"]]) for e in entries]
+
+    def values(entries: list[dict[str, Any]]) -> list[float]:
+        return [
+            v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))
+        ]
+
+    assert tokens(got) == tokens(expected)
+    assert values(got) == pytest.approx(values(expected), abs=1e-4)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["stored", "stateless"])
+def test_logprobs_are_those_of_the_texts_tokens(service: Service, store: bool) -> None:
+    r = respond(service, **WITH_LOGPROBS, store=store)
+    assert r["top_logprobs"] == 3
+    part = text_part(r)
+    text, logprobs = part["text"], part["logprobs"]
+    assert logprobs
+    # One per token of the text (a closing end-of-sequence token is not the text's).
+    assert len(logprobs) == r["usage"]["output_tokens"] - (r["status"] == "completed")
+    assert b"".join(bytes(e["bytes"]) for e in logprobs) == text.encode()
+    assert "".join(e["token"] for e in logprobs) == text
+    for entry in logprobs:
+        top = entry["top_logprobs"]
+        assert len(top) == 3
+        values = [t["logprob"] for t in top]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-6
+        # Greedy decoding chose the most likely token: the same token, the same logprob.
+        assert (entry["token"], entry["bytes"]) == (top[0]["token"], top[0]["bytes"])
+        assert entry["logprob"] == top[0]["logprob"]
+    # The values Chat Completions gives for the same prompt.
+    chat = service.post(
+        "/v1/chat/completions",
+        {
+            "model": "dev",
+            "messages": [{"role": "user", "content": WITH_LOGPROBS["input"]}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    entries = chat.json()["choices"][0]["logprobs"]["content"][: len(logprobs)]
+    assert_same_logprobs(entries, logprobs)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["stored", "stateless"])
+def test_streamed_logprobs_join_to_the_whole_responses(service: Service, store: bool) -> None:
+    whole = text_part(respond(service, **WITH_LOGPROBS, store=store))
+    events = streamed(service, {**WITH_LOGPROBS, "store": store})
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas
+    for delta in deltas:  # each delta has its text's tokens
+        assert b"".join(bytes(e["bytes"]) for e in delta["logprobs"]) == delta["delta"].encode()
+    joined = [e for delta in deltas for e in delta["logprobs"]]
+    assert_same_logprobs(joined, whole["logprobs"])
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    (part_done,) = [e for e in events if e["type"] == "response.content_part.done"]
+    (item_done,) = [e for e in events if e["type"] == "response.output_item.done"]
+    final = events[-1]["response"]
+    assert done["text"] == whole["text"] == text_part(final)["text"]
+    assert done["logprobs"] == joined
+    assert part_done["part"]["logprobs"] == joined
+    assert item_done["item"]["content"][0]["logprobs"] == joined
+    assert text_part(final)["logprobs"] == joined
+    if not store:
+        return
+    # Logprobs are not stored: retrieved later, the response has none; a stream resumed from
+    # the turn this process keeps has them as first sent, one from the stored reply none.
+    retrieved = service.get(f"/v1/responses/{final['id']}").json()
+    assert text_part(retrieved) == {**text_part(final), "logprobs": []}
+    assert retrieved["top_logprobs"] == 3
+    resumed = sse_events(service, f"/v1/responses/{final['id']}?stream=true")
+    assert resumed == events
+    service.state.turns._recent.clear()  # as after RECENT_TURNS later turns, or a restart
+    stored = sse_events(service, f"/v1/responses/{final['id']}?stream=true")
+    assert [e["type"] for e in stored][-1] == events[-1]["type"]
+    assert all(e.get("logprobs", []) == [] for e in stored)
+    assert text_part(stored[-1]["response"])["logprobs"] == []
+
+
+def test_logprobs_come_with_the_include_only(service: Service) -> None:
+    # top_logprobs alone asks for none (as OpenAI's); it is echoed.
+    r = respond(service, input="Tell me about cats.", top_logprobs=5)
+    assert r["top_logprobs"] == 5 and text_part(r)["logprobs"] == []
+    events = streamed(service, {"input": "Tell me about cats.", "top_logprobs": 5})
+    assert all(e["logprobs"] == [] for e in events if e["type"] == "response.output_text.delta")
+    # The include alone: the chosen tokens, no alternatives.
+    r = respond(service, input="Tell me about cats.", include=[LOGPROBS], store=False)
+    part = text_part(r)
+    assert part["logprobs"] and all(e["top_logprobs"] == [] for e in part["logprobs"])
+    assert "".join(e["token"] for e in part["logprobs"]) == part["text"]
+    # Tools that are not offered (tool_choice "none") leave the text the model's tokens.
+    r = respond(
+        service,
+        input="Tell me about cats.",
+        include=[LOGPROBS, "reasoning.encrypted_content"],
+        tools=[TOOL],
+        tool_choice="none",
+        top_logprobs=1,
+    )
+    part = text_part(r)
+    assert part["logprobs"] and all(len(e["top_logprobs"]) == 1 for e in part["logprobs"])
+
+
+def test_logprobs_of_a_reply_a_stop_string_ends(service: Service) -> None:
+    """Text held back while it may start a stop string comes with a later delta; tokens the
+    stop string cut away are not listed, the one it begins inside is, whole."""
+    body = {**WITH_LOGPROBS, "store": False, "max_output_tokens": 12, "ignore_eos": True}
+    plain = text_part(respond(service, **body))
+    tokens = [bytes(e["bytes"]) for e in plain["logprobs"]]
+    # A stop string from inside the fourth token to inside the fifth (or at their boundary).
+    stop_bytes = tokens[3][len(tokens[3]) // 2 :] + tokens[4][:1]
+    stop = stop_bytes.decode("utf-8", errors="ignore")
+    assert stop, tokens
+    cut = plain["text"][: plain["text"].index(stop)]
+    r = respond(service, **body, stop=stop)
+    part = text_part(r)
+    assert part["text"] == cut
+    joined = b"".join(bytes(e["bytes"]) for e in part["logprobs"])
+    assert joined.startswith(cut.encode())
+    assert len(joined) - len(part["logprobs"][-1]["bytes"]) < len(cut.encode())
+    assert_same_logprobs(part["logprobs"], plain["logprobs"][: len(part["logprobs"])])
+    events = streamed(service, {**body, "stop": stop})
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert_same_logprobs([e for d in deltas for e in d["logprobs"]], part["logprobs"])

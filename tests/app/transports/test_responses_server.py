@@ -241,6 +241,53 @@ def test_streaming_gives_the_semantic_events_in_order(started: Started) -> None:
     assert stored.output_text == deltas and stored.status == last.response.status  # type: ignore[union-attr]
 
 
+def test_logprobs_as_the_official_client_parses_them(started: Started) -> None:
+    from openai.types.responses import ResponseOutputText, ResponseTextDeltaEvent
+
+    client = started.client()
+    asked: dict[str, Any] = {
+        "model": "dev",
+        "input": "Count to three",
+        "max_output_tokens": 8,
+        "temperature": 0.0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    r = client.responses.create(**asked)
+    assert r.top_logprobs == 2
+    (item,) = r.output
+    assert item.type == "message"
+    (part,) = item.content
+    assert isinstance(part, ResponseOutputText) and part.logprobs
+    assert "".join(e.token for e in part.logprobs) == part.text == r.output_text
+    for entry in part.logprobs:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 2
+        best = entry.top_logprobs[0]  # greedy decoding chose it
+        assert (best.token, best.bytes, best.logprob) == (entry.token, entry.bytes, entry.logprob)
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e for e in events if isinstance(e, ResponseTextDeltaEvent)]
+    assert deltas and all(e.type == "response.output_text.delta" for e in deltas)
+    streamed = [entry for e in deltas for entry in e.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in part.logprobs]
+    assert [e.logprob for e in streamed] == pytest.approx(
+        [e.logprob for e in part.logprobs], abs=1e-4
+    )
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [e.token for e in done.logprobs] == [e.token for e in streamed]
+    final = events[-1].response  # type: ignore[union-attr]
+    (final_part,) = final.output[0].content  # type: ignore[union-attr]
+    assert [(e.token, e.logprob) for e in final_part.logprobs] == [
+        (e.token, e.logprob) for e in done.logprobs
+    ]
+    # Not stored: retrieved later, the same response without them.
+    again = client.responses.retrieve(r.id)
+    (again_part,) = again.output[0].content  # type: ignore[union-attr]
+    assert again.output_text == r.output_text and again_part.logprobs == []
+
+
 def test_a_resumed_stream_gets_exactly_the_missing_events(started: Started) -> None:
     client = started.client()
     seen = []
