@@ -126,6 +126,19 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _parse_logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
+    """`--logit-bias ID=BIAS` entries as (token id, bias) pairs; their ranges, duplicates and
+    the ids' vocabulary are checked with the request (SamplingParams, the engine)."""
+    pairs = []
+    for entry in entries:
+        token, _, bias = entry.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:  # also no "=": float("")
+            fail(f"--logit-bias must be ID=BIAS (a token id and a number), got {entry!r}")
+    return tuple(pairs)
+
+
 @app.command()
 def generate(
     model: Annotated[Path, typer.Option(help="Hugging Face model directory.")],
@@ -140,6 +153,29 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1.0: off).")] = 1.0,
+    min_p: Annotated[
+        float, typer.Option(help="0..1: drop tokens below min_p x the top token's probability.")
+    ] = 0.0,
+    presence_penalty: Annotated[
+        float, typer.Option(help="-2..2: minus p for a token once the reply has it.")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="-2..2: minus f x the times the reply has a token.")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float,
+        typer.Option(
+            help="(0, 2], 1 is off: logits of tokens of the prompt or reply so far divided "
+            "(positive) or multiplied (negative) by it."
+        ),
+    ] = 1.0,
+    logit_bias: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="ID=BIAS",
+            help="Add BIAS (-100..100) to token ID's logit (repeatable, up to 300 ids).",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Same seed and prompt: same tokens.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Go on past end-of-sequence.")] = False,
@@ -168,6 +204,11 @@ def _generate(
     temperature: float,
     top_k: int,
     top_p: float,
+    min_p: float,
+    presence_penalty: float,
+    frequency_penalty: float,
+    repetition_penalty: float,
+    logit_bias: list[str] | None,
     seed: int | None,
     stop: list[str] | None,
     ignore_eos: bool,
@@ -193,6 +234,11 @@ def _generate(
         temperature=temperature,
         top_k=top_k or None,
         top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=_parse_logit_bias(logit_bias or []),
         seed=seed,
         stop=tuple(stop or ()),
         ignore_eos=ignore_eos,
