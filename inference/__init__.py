@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         ANY_OBJECT,
         Grammar,
         ToolSpec,
+        generic_answer_grammar,
         json_object_grammar,
         json_schema_grammar,
         tool_call_grammar,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from .text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
     from .text.context_builder import ContextBuilder, MessageCounts, history_message
     from .text.generic_tool_calls import GENERIC
+    from .text.loops import ends_in_loop
     from .text.reply_ids import ids_without_spans
     from .text.tokenizer import Tokenizer, TokenizerError
     from .text.tokenizer_files import load_tokenizer
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
         ToolCall,
         ToolCallDelta,
         ToolCallStreamParser,
+        call_key,
         parse_tool_calls,
     )
     from .text.turn_planner import NEW, TurnPlan, branch_key, plan_turn, prompt_key
@@ -99,6 +102,7 @@ _MODULE_OF = {
             "ANY_OBJECT",
             "Grammar",
             "ToolSpec",
+            "generic_answer_grammar",
             "json_object_grammar",
             "json_schema_grammar",
             "tool_call_grammar",
@@ -117,9 +121,17 @@ _MODULE_OF = {
     **dict.fromkeys(("Tokenizer", "TokenizerError"), "text.tokenizer"),
     "load_tokenizer": "text.tokenizer_files",
     "GENERIC": "text.generic_tool_calls",
+    "ends_in_loop": "text.loops",
     "ids_without_spans": "text.reply_ids",
     **dict.fromkeys(
-        ("ContentDelta", "ToolCall", "ToolCallDelta", "ToolCallStreamParser", "parse_tool_calls"),
+        (
+            "ContentDelta",
+            "ToolCall",
+            "ToolCallDelta",
+            "ToolCallStreamParser",
+            "call_key",
+            "parse_tool_calls",
+        ),
         "text.tool_calls",
     ),
     **dict.fromkeys(

@@ -126,10 +126,13 @@ async def list_messages(
         raise not_found(f"conversation {conversation_id!r}")
     messages = await state.store.messages(conversation_id)
     children = tree_children(messages)
+    fmt = state.runtime.template.tool_call_format
     if all:
         return MessageList(
             data=[
-                message_out(m, children.get(m.parent_id, []), children.get(m.id, []))
+                message_out(
+                    m, children.get(m.parent_id, []), children.get(m.id, []), tool_format=fmt
+                )
                 for m in messages
             ],
             leaf_id=conv.current_leaf_id,
@@ -144,7 +147,7 @@ async def list_messages(
         end = by_id[end].parent_id
     path.reverse()
     return MessageList(
-        data=[message_out(m, children.get(m.parent_id, [])) for m in path],
+        data=[message_out(m, children.get(m.parent_id, []), tool_format=fmt) for m in path],
         leaf_id=path[-1].id if path else None,
     )
 
@@ -273,7 +276,8 @@ async def _respond(state: StateDep, request: Request, result: Turn | Replayed, s
         return sse.sse_response(_stream(state, turn))
     final = await sse.run_unless_disconnected(request, turn.wait(), turn.stop)
     if turn.user_message is not None and final.parent_id == turn.user_message.id:
-        return message_out(final, [final.id])  # the new message's only reply: no siblings
+        # the new message's only reply: no siblings
+        return message_out(final, [final.id], tool_format=state.runtime.template.tool_call_format)
     return await _message_out(state, final)
 
 
@@ -281,7 +285,7 @@ async def _message_out(state: StateDep, message: MessageRecord) -> MessageOut:
     siblings = [
         m.id for m in await state.store.children(message.conversation_id, message.parent_id)
     ]
-    return message_out(message, siblings)
+    return message_out(message, siblings, tool_format=state.runtime.template.tool_call_format)
 
 
 async def _frames(events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:

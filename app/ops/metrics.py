@@ -296,6 +296,15 @@ class Metrics:
             ["finished_reason"],
             registry=r,
         )
+        self.cut_tool_replies = Counter(
+            PREFIX + "cut_tool_replies",
+            "Tool-call replies kvchat ended before the model did: `repeat` (it repeated one "
+            "of its calls), `loop` (it was caught in a loop), or, with nothing sent yet, "
+            "answered without a call instead: `answered_repeat` (it would only make the "
+            "calls the last turn made), `answered_loop` (it looped before its first call).",
+            ["outcome"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             PREFIX + "rate_limited_requests", "Requests refused by a rate limit.", registry=r
         )

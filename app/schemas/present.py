@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from kvchat.app.schemas.chat import FunctionCall, ToolCall
 from kvchat.app.schemas.conversations import ConversationOut, MessageOut, MessageUsage, Timings
 from kvchat.app.store import ConversationRecord, MessageRecord
+from kvchat.inference import parse_tool_calls
 
 
 def conversation_out(conv: ConversationRecord) -> ConversationOut:
@@ -28,9 +29,25 @@ def conversation_out(conv: ConversationRecord) -> ConversationOut:
     )
 
 
+def visible_text(message: MessageRecord, tool_format: str | None) -> str | None:
+    """An assistant message's text outside its tool calls. A reply that is only calls is
+    stored with the text the model wrote (the calls' markup, in the template's format);
+    parsed again here, that is nothing."""
+    content = message.content
+    if not content or not message.tool_calls or tool_format is None:
+        return content
+    return parse_tool_calls(content, tool_format).content
+
+
 def message_out(
-    m: MessageRecord, siblings: Sequence[str] = (), children: Sequence[str] | None = None
+    m: MessageRecord,
+    siblings: Sequence[str] = (),
+    children: Sequence[str] | None = None,
+    *,
+    tool_format: str | None = None,
 ) -> MessageOut:
+    """A stored message as the API shows it; `tool_format`: the template's tool-call format,
+    so a reply's calls show as calls only, never also as the markup the model wrote."""
     usage = None
     if m.role == "assistant" and m.prompt_tokens is not None:
         prompt, completion = m.prompt_tokens or 0, m.completion_tokens or 0
@@ -59,7 +76,7 @@ def message_out(
         conversation_id=m.conversation_id,
         parent_id=m.parent_id,
         role=m.role,
-        content=m.content,
+        content=visible_text(m, tool_format),
         name=m.name,
         tool_calls=calls,
         tool_call_id=m.tool_call_id,

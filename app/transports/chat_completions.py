@@ -34,7 +34,7 @@ from kvchat.app.turns.prompting import (
     opening_session_key,
     session_key,
 )
-from kvchat.app.turns.requests import offer, prepare_request
+from kvchat.app.turns.requests import AnswerFallback, answer_fallback, offer, prepare_request
 from kvchat.inference import CheckedRequest, Tokenizer
 
 
@@ -73,8 +73,9 @@ async def create(
             tool_names=tool_names,
             started_at=started,
             on_finish=state.limits.spend_on_finish(key.id),
+            fallback=fallback,
         )
-        for request in requests
+        for request, fallback in requests
     ]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -113,11 +114,11 @@ async def create(
 
 def _prepare(
     state: AppState, body: schema.ChatCompletionRequest, skey: str | None
-) -> tuple[list[CheckedRequest], str | None, set[str] | None]:
-    """The request's checked engine requests (one per choice), tool-call format and tool
-    names: the CPU-bound part (templates, tokenizing, schema compiles), for a worker thread.
-    A named session's prompt extends its last render; any other reuses segments of messages
-    seen."""
+) -> tuple[list[tuple[CheckedRequest, AnswerFallback | None]], str | None, set[str] | None]:
+    """The request's checked engine requests (one per choice, each with its answer fallback),
+    tool-call format and tool names: the CPU-bound part (templates, tokenizing, schema
+    compiles), for a worker thread. A named session's prompt extends its last render; any
+    other reuses segments of messages seen."""
     runtime = state.runtime
     offered = offer(runtime, body)
     messages = chat_messages(body.messages, offered.tool_names, state.generated, skey)
@@ -136,7 +137,8 @@ def _prepare(
         )
         for i in range(body.n)
     ]
-    return requests, offered.tool_format, offered.tool_names
+    with_fallbacks = [(r, answer_fallback(runtime, body, offered, messages, r)) for r in requests]
+    return with_fallbacks, offered.tool_format, offered.tool_names
 
 
 async def _drain(generation: Generation) -> Generated:

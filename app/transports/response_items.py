@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvchat.app.deps import AppState
 from kvchat.app.errors import APIError, invalid_request
 from kvchat.app.schemas.conversations import ROOT
+from kvchat.app.schemas.present import visible_text
 from kvchat.app.schemas.response_items import (
     FunctionCall,
     FunctionCallItem,
@@ -37,7 +38,7 @@ from kvchat.app.schemas.response_items import (
     OutputText,
 )
 from kvchat.app.store import MessageRecord
-from kvchat.inference import ChatMessage, parse_tool_calls
+from kvchat.inference import ChatMessage
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -92,16 +93,6 @@ def item_status(message: MessageRecord) -> str:
     if message.status == "complete" and message.finish_reason != "length":
         return "completed"
     return "incomplete"
-
-
-def visible_text(message: MessageRecord, tool_format: str | None) -> str | None:
-    """An assistant message's text outside its tool calls. A reply that is only calls is
-    stored with the text the model wrote (the calls' markup, in the template's format);
-    parsed again here, that is nothing."""
-    content = message.content
-    if not content or not message.tool_calls or tool_format is None:
-        return content
-    return parse_tool_calls(content, tool_format).content
 
 
 def items_of(message: MessageRecord, tool_format: str | None = None) -> list[Item]:

@@ -96,7 +96,7 @@ from kvchat.app.turns.events import TurnDelta, TurnEvent
 from kvchat.app.turns.generation import Generation
 from kvchat.app.turns.idempotency import Replayed, run_once
 from kvchat.app.turns.pipeline import as_chat, turn_system, usable
-from kvchat.app.turns.requests import offer, prepare_request
+from kvchat.app.turns.requests import AnswerFallback, answer_fallback, offer, prepare_request
 from kvchat.app.turns.service import EndHook
 from kvchat.app.turns.turn import Turn
 from kvchat.inference import ChatMessage, CheckedRequest
@@ -280,7 +280,9 @@ async def _start_stateless(
         + messages
     )
     try:
-        request, fmt, names = await runtime.run_cpu(_prepare_stateless, state, fields, chat)
+        request, fallback, fmt, names = await runtime.run_cpu(
+            _prepare_stateless, state, fields, chat
+        )
         state.limits.check_capacity()
     except Exception as e:
         raise renamed(api_error(e)) from e
@@ -291,6 +293,7 @@ async def _start_stateless(
         tool_format=fmt,
         tool_names=names,
         on_finish=state.limits.spend_on_finish(key.id),
+        fallback=fallback,
     )
     hex_id = uuid.uuid4().hex
     record = response_record(body, runtime.model_name, None) | {"store": False}
@@ -299,14 +302,15 @@ async def _start_stateless(
 
 def _prepare_stateless(
     state: AppState, fields: SamplingFields, chat: list[ChatMessage]
-) -> tuple[CheckedRequest, str | None, set[str] | None]:
-    """The checked engine request (prompt ids and sampling parameters), the tool-call format
-    and the tool names (CPU-bound: a worker thread runs it)."""
+) -> tuple[CheckedRequest, AnswerFallback | None, str | None, set[str] | None]:
+    """The checked engine request (prompt ids and sampling parameters), its answer fallback, the
+    tool-call format and the tool names (CPU-bound: a worker thread runs it)."""
     runtime = state.runtime
     offered = offer(runtime, fields)
     prompt = runtime.builder.renderer.render_ids(chat, tools=offered.tools)
     request = prepare_request(runtime, fields, offered, prompt, max_tokens=fields.reply_budget)
-    return request, offered.tool_format, offered.tool_names
+    fallback = answer_fallback(runtime, fields, offered, chat, request)
+    return request, fallback, offered.tool_format, offered.tool_names
 
 
 # -- the other routes -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from kvchat.app.store import (
 )
 from kvchat.app.turns.branches import BranchCache
 from kvchat.app.turns.prompting import offered_tools
-from kvchat.app.turns.requests import offer, prepare_request
+from kvchat.app.turns.requests import AnswerFallback, answer_fallback, offer, prepare_request
 from kvchat.history import (
     ContextLengthExceeded,
     ContextPlan,
@@ -78,6 +78,7 @@ class PreparedTurn:
     tools: list[dict[str, Any]] | None
     tool_format: str | None
     tool_names: set[str] | None
+    fallback: AnswerFallback | None
     # The stored path root..parent as read (every status) and the running summary read with
     # it: the branch cache keeps them, with the new messages, once the turn is stored.
     path: tuple[MessageRecord, ...] = ()
@@ -351,6 +352,8 @@ class TurnPlanner:
             session_id=conv.id,
             budget=self.session_budget(conv),
         )
+        turn_chat = [*chat, *([new_message] if new_message is not None else [])]
+        fallback = answer_fallback(runtime, fields, offered, turn_chat, request)
         user_fields = None
         new_counts = planned.new_counts
         if new_message is not None and new_counts is not None:
@@ -375,6 +378,7 @@ class TurnPlanner:
             tools=tools,
             tool_format=tool_format,
             tool_names=offered.tool_names,
+            fallback=fallback,
             instructions=instructions,
         )
 

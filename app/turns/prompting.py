@@ -126,8 +126,15 @@ def chat_messages(
             spliced = (
                 generated.lookup(session_key, text, calls) if generated and session_key else None
             )
-            if spliced is not None:
-                out.append(ChatMessage("assistant", None, token_ids=spliced))
+            if spliced is not None:  # its calls go along (not rendered: they are in the ids)
+                out.append(
+                    ChatMessage(
+                        "assistant",
+                        None,
+                        token_ids=spliced,
+                        tool_calls=tuple(c.model_dump() for c in calls) or None,
+                    )
+                )
             else:
                 out.append(
                     ChatMessage(

@@ -8,14 +8,21 @@ thread."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvchat.app.runtime import Runtime
 from kvchat.app.schemas.chat import SamplingFields
 from kvchat.app.turns.prompting import offered_tools, sampling_params
-from kvchat.app.turns.structured import output_grammar
-from kvchat.inference import CheckedRequest, Grammar
+from kvchat.app.turns.structured import content_schema, output_grammar
+from kvchat.inference import (
+    GENERIC,
+    ChatMessage,
+    CheckedRequest,
+    Grammar,
+    call_key,
+    generic_answer_grammar,
+)
 from kvchat.memory import SessionBudget
 
 
@@ -57,3 +64,52 @@ def prepare_request(
         fields, max_tokens=max_tokens, seed_offset=seed_offset, grammar=offered.grammar
     )
     return runtime.engine_client.check(prompt_ids, params, session_id=session_id, budget=budget)
+
+
+@dataclass(frozen=True)
+class AnswerFallback:
+    """What a turn in the generic tool format under tool_choice auto falls back to: the calls
+    the conversation's last turn made (call_key; its results follow it), which count as made,
+    and the request the turn runs instead when the model would only make those again, or is
+    caught in a loop before its first call is whole: the same prompt, answered without a call.
+    A small model under a tool-call grammar calls the same tool every round, so an agent loop
+    that sends tools every turn (Open WebUI's page) would never end."""
+
+    answered: frozenset[tuple[str, str]]
+    answer: CheckedRequest
+
+
+def answer_fallback(
+    runtime: Runtime,
+    fields: SamplingFields,
+    offered: Offer,
+    chat: Sequence[ChatMessage],
+    request: CheckedRequest,
+) -> AnswerFallback | None:
+    """The fallback of a turn in the generic tool format under tool_choice auto; None for any
+    other turn."""
+    choice = fields.tool_choice
+    if offered.tool_format != GENERIC or offered.tools is None or choice not in (None, "auto"):
+        return None
+    grammar = generic_answer_grammar(content_schema(fields, runtime.grammars))
+    runtime.grammars.compile(grammar)
+    answer = replace(request, params=replace(request.params, grammar=grammar))
+    return AnswerFallback(frozenset(last_calls(chat)), answer)
+
+
+def last_calls(chat: Sequence[ChatMessage]) -> list[tuple[str, str]]:
+    """call_key of the calls of the assistant message the conversation's trailing tool
+    results answer (none when it does not end with results)."""
+    end = len(chat)
+    while end and chat[end - 1].role == "tool":
+        end -= 1
+    if end == len(chat) or not end or chat[end - 1].role != "assistant":
+        return []
+    keys = []
+    for call in chat[end - 1].tool_calls or ():
+        function = call.get("function") or {}
+        try:
+            keys.append(call_key(str(function.get("name")), str(function.get("arguments"))))
+        except (ValueError, RecursionError):
+            continue
+    return keys

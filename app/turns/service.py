@@ -255,6 +255,7 @@ class TurnService:
                 tool_names=prepared.tool_names,
                 request_id=f"turn-{reply.id}",
                 on_finish=self.limits.spend_on_finish(key.id),
+                fallback=prepared.fallback,
             )
             turn = Turn(conv.id, key.owner, user, reply, generation, lock_token=held.token)
             if self.coord.name != "local":

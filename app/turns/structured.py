@@ -48,7 +48,7 @@ def output_grammar(
 ) -> Grammar | None:
     """The grammar of the reply `fields` ask for (checked and compiled), None when free.
     Call after `offered_tools` has checked the tools and tool_choice."""
-    content = _content_schema(fields, compiler)
+    content = content_schema(fields, compiler)
     tools = fields.tools or []
     choice = fields.tool_choice
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
@@ -82,7 +82,7 @@ def output_grammar(
     return grammar
 
 
-def _content_schema(fields: SamplingFields, compiler: GrammarCompiler) -> dict[str, Any] | None:
+def content_schema(fields: SamplingFields, compiler: GrammarCompiler) -> dict[str, Any] | None:
     """The JSON schema a free-text reply must follow (None: no JSON response_format)."""
     response_format = fields.response_format
     if response_format is None or response_format.type == "text":

@@ -14,7 +14,8 @@ the calls the grammar allowed:
   a newline;
 - llama3_json: `{"name": "f", "parameters": {...}}`, several joined by `"; "`;
 - generic: `{"tool_calls": [{"name": "f", "arguments": {...}}, ...]}`, or where an answer is
-  allowed `{"response": "..."}` (the JSON a response_format asks for in place of the string).
+  allowed `{"response": "..."}` (the JSON a response_format asks for in place of the string),
+  whose string the model may end without closing it, as it would end free text.
 
 A call's arguments follow its function's `parameters`, with objects that do not say
 `additionalProperties` closed (no argument the function does not declare: what llama.cpp's and
@@ -47,7 +48,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 class Grammar:
     """An output constraint. `source` is llguidance grammar text; equal sources compile once
     (see GrammarCompiler). `kind` says what it was built for: json_schema | json_object |
-    tool_calls | tool_calls_or_json | tool_calls_or_answer."""
+    tool_calls | tool_calls_or_json | tool_calls_or_answer | answer."""
 
     source: str
     kind: str
@@ -172,6 +173,10 @@ def _call_rules(tools: Sequence[ToolSpec], fmt: str) -> list[str]:
     ]
 
 
+# The characters of a JSON string (RFC 8259), as a Lark regular expression (`/` escaped).
+_JSON_STRING_CHARS = r'(?:[^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
+
+
 def _generic_grammar(
     tools: Sequence[ToolSpec],
     *,
@@ -187,9 +192,27 @@ def _generic_grammar(
         else f'calls: {opening} call_json "]}}"'
     )
     if answer:
-        value = content_schema if content_schema is not None else {"type": "string"}
-        lines.append(f'response: {json.dumps("{" + json.dumps(RESPONSE_KEY) + ": ")} value "}}"')
-        lines.append(f"value: {json_rule(value)}")
+        lines += _response_rules(content_schema)
     lines += _call_rules(tools, GENERIC)
     kind = "tool_calls_or_answer" if answer else "tool_calls"
     return Grammar("\n".join(lines) + "\n", kind)
+
+
+def generic_answer_grammar(content_schema: Mapping[str, Any] | None = None) -> Grammar:
+    """The generic format's answer alone, `{"response": ...}` (no call): what a reply that
+    would only repeat the calls its conversation's last turn made gives instead."""
+    return Grammar(
+        "\n".join(["start: response", *_response_rules(content_schema)]) + "\n", "answer"
+    )
+
+
+def _response_rules(content_schema: Mapping[str, Any] | None) -> list[str]:
+    """`response`: a string, or JSON valid for `content_schema`."""
+    if content_schema is not None:
+        opening = json.dumps("{" + json.dumps(RESPONSE_KEY) + ": ")
+        return [f'response: {opening} value "}}"', f"value: {json_rule(content_schema)}"]
+    # The model may end an answer where it would end free text: the string's close is
+    # optional, so the end of sequence is allowed anywhere in it (the stored reply is closed
+    # after it; app/turns/generation.py).
+    opening = json.dumps("{" + json.dumps(RESPONSE_KEY) + ': "')
+    return [f'response: {opening} ANSWER "\\"}}"?', f"ANSWER: /{_JSON_STRING_CHARS}/"]

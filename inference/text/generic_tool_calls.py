@@ -45,26 +45,78 @@ def _dumps(value: Any) -> str:
 
 def tools_section(tools: Sequence[Mapping[str, Any]]) -> str:
     """The system-prompt section that offers `tools` (OpenAI tool objects): one function per
-    line (name, description, parameters), then the reply's two shapes. The same for every
+    line as a signature with its description, then how to reply. The same for every
     tool_choice, so a conversation's prompt does not change with it (the grammar enforces
-    the choice)."""
+    the choice and the arguments' schemas, so the model reads names and types, not schemas:
+    Open WebUI's 36 built-in tools take 2,637 tokens so, 6,585 as JSON schemas)."""
     lines = [
-        "You can call these tools (the parameters are JSON schemas):",
-        *(_dumps(_function(tool)) for tool in tools),
+        "You can call these tools:",
+        *(signature(_function(tool)) for tool in tools),
         "",
-        "Reply with one JSON object. To call tools: "
-        '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}, '
-        "one entry per call. To answer without a tool: "
-        '{"response": "<your answer>"}.',
+        'Answer in JSON, with either "tool_calls" (the tools to call and their arguments) or '
+        '"response" (your reply to the user).',
     ]
     return "\n".join(lines)
 
 
-def _function(tool: Mapping[str, Any]) -> dict[str, Any]:
+def signature(function: Mapping[str, Any]) -> str:
+    """`name(arg: type, other: type (optional)): description`, types as Python writes them
+    (`str`, `int`, `list[str]`, a literal's values, `{key: type}` for an object)."""
+    parameters = function.get("parameters")
+    parameters = parameters if isinstance(parameters, Mapping) else {}
+    properties = parameters.get("properties")
+    properties = properties if isinstance(properties, Mapping) else {}
+    required = parameters.get("required")
+    required = set(required) if isinstance(required, list) else set()
+    arguments = []
+    for name, schema in properties.items():
+        argument = f"{name}: {_type(schema)}"
+        if name not in required:
+            default = schema.get("default") if isinstance(schema, Mapping) else None
+            argument += f" = {_dumps(default)}" if default is not None else " (optional)"
+        arguments.append(argument)
+    description = " ".join(str(function.get("description") or "").split())
+    head = f"{function.get('name')}({', '.join(arguments)})"
+    return f"{head}: {description}" if description else head
+
+
+_PYTHON_TYPES = {
+    "string": "str",
+    "integer": "int",
+    "number": "float",
+    "boolean": "bool",
+    "object": "dict",
+    "array": "list",
+    "null": "None",
+}
+
+
+def _type(schema: Any, depth: int = 0) -> str:
+    """A JSON schema's type as a Python annotation (nested objects two levels deep)."""
+    if not isinstance(schema, Mapping):
+        return "Any"
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return " | ".join(_dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return _dumps(schema["const"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return " | ".join(_type(s, depth) for s in schema[key])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " | ".join(_PYTHON_TYPES.get(str(k), str(k)) for k in kind)
+    if kind == "array":
+        return f"list[{_type(schema.get('items'), depth)}]" if "items" in schema else "list"
+    properties = schema.get("properties")
+    if kind in ("object", None) and isinstance(properties, Mapping) and properties and depth < 2:
+        inner = ", ".join(f"{k}: {_type(v, depth + 1)}" for k, v in properties.items())
+        return "{" + inner + "}"
+    return _PYTHON_TYPES.get(str(kind), "Any") if kind is not None else "Any"
+
+
+def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     function = tool.get("function", tool)
-    if not isinstance(function, Mapping):
-        return dict(tool)
-    return {k: function[k] for k in ("name", "description", "parameters") if k in function}
+    return function if isinstance(function, Mapping) else tool
 
 
 def calls_text(calls: Sequence[Mapping[str, Any]]) -> str:
@@ -141,12 +193,22 @@ class GenericReader:
         self._after_call = False  # in the calls: a call was read, a `,` or `]` is due
         self._call_from = 0  # where the next call's span starts (its `,` included)
         self._num_calls = 0  # calls read
+        # Where an unfinished call (its joiner included) or escape begins in the whole output,
+        # when the output ended in one: cut from there, the reply closes (`closing`).
+        self.unfinished_from: int | None = None
+
+    @property
+    def closing(self) -> str:
+        """What closes the reply once `unfinished_from` is cut (ToolCallStreamParser.closing):
+        `"}` in a response's string, `]}` in the calls, else ""."""
+        return {"string": '"}', "calls": CALLS_END}.get(self._mode, "")
 
     def push(self, out: list[Any], text: str, final: bool) -> None:
         self._buffer += text
         while self._step(out, final):
             pass
         if final and self._buffer:  # what no step took: an unfinished call or escape
+            self.unfinished_from = self._call_from if self._mode == "calls" else self._offset
             self._take(len(self._buffer))
 
     def _take(self, n: int, *, sent: bool = False) -> None:

@@ -118,10 +118,24 @@ def parse_tool_calls(
     return parser.result()
 
 
-class ToolCallStreamParser:
-    """Turns model output text, in pieces split anywhere, into content and tool-call deltas."""
+def call_key(name: str, arguments: str) -> tuple[str, str]:
+    """What makes two calls the same: the name and the arguments (a JSON object's text),
+    their keys in any order."""
+    return name, json.dumps(json.loads(arguments), sort_keys=True)
 
-    def __init__(self, fmt: str, tool_names: Collection[str] | None = None) -> None:
+
+class ToolCallStreamParser:
+    """Turns model output text, in pieces split anywhere, into content and tool-call deltas.
+
+    `answered`: calls (call_key) the output must not make again, as if it had made them
+    already (the calls the conversation's last turn made, whose results the model has)."""
+
+    def __init__(
+        self,
+        fmt: str,
+        tool_names: Collection[str] | None = None,
+        answered: Collection[tuple[str, str]] = (),
+    ) -> None:
         if fmt not in TOOL_CALL_FORMATS:
             raise ValueError(
                 f"unknown tool-call format {fmt!r}; expected one of {', '.join(TOOL_CALL_FORMATS)}"
@@ -136,7 +150,7 @@ class ToolCallStreamParser:
         self._has_content = False
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
-        self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls
+        self._made: set[tuple[str, str]] = set(answered)  # call_key of the calls made
         # Where dropped repeats lay in the whole output: [start, end) character offsets.
         self.dropped_spans: list[tuple[int, int]] = []
         # hermes: outside a block, inside one (buffer = text after <tool_call>), or inside
@@ -178,10 +192,23 @@ class ToolCallStreamParser:
         return events
 
     @property
-    def calls_end(self) -> str:
-        """What closes an output of calls cut right after one of them (the generic format's
-        `]}`; the others' calls close themselves)."""
-        return CALLS_END if self.fmt == GENERIC else ""
+    def closing(self) -> str:
+        """What closes the output if it ends here, once `unfinished_from` is cut: in the
+        generic format `"}` inside a response's string and `]}` inside the calls (the other
+        formats' calls close themselves); "" when it is whole."""
+        return self._generic.closing if self._generic is not None else ""
+
+    @property
+    def awaits_first_call(self) -> bool:
+        """Whether the output so far opens the generic format's calls and holds no whole one
+        (so nothing of it was sent)."""
+        return self._generic is not None and self._generic.closing == CALLS_END and not self._calls
+
+    @property
+    def unfinished_from(self) -> int | None:
+        """Where the unfinished call or escape the output ended in begins (the generic
+        format's; the others' unfinished markup is content)."""
+        return self._generic.unfinished_from if self._generic is not None else None
 
     def result(self) -> ParsedOutput:
         """Everything emitted so far, assembled (the same ids as the deltas)."""
@@ -232,7 +259,7 @@ class ToolCallStreamParser:
         arguments, keys in any order): a client would run the tool twice. Small models under
         a grammar that allows several calls repeat the first one. `span`: where the call
         lies in the whole output."""
-        same = (name, json.dumps(json.loads(arguments), sort_keys=True))
+        same = call_key(name, arguments)
         if same in self._made:
             self.dropped_spans.append(span)
             return

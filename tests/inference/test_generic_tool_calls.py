@@ -14,6 +14,7 @@ from kvchat.inference.structured.compiler import GrammarCompiler
 from kvchat.inference.structured.grammar import (
     ToolSpec,
     closed_schema,
+    generic_answer_grammar,
     tool_call_grammar,
 )
 from kvchat.inference.text.chat_template import ChatMessage, ChatTemplate
@@ -21,12 +22,13 @@ from kvchat.inference.text.generic_tool_calls import (
     GENERIC,
     calls_text,
     response_text,
+    signature,
     tool_result_text,
     tools_section,
 )
 from kvchat.inference.text.reply_ids import ids_without_spans
 from kvchat.inference.text.tokenizer import Tokenizer
-from kvchat.inference.text.tool_calls import parse_tool_calls
+from kvchat.inference.text.tool_calls import ToolCallStreamParser, call_key, parse_tool_calls
 from kvchat_testing.chat_templates import DEFAULT_SYSTEM_CHATML, LLAMA3_TEMPLATE, TOOLS, tool_call
 
 CALL = tool_call("call_1", "get_weather", '{"city": "Paris", "unit": "celsius"}')
@@ -74,10 +76,37 @@ def test_the_prompt_shapes_are_the_replies_shapes() -> None:
     )
     assert tool_result_text(None, "plain [x") == '{"tool_response": {"content": "plain [x"}}'
     lines = SECTION.split("\n")
-    assert json.loads(lines[1]) == {
-        key: TOOLS[0]["function"][key] for key in ("name", "description", "parameters")
+    assert lines[1] == (
+        'get_weather(city: str, unit: "celsius" | "fahrenheit" (optional)): '
+        "Current weather in a city."
+    )
+    assert '"tool_calls"' in SECTION and '"response"' in SECTION
+
+
+def test_signatures_say_names_types_and_what_may_be_left_out() -> None:
+    function = {
+        "name": "book",
+        "description": "Book a room.\n  Pays   later.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "guests": {"type": "integer"},
+                "dates": {"type": "array", "items": {"type": "string"}},
+                "room": {"type": "object", "properties": {"beds": {"type": "integer"}}},
+                "view": {"enum": ["sea", "city"], "default": "city"},
+                "note": {"type": ["string", "null"]},
+                "extra": {"anyOf": [{"type": "number"}, {"type": "boolean"}]},
+                "anything": {},
+            },
+            "required": ["guests", "dates", "room"],
+        },
     }
-    assert '{"tool_calls": [' in SECTION and '{"response": ' in SECTION
+    assert signature(function) == (
+        "book(guests: int, dates: list[str], room: {beds: int}, "
+        'view: "sea" | "city" = "city", note: str | None (optional), '
+        "extra: float | bool (optional), anything: Any (optional)): Book a room. Pays later."
+    )
+    assert signature({"name": "ping"}) == "ping()"
 
 
 def test_a_template_without_tools_renders_the_generic_format(smol: ChatTemplate) -> None:
@@ -288,3 +317,71 @@ def test_a_span_taken_out_of_a_reply_keeps_every_other_id(smol: ChatTemplate) ->
         ids,
         "something else",
     )
+
+
+def test_an_output_that_ends_early_says_where_to_cut_and_what_closes_it() -> None:
+    """What a reply cut by max_tokens, or ended by the model inside its answer, needs to be a
+    whole one: the unfinished call or escape cut (unfinished_from), then `closing`."""
+    call = '{"name": "search", "arguments": {"q": "x"}}'
+    cases = [
+        ('{"response": "Half an ans', None, '"}'),  # the model ended inside its answer
+        ('{"response": "cut in an escape \\u00', len('{"response": "cut in an escape '), '"}'),
+        ('{"tool_calls": [' + call + ", " + call[:12], len('{"tool_calls": [' + call), "]}"),
+        ('{"tool_calls": [' + call[:20], len('{"tool_calls": ['), "]}"),
+        ('{"tool_calls": [' + call + "]}", None, ""),
+        ('{"response": "whole"}', None, ""),
+        ("plain text", None, ""),
+    ]
+    for text, cut, closing in cases:
+        parser = ToolCallStreamParser(GENERIC, {"search"})
+        parser.push(text)
+        parser.finish()
+        assert (parser.unfinished_from, parser.closing) == (cut, closing), text
+        whole = (text if cut is None else text[:cut]) + closing
+        if closing:  # what the stored reply becomes parses to the same calls and content
+            again = parse_tool_calls(whole, GENERIC, {"search"})
+            assert [(c.name, c.arguments) for c in again.tool_calls] == [
+                (c.name, c.arguments) for c in parser.result().tool_calls
+            ]
+            assert again.content == parser.result().content
+            json.loads(whole)
+
+
+def test_calls_the_last_turn_made_count_as_made() -> None:
+    """A parser told the calls the conversation's last turn made drops them like repeats,
+    keys in any order; a new call is still made."""
+    answered = {call_key("search", '{"q": "x", "n": 1}')}
+    text = (
+        '{"tool_calls": [{"name": "search", "arguments": {"n": 1, "q": "x"}}, '
+        '{"name": "search", "arguments": {"q": "y"}}]}'
+    )
+    parser = ToolCallStreamParser(GENERIC, {"search"}, answered)
+    parser.push(text)
+    parser.finish()
+    assert [(c.name, c.arguments) for c in parser.result().tool_calls] == [("search", '{"q":"y"}')]
+    start, end = parser.dropped_spans[0]
+    assert text[start:end] == '{"name": "search", "arguments": {"n": 1, "q": "x"}}'
+
+
+def test_an_answer_may_end_where_free_text_would(
+    compiler: GrammarCompiler, dev_tokenizer: Tokenizer
+) -> None:
+    """Inside the answer's string the end of sequence is allowed (the close is optional);
+    the answer-only grammar takes no call."""
+    auto = tool_call_grammar(SPECS, GENERIC, parallel=True, answer=True)
+    only = generic_answer_grammar()
+    for grammar in (auto, only):
+        matcher = compiler.new_matcher(grammar)
+        ids = dev_tokenizer.encode('{"response": "It is sun')
+        assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+        assert accepts(compiler, dev_tokenizer, grammar, '{"response": "A \\/ b \\u00e9"}')
+        assert not accepts(compiler, dev_tokenizer, grammar, '{"response": "bad \\q"}')
+    assert not accepts(
+        compiler, dev_tokenizer, only, '{"tool_calls": [{"name": "ping", "arguments": {}}]}'
+    )
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    as_json = generic_answer_grammar(schema)
+    assert accepts(compiler, dev_tokenizer, as_json, '{"response": {"n": 3}}')
+    matcher = compiler.new_matcher(as_json)
+    ids = dev_tokenizer.encode('{"response": {"n": 3')
+    assert matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_accepting()
