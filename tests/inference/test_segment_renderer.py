@@ -1,7 +1,8 @@
 """SegmentRenderer: exactly render_segments on every template the project supports (ChatML, its
 tools default, Hugging Face's ChatML, a default system prompt, Llama 3 (both with the generic
-tool format), Llama 3.1 and Qwen2.5 with tools), as a conversation grows turn by turn, is trimmed at the front, branches
-and gets a summary; and a turn's rendering work does not grow with the conversation."""
+tool format), Llama 3.1 and Qwen2.5 with tools), as a conversation grows turn by turn, is
+trimmed at the front, branches and gets a summary; and a turn's rendering work does not grow
+with the conversation."""
 
 from __future__ import annotations
 
