@@ -27,7 +27,7 @@ FLEET_REDIS_URL ?= redis://127.0.0.1:6379/0
 
 LINT_PATHS  := app bench docs history inference kernels memory migrations tests kvchat/__init__.py
 
-.PHONY: setup serve fleet test attack lint constraints bench clean screenshots
+.PHONY: setup serve fleet test attack lint constraints bench clean screenshots screenshot-open-webui
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ attack: $(STAMP)
 # by headless Chromium through a three-turn conversation, greedy.
 screenshots: $(STAMP) $(MODEL_DIR)/config.json
 	PYTHONPATH=tests/support $(PY) -P docs/screenshots.py --model $(MODEL_DIR) --out docs
+
+# The README's Open WebUI picture (docs/open-webui.png): Open WebUI's own page (installed from
+# PyPI on first use, ~3 min) chatting with a started server of MODEL_DIR, greedy.
+screenshot-open-webui: $(STAMP) $(MODEL_DIR)/config.json
+	PYTHONPATH=tests/support $(PY) -P docs/open_webui_screenshot.py --model $(MODEL_DIR) --out docs/open-webui.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
