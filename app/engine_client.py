@@ -98,6 +98,17 @@ class EngineClient(Protocol):
 
     async def evict_session(self, session_id: str, *, offload: bool) -> SessionEviction: ...
 
+    async def note_session(
+        self,
+        session_id: str,
+        *,
+        end: str | None = None,
+        typing: bool = False,
+        present: bool | None = None,
+    ) -> None:
+        """What the service knows of a session's next turn: how its last turn ended (the
+        engine cannot tell tool calls), its user typing, its WebSocket open or closed."""
+
     async def close_session(self, session_id: str) -> None: ...
 
     async def session_info(self, session_id: str) -> SessionInfo | None: ...
@@ -189,6 +200,16 @@ class ThreadEngineClient:
 
     async def evict_session(self, session_id: str, *, offload: bool) -> SessionEviction:
         return await self._async.evict_session(session_id, offload=offload)
+
+    async def note_session(
+        self,
+        session_id: str,
+        *,
+        end: str | None = None,
+        typing: bool = False,
+        present: bool | None = None,
+    ) -> None:
+        await self._async.note_session(session_id, end=end, typing=typing, present=present)
 
     async def close_session(self, session_id: str) -> None:
         await self._async.close_session(session_id)

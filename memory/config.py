@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_spec import KV_CACHE_DTYPES
+
+RETENTION_MODES = ("lru", "pinned", "predictive")
 
 
 class MemoryConfigError(ValueError):
@@ -17,16 +19,66 @@ class SessionBudget:
 
     max_kv_tokens: how many tokens of KV it may keep pinned between turns (None: no cap).
     max_context_tokens: its prompt budget; the history planner trims to it (None: the model's).
+    retention_ttl_s: how long after each turn its KV is held (soft; None: as the retention
+        policy predicts); a client's `prompt_cache_retention` or an operator's setting.
+    retention_priority: an operator's rank of the session, 0-100 (None: 50).
     """
 
     max_kv_tokens: int | None = None
     max_context_tokens: int | None = None
+    retention_ttl_s: float | None = None
+    retention_priority: int | None = None
 
     def __post_init__(self) -> None:
-        for field in ("max_kv_tokens", "max_context_tokens"):
-            value = getattr(self, field)
+        for name in ("max_kv_tokens", "max_context_tokens", "retention_ttl_s"):
+            value = getattr(self, name)
             if value is not None and value < 0:
-                raise MemoryConfigError(f"{field} must be >= 0 or unset, got {value}")
+                raise MemoryConfigError(f"{name} must be >= 0 or unset, got {value}")
+        if self.retention_priority is not None and not 0 <= self.retention_priority <= 100:
+            raise MemoryConfigError(
+                f"retention_priority must be in 0-100 or unset, got {self.retention_priority}"
+            )
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """The policy's settings.
+
+    mode: lru | pinned | predictive.
+    horizon_s: per tier, how far ahead a return counts (a session's KV on the device is worth
+        keeping for a return within a minute; on the host, within ten).
+    prior_weight: how many observed gaps a prior counts as when it is blended with them.
+    agent_hold_s / typing_hold_s: how long a session that ended in tool calls, or whose user
+        typed, is held (soft).
+    hold_weight: how many times over a held session's value counts.
+    prefetch_horizon_s / prefetch_probability: a session not on the device is brought up when
+        its next turn is at least this likely within the horizon (or its user is typing).
+    prefill_s_per_token, host_bytes_per_s, disk_bytes_per_s: what reloading costs, until the
+        engine has measured it.
+    """
+
+    mode: str = "predictive"
+    horizon_s: tuple[float, float, float] = (60.0, 600.0, 86_400.0)  # device, host, disk
+    prior_weight: float = 4.0
+    agent_hold_s: float = 30.0
+    typing_hold_s: float = 20.0
+    hold_weight: float = 1_000.0
+    prefetch_horizon_s: float = 10.0
+    prefetch_probability: float = 0.25
+    prefetch_interval_s: float = 0.25
+    prefill_s_per_token: float = 0.5e-3
+    host_bytes_per_s: float = 4e9
+    disk_bytes_per_s: float = 1e9
+
+    def __post_init__(self) -> None:
+        if self.mode not in RETENTION_MODES:
+            raise MemoryConfigError(
+                f"retention must be one of {', '.join(RETENTION_MODES)}, got {self.mode!r}"
+            )
+        if len(self.horizon_s) != 3 or min(self.horizon_s) <= 0:
+            raise MemoryConfigError("retention horizons must be three positive seconds")
+        if not 0.0 < self.prefetch_probability <= 1.0:
+            raise MemoryConfigError("prefetch_probability must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -41,7 +93,8 @@ class CacheConfig:
     kv_store_dir / kv_store_bytes: the KV store on disk (memory.kv_store): where, and its
     byte cap (0 or no directory: no store).
     watermark_low / watermark_high: when free blocks fall below low x pool, idle sessions are
-    offloaded or dropped (coldest first) until high x pool is free again.
+    offloaded or dropped (the retention policy's order) until high x pool is free again.
+    retention: the retention policy's settings (memory.retention).
     """
 
     block_size: int = 16
@@ -61,6 +114,9 @@ class CacheConfig:
     watermark_low: float = 0.05
     watermark_high: float = 0.15
     default_budget: SessionBudget = SessionBudget()
+    # Which idle session's KV stays where (memory.retention); tests and the engine's own
+    # callers get today's `pinned` unless they ask.
+    retention: RetentionConfig = field(default_factory=lambda: RetentionConfig(mode="pinned"))
     # A turn that would outgrow its session's max_kv_tokens runs with sink + window attention
     # (this many first tokens kept, StreamingLLM's 4) instead of holding more KV.
     window_sink_tokens: int = 4

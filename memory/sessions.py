@@ -5,10 +5,14 @@ After a turn, the session keeps references on the blocks of its prompt and gener
 prefix, down to the token) and only the rest is prefilled; whatever lies past a divergence
 (an edited or regenerated message, trimmed history) is released.
 
-Idle sessions are ordered least recently used. Under memory pressure the coldest are
-offloaded to the host pool (restored by copying on their next turn) or, when the host pool is
-full too, dropped: the conversation's history stays in the database, so a dropped session
-costs recompute, never data.
+Which idle session's KV stays where is the retention policy's (memory.retention): under
+memory pressure `pinned` moves the least recently used idle session to the host pool, then
+drops it; `predictive` moves the one whose KV is worth least (by when its next turn will come)
+down a tier, device -> host -> the KV store on disk (the session keeps its token ids, so a
+prefetch can load it back) -> nowhere, and brings a session back up ahead of a predicted
+return or at once when its user types; `lru` keeps no session's KV past its turn (the prefix
+cache's blocks stay findable until reused). A dropped session costs recompute, never data:
+the conversation's history stays in the database.
 """
 
 from __future__ import annotations
@@ -17,11 +21,20 @@ import enum
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .config import CacheConfig, SessionBudget
 from .kv_cache_manager import KVCacheManager, KVState
+from .retention import (
+    DEVICE,
+    DISK,
+    HOST,
+    NOWHERE,
+    Prediction,
+    RetentionPolicy,
+    Signals,
+)
 from .stats import CacheStats
 
 
@@ -29,7 +42,17 @@ class SessionState(enum.Enum):
     EMPTY = "empty"  # known, holds no KV (new, dropped, or budget 0)
     RESIDENT = "resident"  # KV pinned in the device pool
     OFFLOADED = "offloaded"  # KV copied to the host pool
+    STORED = "stored"  # KV only in the KV store on disk (its full blocks); token ids kept
     ACTIVE = "active"  # a request of the session is running and holds the KV
+
+
+TIER_OF = {
+    SessionState.RESIDENT: DEVICE,
+    SessionState.ACTIVE: DEVICE,
+    SessionState.OFFLOADED: HOST,
+    SessionState.STORED: DISK,
+    SessionState.EMPTY: NOWHERE,
+}
 
 
 @dataclass
@@ -43,6 +66,8 @@ class Session:
     active_request_id: str | None = None
     num_turns: int = 0
     last_used: float = field(default_factory=time.monotonic)  # when a turn last ended
+    signals: Signals = field(default_factory=Signals)  # what predicts its next turn
+    prefetched_at: float | None = None  # brought up ahead of its turn, not claimed since
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +107,9 @@ class SessionStore:
         config: CacheConfig,
         manager: KVCacheManager,
         stats: CacheStats,
+        *,
+        bytes_per_block: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -89,9 +117,16 @@ class SessionStore:
         self.host_pool = manager.host_pool
         self.stats = stats
         self.block_size = manager.block_size
+        self.bytes_per_block = bytes_per_block or 1
+        self.clock = clock
+        self.retention = RetentionPolicy(config.retention, clock)
+        self.mode = config.retention.mode
         self.sessions: dict[str, Session] = {}
         # Idle sessions holding KV (RESIDENT or OFFLOADED), least recently used first.
         self._idle: OrderedDict[str, None] = OrderedDict()
+        # Sessions whose KV is only on disk (STORED), oldest first.
+        self._stored: OrderedDict[str, None] = OrderedDict()
+        self._next_prefetch = 0.0
         # Budgets may be set and read from other threads (the engine records an operator's
         # or the service's budget at once, and checks requests against it on the caller's
         # thread); the engine thread reads them at each claim/release.
@@ -154,47 +189,76 @@ class SessionStore:
         assert not kv.block_ids and kv.num_computed_tokens == 0
         if not self.config.enable_sessions:
             return Reuse()
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = self.sessions[session_id] = Session(session_id, salt)
+        session = self.session(session_id, salt)
         if session.state is SessionState.ACTIVE or session.salt != salt:
             # Another turn of it is running (or the tenant differs): no sharing.
             return Reuse()
+        now = self.clock()
+        self.retention.turn_began(session.signals, now)
         self._idle.pop(session_id, None)
+        self._stored.pop(session_id, None)
         session.active_request_id = request_id
         state = session.state
         session.state = SessionState.ACTIVE
+        if session.prefetched_at is not None:
+            session.prefetched_at = None
+            self.stats.prefetches_used += 1
         match = min(common_prefix_len(session.token_ids, token_ids), len(token_ids) - 1)
         if state is SessionState.RESIDENT:
+            self.stats.session_hits_device += 1
             self.manager.truncate(session.kv, match)
             self.manager.hand_over(session.kv, kv)
             return Reuse(from_session=match)
         if state is SessionState.OFFLOADED:
+            self.stats.session_hits_host += 1
             restored = self.manager.restore(
                 session.kv, session.token_ids, match, kv, self.make_room
             )
             self.stats.session_restores += 1
             return Reuse(from_host=restored.from_host, from_prefix_cache=restored.from_prefix_cache)
+        if state is SessionState.STORED:  # the scheduler loads its blocks from the store
+            self.stats.session_hits_disk += 1
+            session.token_ids = []
         return Reuse()
+
+    def session(self, session_id: str, salt: str | None = None) -> Session:
+        """The session (made on first use)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(session_id, salt)
+        return session
 
     # -- a turn ends -----------------------------------------------------------------------------
 
     def release(
-        self, session_id: str, request_id: str, token_ids: Sequence[int], kv: KVState
+        self,
+        session_id: str,
+        request_id: str,
+        token_ids: Sequence[int],
+        kv: KVState,
+        end: str = "stop",
     ) -> None:
-        """Pin a finished turn's KV in its session (within budget), or free it."""
+        """Pin a finished turn's KV in its session (within budget), or free it. `end`: how the
+        turn ended (memory.retention.TURN_ENDS; the service may report it better later)."""
         session = self.sessions.get(session_id)
         if session is None or session.active_request_id != request_id:
             self.manager.free(kv)
             return
         session.active_request_id = None
         session.num_turns += 1
-        session.last_used = time.monotonic()
+        session.last_used = self.clock()
+        self.retention.turn_ended(session.signals, end, session.last_used)
         budget = self.budget(session_id)
+        session.signals.owner = session.salt
+        session.signals.ttl_s = budget.retention_ttl_s
+        session.signals.priority = (
+            50 if budget.retention_priority is None else budget.retention_priority
+        )
         keep = kv.num_computed_tokens
         if budget.max_kv_tokens is not None:
             keep = min(keep, budget.max_kv_tokens)
-        if keep == 0 or not self.config.enable_sessions:
+        if keep == 0 or not self.config.enable_sessions or self.mode == "lru":
+            # lru: nothing kept past the turn; its full blocks stay findable by hash.
             self.manager.free(kv)
             session.token_ids, session.state = [], SessionState.EMPTY
             return
@@ -213,47 +277,86 @@ class SessionStore:
         if session is None or session.active_request_id != request_id:
             return
         session.active_request_id = None
-        session.last_used = time.monotonic()
+        session.last_used = self.clock()
         session.token_ids, session.state = [], SessionState.EMPTY
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def note(
+        self,
+        session_id: str,
+        *,
+        end: str | None = None,
+        typing: bool = False,
+        present: bool | None = None,
+    ) -> None:
+        """What the service knows of a session's next turn (its retention, whose it is and
+        its operator's rank come with each turn's budget): how its last turn ended (better
+        than the engine can tell: tool calls), its user typing (a session not on the device
+        is brought up at once), its WebSocket open or closed."""
+        session = self.session(session_id)
+        signals = session.signals
+        now = self.clock()
+        if end is not None:
+            self.retention.turn_ended(signals, end, now)
+        if present is not None:
+            signals.present = present
+        if typing:
+            signals.typing_at = now
+            if self.mode == "predictive":
+                self._prefetch(session, now, urgent=True)
+
+    def predict(self, session: Session) -> Prediction:
+        """The policy's view of a session now (for reports)."""
+        tier = TIER_OF[session.state]
+        return self.retention.predict(
+            session.signals,
+            tier,
+            self._below(tier, len(session.kv.block_ids) or len(session.kv.host_block_ids)),
+            session.num_tokens,
+            self._bytes(session),
+        )
 
     # -- pressure ---------------------------------------------------------------------------------
 
     def make_room(self, num_blocks: int) -> bool:
-        """Offload (or drop) idle resident sessions, coldest first, until `num_blocks` blocks
-        are free. Returns whether they are."""
-        while not self.pool.can_allocate(num_blocks):
-            victim = self._coldest(SessionState.RESIDENT)
-            if victim is None:
-                return False
+        """Offload (or drop) idle resident sessions until `num_blocks` blocks are free, the
+        least worth keeping first. Returns whether they are."""
+        if self.pool.can_allocate(num_blocks):
+            return True
+        for victim in self._victims(SessionState.RESIDENT):
             self.evict(victim.session_id)
-        return True
+            if self.pool.can_allocate(num_blocks):
+                return True
+        return False
 
     def maintain(self) -> None:
-        """Between steps: below the low watermark, evict idle sessions up to the high one."""
+        """Between steps: below the low watermark, evict idle sessions up to the high one; and
+        (predictive) bring up the sessions whose next turn is near."""
         total = self.pool.num_blocks
         if self.pool.num_free_blocks < self.config.watermark_low * total:
             self.make_room(int(self.config.watermark_high * total))
+        if self.mode == "predictive" and self.clock() >= self._next_prefetch:
+            self._prefetch_near()
 
     def evict(self, session_id: str, *, offload: bool = True) -> str:
         """Move an idle session's KV out of the device pool: to host when `offload` and room
-        allows, else drop it. Returns what happened: offloaded | dropped | noop."""
+        allows, else drop it (to the KV store's copy, under the predictive policy). Returns
+        what happened: offloaded | dropped | noop."""
         session = self.sessions.get(session_id)
         if session is None or session.state is not SessionState.RESIDENT:
             if session is not None and session.state is SessionState.OFFLOADED and not offload:
-                self._drop_host(session)
+                self._drop(session)
                 return "dropped"
             return "noop"
+        self._note_leaving(session)
         if offload and self.host_room(len(session.kv.block_ids)):
             self.manager.swap_out(session.kv)
             session.state = SessionState.OFFLOADED
             self._idle[session_id] = None  # still idle, now on host
             self.stats.session_offloads += 1
             return "offloaded"
-        self.manager.free(session.kv)
-        session.token_ids = []
-        session.state = SessionState.EMPTY
-        self._idle.pop(session_id, None)
-        self.stats.session_drops += 1
+        self._drop(session)
         return "dropped"
 
     def close(self, session_id: str) -> None:
@@ -265,40 +368,140 @@ class SessionStore:
         if session.state in (SessionState.RESIDENT, SessionState.OFFLOADED):
             self.manager.free(session.kv)
         self._idle.pop(session_id, None)
+        self._stored.pop(session_id, None)
         del self.sessions[session_id]
 
     def host_room(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` host blocks are free, dropping the coldest offloaded sessions
-        to free them if need be."""
+        """Whether `num_blocks` host blocks are free, dropping offloaded sessions (the least
+        worth keeping first) to free them if need be."""
         if num_blocks > self.host_pool.num_blocks:
             return False
-        while not self.host_pool.can_allocate(num_blocks):
-            coldest = self._coldest(SessionState.OFFLOADED)
-            if coldest is None:
-                return False
-            self._drop_host(coldest)
-        return True
+        if self.host_pool.can_allocate(num_blocks):
+            return True
+        for victim in self._victims(SessionState.OFFLOADED):
+            self._note_leaving(victim)
+            self._drop(victim)
+            if self.host_pool.can_allocate(num_blocks):
+                return True
+        return False
 
-    def _drop_host(self, session: Session) -> None:
+    def _drop(self, session: Session) -> None:
+        """The session's KV leaves memory: to its KV store copy (predictive, with a store:
+        its token ids are kept, so it can be loaded back ahead of its turn), else nowhere."""
         self.manager.free(session.kv)
-        session.token_ids = []
-        session.state = SessionState.EMPTY
         self._idle.pop(session.session_id, None)
         self.stats.session_drops += 1
+        if self.mode == "predictive" and self.manager.store is not None and session.token_ids:
+            session.kv = KVState(salt=session.salt)
+            session.state = SessionState.STORED
+            self._stored[session.session_id] = None
+            return
+        session.token_ids = []
+        session.state = SessionState.EMPTY
 
-    def _coldest(self, state: SessionState) -> Session | None:
-        for session_id in self._idle:
-            session = self.sessions[session_id]
-            if session.state is state:
-                return session
-        return None
+    def _note_leaving(self, session: Session) -> None:
+        """Counted as it leaves its tier: a hold broken, a prefetch that went unused."""
+        if self.mode != "predictive":
+            return
+        now = self.clock()
+        if self.retention.held(session.signals, now):
+            self.stats.holds_broken += 1
+        if session.prefetched_at is not None:
+            session.prefetched_at = None
+            self.stats.prefetches_wasted += 1
+
+    def _victims(self, state: SessionState) -> list[Session]:
+        """The idle sessions in `state` (RESIDENT or OFFLOADED), in the order they should
+        leave: least recently used first (pinned), or least worth keeping (predictive)."""
+        found = [self.sessions[i] for i in self._idle if self.sessions[i].state is state]
+        if self.mode != "predictive" or len(found) < 2:
+            return found
+        now = self.clock()
+        tier = TIER_OF[state]
+        policy = self.retention
+        return sorted(
+            found,
+            key=lambda s: policy.value(
+                s.signals,
+                tier,
+                self._below(tier, len(s.kv.block_ids) or len(s.kv.host_block_ids)),
+                s.num_tokens,
+                self._bytes(s),
+                now,
+            ),
+        )
+
+    def _below(self, tier: str, num_blocks: int) -> str:
+        """Where KV leaving `tier` goes."""
+        if tier == DEVICE and 0 < num_blocks <= self.host_pool.num_blocks:
+            return HOST
+        if tier in (DEVICE, HOST) and self.manager.store is not None:
+            return DISK
+        return NOWHERE
+
+    def _bytes(self, session: Session) -> int:
+        blocks = len(session.kv.block_ids) or len(session.kv.host_block_ids)
+        if not blocks:
+            blocks = -(-session.num_tokens // self.block_size)
+        return blocks * self.bytes_per_block
+
+    # -- prefetch ---------------------------------------------------------------------------------
+
+    def _prefetch_near(self) -> None:
+        """Bring up the sessions not on the device whose next turn is near, into blocks free
+        above the low watermark (a prefetch never takes a running request's room)."""
+        now = self.clock()
+        self._next_prefetch = now + self.config.retention.prefetch_interval_s
+        waiting = [
+            self.sessions[i]
+            for i in (*self._idle, *self._stored)
+            if self.sessions[i].state in (SessionState.OFFLOADED, SessionState.STORED)
+        ]
+        for session in waiting:
+            if self.retention.wants_prefetch(session.signals, now):
+                self._prefetch(session, now, urgent=False)
+
+    def _prefetch(self, session: Session, now: float, *, urgent: bool) -> bool:
+        """Bring the session's KV onto the device ahead of its turn: from the host pool, or
+        from the KV store. `urgent` (its user is typing): make room by moving sessions worth
+        less down; otherwise only into free blocks above the low watermark."""
+        if session.state not in (SessionState.OFFLOADED, SessionState.STORED):
+            return False
+        need = len(session.kv.host_block_ids) or -(-session.num_tokens // self.block_size)
+        reserve = int(self.config.watermark_low * self.pool.num_blocks)
+        if not self.pool.can_allocate(need + reserve) and not (urgent and self.make_room(need)):
+            return False
+        fresh = KVState(salt=session.salt)
+        if session.state is SessionState.OFFLOADED:
+            self._idle.pop(session.session_id, None)
+            self.manager.restore(
+                session.kv, session.token_ids, session.num_tokens, fresh, lambda n: False
+            )
+            self.stats.prefetch_blocks_from_host += len(fresh.block_ids)
+        else:
+            self._stored.pop(session.session_id, None)
+            self.manager.match_prefix(fresh, session.token_ids)
+            before = self.manager.stats.blocks_from_store
+            self.manager.load_from_store(fresh, session.token_ids)
+            self.stats.prefetch_blocks_from_store += self.manager.stats.blocks_from_store - before
+        if fresh.num_computed_tokens == 0:
+            self.manager.free(fresh)
+            session.kv, session.token_ids, session.state = fresh, [], SessionState.EMPTY
+            return False
+        session.kv = fresh
+        session.token_ids = session.token_ids[: fresh.num_computed_tokens]
+        session.state = SessionState.RESIDENT
+        session.prefetched_at = now
+        self._idle[session.session_id] = None
+        self.stats.prefetches += 1
+        return True
 
     def _enforce_max_pinned(self) -> None:
         limit = self.config.max_pinned_sessions
         if limit is None:
             return
         while self.num_resident > limit:
-            victim = self._coldest(SessionState.RESIDENT)
-            if victim is None:
+            victims = self._victims(SessionState.RESIDENT)
+            if not victims:
                 return
-            self.evict(victim.session_id)
+            self.evict(victims[0].session_id)

@@ -31,6 +31,19 @@ class CacheStats:
     blocks_from_host: int = 0  # blocks copied host -> device (restores, swap-ins)
     blocks_to_store: int = 0  # blocks queued for the KV store (write-behind)
     blocks_from_store: int = 0  # blocks loaded from the KV store into the device pool
+    # Retention (memory.retention): turns whose session's KV was on the device, on the host,
+    # or on disk when they came; sessions brought up ahead of their turn, and of those the
+    # ones their turn used and the ones that left the device unused; blocks such prefetches
+    # moved; holds broken under pressure.
+    session_hits_device: int = 0
+    session_hits_host: int = 0
+    session_hits_disk: int = 0
+    prefetches: int = 0
+    prefetches_used: int = 0
+    prefetches_wasted: int = 0
+    prefetch_blocks_from_host: int = 0
+    prefetch_blocks_from_store: int = 0
+    holds_broken: int = 0
 
     @property
     def reused(self) -> int:

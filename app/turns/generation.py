@@ -19,6 +19,7 @@ generic reply ended inside its answer's string or its calls is closed (`"}`, `]}
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
@@ -30,6 +31,7 @@ from kvchat.inference import (
     GENERIC,
     CheckedRequest,
     ContentDelta,
+    EngineDeadError,
     RequestOutput,
     ToolCall,
     ToolCallDelta,
@@ -224,6 +226,12 @@ class Generation:
                 if out.finished:
                     self._finish(out, parser)
                     session_id = request.session_id
+                    if session_id is not None and result.finish_reason == "tool_calls":
+                        # Its client comes back with the results: a hint the engine lacks.
+                        with contextlib.suppress(EngineDeadError):
+                            await self.runtime.engine_client.note_session(
+                                session_id, end="tool_calls"
+                            )
                     if out.window_applied and session_id is not None:
                         self.runtime.history.record(session_id, HistoryStats(window_turns=1))
                     metrics.finished(

@@ -220,6 +220,19 @@ class AsyncEngine:
             lambda: self.engine.set_session_budget(session_id, budget)
         )
 
+    async def note_session(
+        self,
+        session_id: str,
+        *,
+        end: str | None = None,
+        typing: bool = False,
+        present: bool | None = None,
+    ) -> None:
+        """What the service knows of a session's next turn (Engine.note_session)."""
+        await self._on_engine_thread(
+            lambda: self.engine.note_session(session_id, end=end, typing=typing, present=present)
+        )
+
     async def close_session(self, session_id: str) -> None:
         """Forget a session and free its KV."""
         await self._on_engine_thread(lambda: self.engine.close_session(session_id))
@@ -255,7 +268,8 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     if self._stop_when_idle.is_set():
                         return
-                    self._wake.wait(timeout=0.5)
+                    self.engine.maintain_sessions()  # prefetches come due while idle too
+                    self._wake.wait(timeout=self.engine.idle_wait_s)
                     self._wake.clear()
                     continue
                 for out in self.engine.step():

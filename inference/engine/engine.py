@@ -143,7 +143,9 @@ class Engine:
             stats=self.stats,
             store=self.kv_store,
         )
-        self.sessions = SessionStore(cache, self.kv_manager, self.stats)
+        self.sessions = SessionStore(
+            cache, self.kv_manager, self.stats, bytes_per_block=self.layout.bytes_per_block
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.sessions, self.stats)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ops, cache.block_size)
         self.cpu_threads = CpuThreads.for_device(self.device, config.adaptive_cpu_threads)
@@ -489,6 +491,31 @@ class Engine:
         need not wait. The future gives the session as the next step finds it."""
         self.sessions.set_budget(session_id, budget)
         return self.submit(lambda: self.session_info(session_id))
+
+    @property
+    def idle_wait_s(self) -> float:
+        """How long an idle stepping thread may sleep: the retention policy's prefetch
+        interval when it prefetches."""
+        retention = self.config.cache.retention
+        return retention.prefetch_interval_s if retention.mode == "predictive" else 0.5
+
+    def maintain_sessions(self) -> None:
+        """Between steps while idle (stepping thread only): the session store's upkeep."""
+        self.sessions.maintain()
+
+    def note_session(
+        self,
+        session_id: str,
+        *,
+        end: str | None = None,
+        typing: bool = False,
+        present: bool | None = None,
+    ) -> Future[None]:
+        """What the service knows of a session's next turn (SessionStore.note): how its last
+        turn ended, its user typing, its WebSocket open or closed."""
+        return self.submit(
+            lambda: self.sessions.note(session_id, end=end, typing=typing, present=present)
+        )
 
     def close_session(self, session_id: str) -> Future[None]:
         """Forget a session and free its KV (a running turn of it keeps running; its KV is

@@ -12,12 +12,11 @@ Two ways out of the engine thread:
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 from kvchat.memory.block_pool import BlockPool
 from kvchat.memory.config import SessionBudget
-from kvchat.memory.sessions import Session, SessionState, SessionStore
+from kvchat.memory.sessions import TIER_OF, Session, SessionState, SessionStore
 from kvchat.memory.stats import CacheStats, KVStoreStats
 
 from .scheduler import Scheduler
@@ -71,6 +70,15 @@ class SessionInfo:
     num_turns: int
     idle_seconds: float | None
     budget: SessionBudget
+    # The retention policy's view (memory.retention): the session's class (agent | person),
+    # its KV's tier (device | host | disk | none), the median wait for its next turn from now
+    # (None: more likely never), the expected prefill seconds its KV saves per byte at its
+    # tier, and whether it is held.
+    klass: str = "person"
+    tier: str = "none"
+    next_turn_s: float | None = None
+    value: float = 0.0
+    held: bool = False
 
     @property
     def holds_kv(self) -> bool:
@@ -156,6 +164,7 @@ def session_infos(sessions: SessionStore) -> tuple[SessionInfo, ...]:
 
 
 def _describe(sessions: SessionStore, session: Session) -> SessionInfo:
+    prediction = sessions.predict(session)
     return SessionInfo(
         session_id=session.session_id,
         state=session.state,
@@ -166,9 +175,14 @@ def _describe(sessions: SessionStore, session: Session) -> SessionInfo:
         idle_seconds=(
             None
             if session.state is SessionState.ACTIVE
-            else round(time.monotonic() - session.last_used, 3)
+            else round(sessions.clock() - session.last_used, 3)
         ),
         budget=sessions.budget(session.session_id),
+        klass=prediction.klass,
+        tier=TIER_OF[session.state],
+        next_turn_s=prediction.next_turn_s,
+        value=prediction.value,
+        held=prediction.held,
     )
 
 

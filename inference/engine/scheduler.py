@@ -166,7 +166,8 @@ class Scheduler:
             self.kv_manager.truncate(seq.kv, keep)
         self.kv_manager.persist(seq.kv, seq.token_ids)  # write-behind to the KV store
         if seq.session_id is not None:
-            self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv)
+            end = "cancelled" if seq.finish_reason == "abort" else seq.finish_reason or "stop"
+            self.sessions.release(seq.session_id, seq.request_id, seq.token_ids, seq.kv, end)
         else:
             self.kv_manager.free(seq.kv)
         seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,323 @@
+"""Retention that knows the conversation: each signal changes the decision it should (an
+injected clock drives time), the gap model learns, holds are soft and counted, prefetches
+bring sessions up, and the lru mode keeps nothing past a turn."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kvchat.memory.block_pool import BlockPool
+from kvchat.memory.config import CacheConfig, MemoryConfigError, RetentionConfig, SessionBudget
+from kvchat.memory.kv_cache import KVCache
+from kvchat.memory.kv_cache_manager import KVCacheManager, KVState
+from kvchat.memory.kv_spec import KVCacheSpec
+from kvchat.memory.retention import (
+    AGENT,
+    PERSON,
+    LogGaps,
+    RetentionPolicy,
+    Signals,
+    _normal_quantile,
+)
+from kvchat.memory.sessions import SessionState, SessionStore
+from kvchat.memory.stats import CacheStats
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_store(
+    clock: Clock,
+    num_blocks: int = 16,
+    host_blocks: int = 0,
+    mode: str = "predictive",
+    **config: object,
+) -> SessionStore:
+    cfg = CacheConfig(block_size=BS, retention=RetentionConfig(mode=mode), **config)  # type: ignore[arg-type]
+    spec = KVCacheSpec(1, 1, 2, BS, torch.float32)
+    kv = KVCache(spec, num_blocks, torch.device("cpu"), host_blocks)
+    pool, host = BlockPool(num_blocks), BlockPool(host_blocks)
+    manager = KVCacheManager(pool, kv, BS, enable_prefix_caching=True, host_pool=host)
+    return SessionStore(
+        cfg, manager, CacheStats(), bytes_per_block=spec.bytes_per_block, clock=clock
+    )
+
+
+def turn(store: SessionStore, sid: str, num_tokens: int, end: str = "stop", first: int = 0) -> None:
+    """One turn of `num_tokens` tokens, all computed, then released (pinned per the mode); its
+    blocks made room for as the scheduler does."""
+    tokens = list(range(first, first + num_tokens))
+    kv = KVState()
+    store.claim(sid, None, f"{sid}-{store.clock()}", tokens, kv)
+    assert store.make_room(store.manager.num_new_blocks(kv, num_tokens))
+    store.manager.allocate_slots(kv, num_tokens)
+    store.manager.commit(kv, tokens, num_tokens)
+    store.release(sid, f"{sid}-{store.clock()}", tokens, kv, end)
+
+
+def tiers(store: SessionStore) -> dict[str, str]:
+    return {sid: s.state.value for sid, s in store.sessions.items()}
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+def test_the_normal_quantile_inverts_the_cdf() -> None:
+    for p in (1e-6, 0.01, 0.02425, 0.1, 0.5, 0.9, 0.97575, 0.999):
+        z = _normal_quantile(p)
+        assert 0.5 * math.erfc(-z / math.sqrt(2)) == pytest.approx(p, rel=1e-6, abs=1e-12)
+    with pytest.raises(ValueError):
+        _normal_quantile(1.0)
+
+
+def test_log_gaps_learn_a_log_normal_and_blend_with_the_prior() -> None:
+    rng = random.Random(0)
+    gaps = LogGaps()
+    for _ in range(2000):
+        gaps.observe(math.exp(rng.gauss(math.log(30.0), 0.5)))
+    mu, sigma = gaps.blended(math.log(126.0), 0.97, weight=4)
+    assert math.exp(mu) == pytest.approx(30.0, rel=0.05) and sigma == pytest.approx(0.5, rel=0.1)
+    few = LogGaps()
+    few.observe(30.0)
+    mu_few, _ = few.blended(math.log(126.0), 0.97, weight=4)
+    assert math.log(30.0) < mu_few < math.log(126.0)  # one gap moves it a fifth of the way
+
+
+def test_an_agent_is_expected_back_in_seconds_a_person_in_minutes() -> None:
+    clock = Clock()
+    policy = RetentionPolicy(RetentionConfig(), clock)
+    agent, person = Signals(), Signals()
+    policy.turn_ended(agent, "tool_calls", clock())
+    policy.turn_ended(person, "stop", clock())
+    assert (agent.klass, person.klass) == (AGENT, PERSON)
+    assert policy.p_return_within(agent, 5.0, clock()) > 0.8
+    assert policy.p_return_within(person, 5.0, clock()) < 0.05
+    assert policy.next_turn_s(agent, clock()) < 2.0  # type: ignore[operator]
+    assert policy.next_turn_s(person, clock()) is None  # more likely never than not
+    person.present = True  # its user has the page open: likely back, in minutes
+    wait = policy.next_turn_s(person, clock())
+    assert wait is not None and 60 < wait < 300
+    # typing: now
+    person.typing_at = clock()
+    assert policy.p_return_within(person, 1.0, clock()) == 1.0
+    assert policy.next_turn_s(person, clock()) == 0.0
+
+
+def test_a_sessions_own_gaps_override_its_class() -> None:
+    """A person who answers every 10 s is expected back in about 10 s, not in minutes."""
+    clock = Clock()
+    policy = RetentionPolicy(RetentionConfig(), clock)
+    quick, plain = Signals(owner="o"), Signals(owner="p")
+    for _ in range(12):
+        for s in (quick,):
+            policy.turn_ended(s, "stop", clock())
+            clock.advance(10.0)
+            policy.turn_began(s, clock())
+    policy.turn_ended(quick, "stop", clock())
+    policy.turn_ended(plain, "stop", clock())
+    assert policy.p_return_within(quick, 30.0, clock()) > 0.7
+    assert policy.p_return_within(plain, 30.0, clock()) < 0.1
+
+
+# -- decisions ------------------------------------------------------------------------------------
+
+
+def test_predictive_evicts_the_person_before_the_agent_lru_the_other_way() -> None:
+    """Same size, the agent's turn ended first (LRU's victim); it ended in tool calls, so it
+    is back in seconds: the person (who just started reading) goes instead."""
+    for mode, victim in (("predictive", "person"), ("pinned", "agent")):
+        clock = Clock()
+        store = make_store(clock, num_blocks=8, mode=mode)
+        turn(store, "agent", 4 * BS, end="tool_calls")
+        clock.advance(1.0)
+        turn(store, "person", 4 * BS, end="stop", first=100)
+        assert store.make_room(4)
+        dropped = [sid for sid, t in tiers(store).items() if t in ("empty", "stored")]
+        assert dropped == [victim], mode
+
+
+def test_the_service_reports_tool_calls_the_engine_could_not_see() -> None:
+    clock = Clock()
+    store = make_store(clock, num_blocks=8)
+    turn(store, "a", 4 * BS)  # the engine saw a stop
+    clock.advance(0.5)
+    turn(store, "b", 4 * BS, first=100)
+    store.note("a", end="tool_calls")  # the service parsed tool calls out of a's reply
+    assert store.get("a").signals.klass == AGENT  # type: ignore[union-attr]
+    store.make_room(4)
+    assert tiers(store)["b"] in ("empty", "stored") and tiers(store)["a"] == "resident"
+    assert store.get("a").signals.gaps.ends == 1  # one turn, reported twice  # type: ignore[union-attr]
+
+
+def test_priority_and_ttl_come_with_the_budget() -> None:
+    clock = Clock()
+    store = make_store(clock, num_blocks=8)
+    store.set_budget("vip", SessionBudget(retention_priority=90))
+    turn(store, "vip", 4 * BS)
+    turn(store, "other", 4 * BS, first=100)
+    store.make_room(4)
+    assert tiers(store)["vip"] == "resident"
+    # A TTL holds a session: its value counts hold_weight times over.
+    clock2 = Clock()
+    store2 = make_store(clock2, num_blocks=8)
+    store2.set_budget("kept", SessionBudget(retention_ttl_s=3600))
+    turn(store2, "kept", 4 * BS)
+    turn(store2, "other", 4 * BS, first=100)
+    clock2.advance(600)
+    assert store2.predict(store2.get("kept")).held  # type: ignore[arg-type]
+    store2.make_room(4)
+    assert tiers(store2)["kept"] == "resident"
+
+
+def test_holds_are_soft_and_broken_holds_are_counted() -> None:
+    """Two agents mid tool call (both held) and room for one: a running request is never
+    refused for a hold; the lower value is moved and the broken hold counted."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=8)
+    turn(store, "a", 4 * BS, end="tool_calls")
+    turn(store, "b", 4 * BS, end="tool_calls", first=100)
+    assert store.make_room(8)  # all of the pool, for a running request
+    assert store.stats.holds_broken == 2
+    assert store.pool.num_free_blocks == 8
+
+
+def test_pinning_more_than_the_pool_never_deadlocks() -> None:
+    """Many held sessions, each alone as big as half the pool: every claim still gets room,
+    and a turn whose session holds too much is capped by its budget."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=8, host_blocks=0)
+    for i in range(10):
+        store.set_budget(f"s{i}", SessionBudget(retention_ttl_s=86_400, retention_priority=100))
+        turn(store, f"s{i}", 4 * BS, end="tool_calls", first=i * 100)
+        assert store.pool.num_used_blocks <= 8
+    assert store.make_room(8)
+    store.set_budget("capped", SessionBudget(max_kv_tokens=2 * BS))
+    turn(store, "capped", 6 * BS, first=5000)
+    assert store.get("capped").num_tokens == 2 * BS  # type: ignore[union-attr]
+
+
+def test_typing_brings_a_session_up_from_host_at_once() -> None:
+    clock = Clock()
+    store = make_store(clock, num_blocks=12, host_blocks=8)
+    turn(store, "reader", 4 * BS)
+    assert store.evict("reader") == "offloaded"
+    store.note("reader", typing=True)
+    assert tiers(store)["reader"] == "resident"
+    assert store.stats.prefetches == 1 and store.stats.prefetch_blocks_from_host == 4
+    kv = KVState()
+    reuse = store.claim("reader", None, "next", [*range(4 * BS), 7, 8], kv)
+    assert reuse.from_session == 4 * BS and store.stats.prefetches_used == 1
+    assert store.stats.session_hits_device == 1
+
+
+def test_a_predicted_return_is_prefetched_and_an_unused_one_counted_wasted() -> None:
+    """A session whose own gaps say it answers every 20 s is brought up from the host ahead
+    of that, in free room, by maintain(); one without a history is not. Evicted again
+    unused, the prefetch counts as wasted."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=16, host_blocks=8)
+    for _ in range(8):
+        turn(store, "regular", 4 * BS)
+        clock.advance(20.0)
+    turn(store, "regular", 4 * BS)
+    turn(store, "new", 4 * BS, first=500)
+    store.evict("regular")
+    store.evict("new")
+    up_at = None
+    for second in range(1, 31):
+        clock.advance(1.0)
+        store.maintain()
+        if up_at is None and tiers(store)["regular"] == "resident":
+            up_at = second
+    assert up_at is not None and 8 <= up_at <= 20
+    assert tiers(store)["new"] == "offloaded" and store.stats.prefetches == 1
+    store.evict("regular")
+    assert store.stats.prefetches_wasted == 1
+
+
+def test_a_session_dropped_to_disk_keeps_its_tokens_for_a_prefetch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With a KV store, predictive drops keep the token ids (STORED): typing loads the full
+    blocks back from disk."""
+    from kvchat.memory.kv_store import KVStore
+
+    clock = Clock()
+    spec = KVCacheSpec(1, 1, 2, BS, torch.float32)
+    kv = KVCache(spec, 8, torch.device("cpu"), 0)
+    kv_shape, scales_shape = kv.block_byte_shapes()
+    disk = KVStore(tmp_path / "kv", "fp", spec.bytes_per_block * 64, kv_shape, scales_shape)
+    manager = KVCacheManager(
+        BlockPool(8), kv, BS, enable_prefix_caching=True, host_pool=BlockPool(0), store=disk
+    )
+    cfg = CacheConfig(block_size=BS, retention=RetentionConfig(mode="predictive"))
+    sessions = SessionStore(
+        cfg, manager, CacheStats(), bytes_per_block=spec.bytes_per_block, clock=clock
+    )
+    turn(sessions, "reader", 4 * BS + 1)
+    session = sessions.get("reader")
+    assert session is not None
+    manager.persist(session.kv, session.token_ids)
+    disk.flush()
+    assert sessions.evict("reader") == "dropped"
+    assert tiers(sessions)["reader"] == "stored"
+    # Its blocks stay findable in the prefix cache until reused: take them all first.
+    hold = KVState()
+    manager.allocate_slots(hold, 8 * BS)
+    manager.free(hold)
+    sessions.note("reader", typing=True)
+    assert tiers(sessions)["reader"] == "resident"
+    assert sessions.get("reader").num_tokens == 4 * BS  # type: ignore[union-attr]
+    assert sessions.stats.prefetch_blocks_from_store == 4  # read back from disk
+    disk.close()
+
+
+def test_lru_keeps_nothing_past_a_turn() -> None:
+    clock = Clock()
+    store = make_store(clock, num_blocks=8, mode="lru")
+    turn(store, "a", 4 * BS)
+    assert tiers(store) == {"a": "empty"} and store.pool.num_used_blocks == 0
+    # Its full blocks are still in the prefix cache, found by hash.
+    kv = KVState()
+    assert store.manager.match_prefix(kv, [*range(4 * BS), 9]) == 4 * BS
+
+
+def test_a_bad_mode_is_refused() -> None:
+    with pytest.raises(MemoryConfigError, match="retention must be one of"):
+        RetentionConfig(mode="fifo")
+    with pytest.raises(MemoryConfigError, match="retention_priority"):
+        SessionBudget(retention_priority=101)
+
+
+def test_the_policy_costs_little_with_a_thousand_idle_sessions() -> None:
+    """Ordering 1,000 idle sessions by value: measured here only as work done (values
+    computed once per make_room, not per victim)."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=2100)
+    for i in range(1000):
+        turn(store, f"s{i}", 2 * BS, end="tool_calls" if i % 3 == 0 else "stop", first=i * 10)
+        clock.advance(0.01)
+    calls = 0
+    real = store.retention.value
+
+    def counting(*args: object, **kwargs: object) -> float:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.retention.value = counting  # type: ignore[method-assign]
+    assert store.make_room(2100 - 100 + 20)
+    assert calls == 1000  # one ordering, then evictions in it
+    assert SessionState.RESIDENT in {s.state for s in store.sessions.values()}
