@@ -10,15 +10,18 @@ at start-up are a frozen KVCacheLayout (never written back into CacheConfig), an
 cache hit is a block whose hash chains its parent's, its token ids and the tenant's salt,
 confirmed by comparing the token ids."""
 
-from .config import CacheConfig, MemoryConfigError, SessionBudget
+from .config import RETENTION_MODES, CacheConfig, MemoryConfigError, RetentionConfig, SessionBudget
 from .kv_layout import KVCacheLayout
 from .kv_spec import KV_CACHE_DTYPES, KVCacheSpec
 from .pool_sizing import MemoryPlan, parse_bytes
+from .retention import TURN_ENDS
 from .sessions import SessionState
 from .stats import CacheStats, HistoryStats, KVStoreStats
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "RETENTION_MODES",
+    "TURN_ENDS",
     "CacheConfig",
     "CacheStats",
     "HistoryStats",
@@ -27,6 +30,7 @@ __all__ = [
     "KVStoreStats",
     "MemoryConfigError",
     "MemoryPlan",
+    "RetentionConfig",
     "SessionBudget",
     "SessionState",
     "parse_bytes",

@@ -17,11 +17,13 @@ the conversation's history stays in the database.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .config import CacheConfig, SessionBudget
@@ -36,6 +38,9 @@ from .retention import (
     Signals,
 )
 from .stats import CacheStats
+
+VALUE_TTL_S = 1.0  # how long a tier's ranking of its idle sessions is reused
+PREFETCH_BATCH = 32  # sessions the prefetch scan looks at in one call
 
 
 class SessionState(enum.Enum):
@@ -127,6 +132,12 @@ class SessionStore:
         # Sessions whose KV is only on disk (STORED), oldest first.
         self._stored: OrderedDict[str, None] = OrderedDict()
         self._next_prefetch = 0.0
+        # The policy's cost stays flat with many idle sessions: the idle sessions of each
+        # tier are ranked by value once every VALUE_TTL_S (values move slowly with time),
+        # sessions that became idle since are ranked in as they come, and eviction walks the
+        # ranking; the prefetch scan looks at PREFETCH_BATCH sessions a call, round robin.
+        self._rankings = {SessionState.RESIDENT: _Ranking(), SessionState.OFFLOADED: _Ranking()}
+        self._prefetch_queue: list[str] = []
         # Budgets may be set and read from other threads (the engine records an operator's
         # or the service's budget at once, and checks requests against it on the caller's
         # thread); the engine thread reads them at each claim/release.
@@ -157,6 +168,11 @@ class SessionStore:
         return sum(
             len(s.kv.block_ids) for s in self.sessions.values() if s.state is SessionState.RESIDENT
         )
+
+    @property
+    def num_stored(self) -> int:
+        """Idle sessions whose KV is only in the KV store."""
+        return len(self._stored)
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
@@ -268,6 +284,7 @@ class SessionStore:
         session.token_ids = list(token_ids[:keep])
         session.state = SessionState.RESIDENT
         self._idle[session_id] = None
+        self._rerank(session)
         self._enforce_max_pinned()
 
     def abandon(self, session_id: str, request_id: str) -> None:
@@ -297,6 +314,7 @@ class SessionStore:
         session = self.session(session_id)
         signals = session.signals
         now = self.clock()
+        self._rerank(session)
         if end is not None:
             self.retention.turn_ended(signals, end, now)
         if present is not None:
@@ -336,7 +354,9 @@ class SessionStore:
         total = self.pool.num_blocks
         if self.pool.num_free_blocks < self.config.watermark_low * total:
             self.make_room(int(self.config.watermark_high * total))
-        if self.mode == "predictive" and self.clock() >= self._next_prefetch:
+        if self.mode == "predictive" and (
+            self._prefetch_queue or self.clock() >= self._next_prefetch
+        ):
             self._prefetch_near()
 
     def evict(self, session_id: str, *, offload: bool = True) -> str:
@@ -354,6 +374,7 @@ class SessionStore:
             self.manager.swap_out(session.kv)
             session.state = SessionState.OFFLOADED
             self._idle[session_id] = None  # still idle, now on host
+            self._rerank(session)
             self.stats.session_offloads += 1
             return "offloaded"
         self._drop(session)
@@ -410,25 +431,36 @@ class SessionStore:
             session.prefetched_at = None
             self.stats.prefetches_wasted += 1
 
-    def _victims(self, state: SessionState) -> list[Session]:
+    def _victims(self, state: SessionState) -> Iterator[Session]:
         """The idle sessions in `state` (RESIDENT or OFFLOADED), in the order they should
-        leave: least recently used first (pinned), or least worth keeping (predictive)."""
-        found = [self.sessions[i] for i in self._idle if self.sessions[i].state is state]
-        if self.mode != "predictive" or len(found) < 2:
-            return found
+        leave: least recently used first (pinned), or least worth keeping (predictive). The
+        caller may move each one as it gets it."""
+        if self.mode != "predictive":
+            yield from [self.sessions[i] for i in self._idle if self.sessions[i].state is state]
+            return
         now = self.clock()
-        tier = TIER_OF[state]
-        policy = self.retention
-        return sorted(
-            found,
-            key=lambda s: policy.value(
-                s.signals,
-                tier,
-                self._below(tier, len(s.kv.block_ids) or len(s.kv.host_block_ids)),
-                s.num_tokens,
-                self._bytes(s),
-                now,
-            ),
+        ranking = self._rankings[state]
+        if now - ranking.built_at >= VALUE_TTL_S:
+            ranking.rebuild(now, [self.sessions[i] for i in self._idle], state, self._value)
+        else:
+            ranking.take_in(now, self.sessions, state, self._value)
+        yield from ranking.walk(self.sessions, state)
+
+    def _rerank(self, session: Session) -> None:
+        """The session's value changed or it became idle in its tier: ranked in anew."""
+        ranking = self._rankings.get(session.state)
+        if ranking is not None:
+            ranking.added.add(session.session_id)
+
+    def _value(self, session: Session, now: float) -> float:
+        tier = TIER_OF[session.state]
+        return self.retention.value(
+            session.signals,
+            tier,
+            self._below(tier, len(session.kv.block_ids) or len(session.kv.host_block_ids)),
+            session.num_tokens,
+            self._bytes(session),
+            now,
         )
 
     def _below(self, tier: str, num_blocks: int) -> str:
@@ -449,15 +481,24 @@ class SessionStore:
 
     def _prefetch_near(self) -> None:
         """Bring up the sessions not on the device whose next turn is near, into blocks free
-        above the low watermark (a prefetch never takes a running request's room)."""
+        above the low watermark (a prefetch never takes a running request's room): the next
+        PREFETCH_BATCH of them, round robin (a pass over all every prefetch_interval_s)."""
         now = self.clock()
-        self._next_prefetch = now + self.config.retention.prefetch_interval_s
-        waiting = [
-            self.sessions[i]
-            for i in (*self._idle, *self._stored)
-            if self.sessions[i].state in (SessionState.OFFLOADED, SessionState.STORED)
-        ]
-        for session in waiting:
+        if not self._prefetch_queue:
+            self._next_prefetch = now + self.config.retention.prefetch_interval_s
+            self._prefetch_queue = [
+                i
+                for i in (*self._idle, *self._stored)
+                if self.sessions[i].state in (SessionState.OFFLOADED, SessionState.STORED)
+            ]
+            self._prefetch_queue.reverse()  # popped from the end: oldest first
+        for _ in range(min(PREFETCH_BATCH, len(self._prefetch_queue))):
+            session = self.sessions.get(self._prefetch_queue.pop())
+            if session is None or session.state not in (
+                SessionState.OFFLOADED,
+                SessionState.STORED,
+            ):
+                continue
             if self.retention.wants_prefetch(session.signals, now):
                 self._prefetch(session, now, urgent=False)
 
@@ -493,6 +534,7 @@ class SessionStore:
         session.state = SessionState.RESIDENT
         session.prefetched_at = now
         self._idle[session.session_id] = None
+        self._rerank(session)
         self.stats.prefetches += 1
         return True
 
@@ -501,7 +543,57 @@ class SessionStore:
         if limit is None:
             return
         while self.num_resident > limit:
-            victims = self._victims(SessionState.RESIDENT)
-            if not victims:
+            victim = next(self._victims(SessionState.RESIDENT), None)
+            if victim is None:
                 return
-            self.evict(victims[0].session_id)
+            self.evict(victim.session_id)
+
+
+class _Ranking:
+    """The idle sessions of one tier, least worth keeping first: (value, session id), built
+    whole every VALUE_TTL_S; sessions that came in since (`added`) are ranked in as they come
+    (an entry of a session ranked anew, or gone from the tier, is skipped, and dropped as
+    eviction walks by)."""
+
+    def __init__(self) -> None:
+        self.built_at = -math.inf
+        self.entries: list[tuple[float, str]] = []
+        self.current: dict[str, float] = {}  # each ranked session's latest value
+        self.added: set[str] = set()
+
+    def rebuild(
+        self,
+        now: float,
+        idle: list[Session],
+        state: SessionState,
+        value: Callable[[Session, float], float],
+    ) -> None:
+        self.current = {s.session_id: value(s, now) for s in idle if s.state is state}
+        self.entries = sorted((v, i) for i, v in self.current.items())
+        self.added.clear()
+        self.built_at = now
+
+    def take_in(
+        self,
+        now: float,
+        sessions: dict[str, Session],
+        state: SessionState,
+        value: Callable[[Session, float], float],
+    ) -> None:
+        for session_id in self.added:
+            session = sessions.get(session_id)
+            if session is not None and session.state is state:
+                v = self.current[session_id] = value(session, now)
+                bisect.insort(self.entries, (v, session_id))
+        self.added.clear()
+
+    def walk(self, sessions: dict[str, Session], state: SessionState) -> Iterator[Session]:
+        i = 0
+        while i < len(self.entries):
+            v, session_id = self.entries[i]
+            session = sessions.get(session_id)
+            if session is None or session.state is not state or self.current.get(session_id) != v:
+                del self.entries[i]  # gone from the tier, or ranked anew further on
+                continue
+            i += 1
+            yield session

@@ -152,7 +152,9 @@ class EngineCollector(Collector):
         )
         pinned.add_metric(["gpu"], report.num_resident_sessions)
         pinned.add_metric(["host"], report.num_offloaded_sessions)
+        pinned.add_metric(["disk"], report.num_stored_sessions)
         yield pinned
+        yield from _retention_metrics(report)
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up for reuse.", stats.prompt_tokens
         )
@@ -257,6 +259,49 @@ class EngineCollector(Collector):
         yield counter(
             "history_window_turns", "Turns run in sink + window mode.", history.window_turns
         )
+
+
+def _retention_metrics(report: EngineStats) -> Iterator[Metric]:
+    """The retention policy's counters (memory.retention): where returning sessions' KV was,
+    prefetches, bytes moved between tiers, holds broken."""
+    stats = report.cache
+    hits = CounterMetricFamily(
+        PREFIX + "session_hits",
+        "Turns whose session's KV was waiting in a tier when they came (device, host, disk).",
+        labels=["tier"],
+    )
+    hits.add_metric(["device"], stats.session_hits_device)
+    hits.add_metric(["host"], stats.session_hits_host)
+    hits.add_metric(["disk"], stats.session_hits_disk)
+    yield hits
+    prefetches = CounterMetricFamily(
+        PREFIX + "session_prefetches",
+        "Sessions brought onto the device ahead of their turn: all, those their turn used, "
+        "those that left the device unused.",
+        labels=["outcome"],
+    )
+    prefetches.add_metric(["issued"], stats.prefetches)
+    prefetches.add_metric(["used"], stats.prefetches_used)
+    prefetches.add_metric(["wasted"], stats.prefetches_wasted)
+    yield prefetches
+    moved = CounterMetricFamily(
+        PREFIX + "kv_bytes_moved",
+        "KV bytes copied between tiers (device to host: offloads and swap-outs; host to "
+        "device: restores, swap-ins, prefetches; disk to device: loads from the KV store).",
+        labels=["from", "to"],
+    )
+    block = report.bytes_per_block
+    moved.add_metric(["device", "host"], stats.blocks_to_host * block)
+    moved.add_metric(["host", "device"], stats.blocks_from_host * block)
+    moved.add_metric(["disk", "device"], stats.blocks_from_store * block)
+    moved.add_metric(["device", "disk"], stats.blocks_to_store * block)
+    yield moved
+    yield CounterMetricFamily(
+        PREFIX + "session_holds_broken",
+        "Held sessions (mid tool call, typing, inside their TTL) whose KV was moved down "
+        "under pressure all the same.",
+        value=stats.holds_broken,
+    )
 
 
 class Metrics:

@@ -576,6 +576,7 @@ class Engine:
             num_cpu_thread_switches=(
                 self.cpu_threads.num_switches if self.cpu_threads is not None else 0
             ),
+            bytes_per_block=self.layout.bytes_per_block,
         )
 
     # -- convenience ------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class EngineStats:
     # On the CPU with adaptive threads: the count the last step ran on, and how often it changed.
     cpu_threads: int | None = None
     num_cpu_thread_switches: int = 0
+    bytes_per_block: int = 0  # of the device pool's blocks (a host block holds as many)
+    num_stored_sessions: int = 0  # idle, KV only in the KV store (the retention policy's)
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +132,7 @@ def engine_stats(
     num_failed_requests: int = 0,
     cpu_threads: int | None = None,
     num_cpu_thread_switches: int = 0,
+    bytes_per_block: int = 0,
 ) -> EngineStats:
     tally = sessions.tally()
     return EngineStats(
@@ -144,12 +147,14 @@ def engine_stats(
         num_resident_sessions=tally.num_resident,
         num_offloaded_sessions=tally.num_offloaded,
         num_pinned_blocks=tally.num_pinned_blocks,
+        num_stored_sessions=sessions.num_stored,
         cache=dataclasses.replace(cache),
         kv_store=kv_store,
         num_failed_steps=num_failed_steps,
         num_failed_requests=num_failed_requests,
         cpu_threads=cpu_threads,
         num_cpu_thread_switches=num_cpu_thread_switches,
+        bytes_per_block=bytes_per_block,
     )
 
 
