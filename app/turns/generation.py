@@ -209,7 +209,9 @@ class Generation:
                         # Nothing sent yet: the same prompt is answered without a call.
                         answer_instead = True
                         metrics.cut_tool_replies.labels(ANSWERED[ended]).inc()
-                        if not out.finished:
+                        if out.finished:
+                            self._cached_before = out.num_cached_tokens
+                        else:
                             self.runtime.engine_client.abort(self.request_id, ANSWER_INSTEAD)
                         continue
                     if ended is not None:
@@ -243,7 +245,13 @@ class Generation:
                     )
                     if self.on_finish is not None:
                         self.on_finish(result)
-            if not answer_instead or fallback is None or self._stopped:
+            if not answer_instead or fallback is None:
+                break
+            if self._stopped:  # stopped before the answer began: nothing of it to keep
+                result.token_ids, result.text, result.content = [], "", None
+                result.finish_reason, result.abort_reason = "cancelled", "cancelled"
+                if self.on_finish is not None:
+                    self.on_finish(result)
                 break
             # The same prompt again (its KV is the session's or the prefix cache's), under
             # the grammar of an answer.
