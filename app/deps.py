@@ -42,6 +42,8 @@ class AppState:
     generated: GeneratedIds = field(default_factory=GeneratedIds)
     started_at: int = field(default_factory=lambda: int(time.time()))  # the model's `created`
     websockets: dict[str, int] = field(default_factory=dict)  # key id -> open sockets
+    # Conversation id -> its open sockets: its session is present while it has any.
+    conversation_sockets: dict[str, int] = field(default_factory=dict)
     shutting_down: bool = False  # set on SIGTERM: replies are left to the engine's drain
 
     @property

@@ -3,9 +3,10 @@ puts one `EngineClient` in front of every entrypoint, likewise).
 
 The engine runs on a thread of its own (inference/engine/thread.py); everything here is safe
 from the event loop. What changes or reads the engine's state is async and answered by the
-engine thread. Three calls return at once, on any thread, and are not awaited:
+engine thread. Four calls return at once, on any thread, and are not awaited:
 - `check` is a pure check of a request against the model and the session's budget (it runs
   inside a turn's planning, on a worker thread);
+- `session_budget` reads the budget a session is held to (likewise);
 - `abort` sets a flag the engine reads at its next step (a stop can come from a callback);
 - `stats` reads what the engine thread published after its latest step.
 
@@ -77,6 +78,11 @@ class EngineClient(Protocol):
     ) -> CheckedRequest:
         """Check a request (errors: InvalidRequestError naming the field). A `budget` given
         here is the session's: the engine records it when the request is added."""
+
+    def session_budget(self, session_id: str) -> SessionBudget:
+        """The budget the engine holds the session to (its own, else the default), read on
+        any thread: a request that changes part of it (a client's retention hint) sends the
+        rest back as it is."""
 
     def generate(
         self,
@@ -179,6 +185,9 @@ class ThreadEngineClient:
         return self._engine.check_request(
             prompt_token_ids, params, session_id=session_id, budget=budget
         )
+
+    def session_budget(self, session_id: str) -> SessionBudget:
+        return self._engine.sessions.budget(session_id)
 
     def generate(
         self,

@@ -1,12 +1,12 @@
-"""A session's settings — its token budgets and history policy — declared once, here.
+"""A session's settings — its token budgets, retention and history policy — declared once, here.
 
 `SessionSettings` is what a request sets, what a conversation stores (the store's columns are
 named by `SESSION_FIELDS`), and the server's defaults under them: `Settings` inherits these
 fields, so each is also a KVCHAT_* variable and a flag of `kvchat serve`, and operators change
 the defaults at run time with PUT /v1/admin/defaults. A field left None takes the value under
-it: a conversation's from the server's defaults (`under`), the defaults' from HistoryPolicy's.
-`policy()` and `budget()` are the one place a HistoryPolicy and an engine SessionBudget are
-made from settings.
+it: a conversation's from the server's defaults (`under`), the defaults' from HistoryPolicy's
+(the retention fields' from the engine's retention policy, memory/retention.py). `policy()` and
+`budget()` are the one place a HistoryPolicy and an engine SessionBudget are made from settings.
 
 Token counts are at most INT32_MAX: the columns they are stored in are 32-bit."""
 
@@ -24,6 +24,8 @@ from kvchat.history import MIN_TOOL_RESULT_TOKENS, POLICIES, HistoryPolicy, Hist
 if TYPE_CHECKING:
     from kvchat.memory import SessionBudget
 
+MAX_RETENTION_TTL_S = 7 * 86_400  # a week: a longer hold is a pin, not a retention hint
+
 # HistoryPolicy's own defaults: what a field left None everywhere takes.
 DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(HistoryPolicy)}
 
@@ -35,8 +37,8 @@ def _known_policy(value: str | None) -> str | None:
 
 
 class SessionSettings(BaseModel):
-    """A session's budget and history policy (None: the value under it). Each field is checked
-    alone here; `policy()` checks how they fit together (the watermarks' order)."""
+    """A session's budget, retention and history policy (None: the value under it). Each field
+    is checked alone here; `policy()` checks how they fit together (the watermarks' order)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +83,21 @@ class SessionSettings(BaseModel):
         description="Length of a summary of dropped turns "
         f"(default {DEFAULT['max_summary_tokens']}).",
     )
+    retention_ttl_s: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_RETENTION_TTL_S,
+        description="Seconds a session's KV is held after each of its turns, at most 7 days "
+        "(soft: under memory pressure a running request still takes its room; None: as the "
+        "retention policy predicts).",
+    )
+    retention_priority: int | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="An operator's rank of a session's KV, 0-100: each 10 points above 50 "
+        "doubles its worth to the retention policy, each 10 below halves it (None: 50).",
+    )
 
     def policy(self) -> HistoryPolicy:
         """The history policy; a field left None takes HistoryPolicy's default. Raises
@@ -114,6 +131,8 @@ class SessionSettings(BaseModel):
         return SessionBudget(
             max_kv_tokens=self.max_kv_tokens,
             max_context_tokens=self.context_budget(max_model_len),
+            retention_ttl_s=self.retention_ttl_s,
+            retention_priority=self.retention_priority,
         )
 
     def under(self, overrides: Mapping[str, Any]) -> SessionSettings:
@@ -154,7 +173,8 @@ class SessionSettings(BaseModel):
 
 
 SESSION_FIELDS: tuple[str, ...] = tuple(SessionSettings.model_fields)
-BUDGET_FIELDS = ("max_context_tokens", "max_kv_tokens")
+# The engine's SessionBudget (kvchat.memory); the rest are the history policy's.
+BUDGET_FIELDS = ("max_context_tokens", "max_kv_tokens", "retention_ttl_s", "retention_priority")
 POLICY_FIELDS = tuple(n for n in SESSION_FIELDS if n not in BUDGET_FIELDS)
 
 

@@ -72,6 +72,13 @@ class Settings(BaseSettings, SessionSettings):
         0.9, description="Fraction of CUDA memory the weights and the KV pool may use."
     )
     host_cache_bytes: int = Field(256 * 2**20, description="Host pool for offloaded sessions.")
+    retention: Literal["lru", "pinned", "predictive"] = Field(
+        "predictive",
+        description="Which idle session's KV stays where under memory pressure: predictive "
+        "(by when its next turn will come: tool calls, its gaps, its client's and operator's "
+        "hints, typing), pinned (least recently used moves down first), lru (nothing kept "
+        "past a turn but the prefix cache, as vLLM).",
+    )
     kv_store_dir: Path | None = Field(
         None,
         description="The KV store: full KV blocks on disk, written behind each turn and "
@@ -252,7 +259,7 @@ class Settings(BaseSettings, SessionSettings):
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: built here and nowhere else."""
         from kvchat.inference import EngineConfig, SchedulerConfig, default_plan_dir
-        from kvchat.memory import CacheConfig, SessionBudget
+        from kvchat.memory import CacheConfig, RetentionConfig, SessionBudget
 
         return EngineConfig(
             model=str(self.model),
@@ -277,8 +284,12 @@ class Settings(BaseSettings, SessionSettings):
                 host_cache_bytes=self.host_cache_bytes,
                 kv_store_dir=str(self.kv_store_path),
                 kv_store_bytes=self.kv_store_bytes,
+                retention=RetentionConfig(mode=self.retention),
                 default_budget=SessionBudget(
-                    max_kv_tokens=self.max_kv_tokens, max_context_tokens=self.max_context_tokens
+                    max_kv_tokens=self.max_kv_tokens,
+                    max_context_tokens=self.max_context_tokens,
+                    retention_ttl_s=self.retention_ttl_s,
+                    retention_priority=self.retention_priority,
                 ),
             ),
             scheduler=SchedulerConfig(

@@ -206,6 +206,10 @@ class SessionStore:
         if not self.config.enable_sessions:
             return Reuse()
         session = self.session(session_id, salt)
+        if session.num_turns == 0 and session.state is SessionState.EMPTY:
+            # Made by a note (its WebSocket opened before its first turn): it holds nothing,
+            # and is its first turn's tenant's.
+            session.salt = salt
         if session.state is SessionState.ACTIVE or session.salt != salt:
             # Another turn of it is running (or the tenant differs): no sharing.
             return Reuse()

@@ -1,5 +1,5 @@
-"""Operator routes (admin keys only): memory, per-session budgets and policy, eviction, the
-defaults of new sessions."""
+"""Operator routes (admin keys only): memory, the sessions and what the retention policy makes
+of each, per-session budgets, retention and policy, eviction, the defaults of new sessions."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvchat.app.schemas.admin import (
     EngineReport,
     MemoryReportOut,
     SessionEvictionOut,
+    SessionList,
 )
 from kvchat.app.session_settings import SessionSettings
 from kvchat.app.transports import operators
@@ -36,6 +37,14 @@ async def engine(key: AdminKey, state: StateDep) -> dict[str, Any]:
     return operators.engine_report(state)
 
 
+@router.get("/sessions", response_model=SessionList)
+async def list_sessions(key: AdminKey, state: StateDep) -> dict[str, Any]:
+    """Every session this replica's engine knows, as `GET /memory` lists them: each one's
+    state, tier (device, host, disk, none), class (agent or person), predicted wait for its
+    next turn, the value of its KV, whether it is held, its budget and history counters."""
+    return await operators.sessions(state)
+
+
 @router.get("/sessions/{session_id}", response_model=AdminSession)
 async def get_session(session_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
     """A conversation's session (its id) or a stateless one (`sess_...`, as `GET /memory`
@@ -49,14 +58,14 @@ async def put_session(
     session_id: str, body: SessionSettings, key: AdminKey, state: StateDep
 ) -> dict[str, Any]:
     """Set max_context_tokens, max_kv_tokens, history_policy, watermarks,
-    max_tool_result_tokens, max_summary_tokens (null: back to the default). Stored on the
-    conversation; applied at the session's next turn. Checked with what the conversation
-    stores and the defaults (400 naming the field, nothing written).
+    max_tool_result_tokens, max_summary_tokens, retention_ttl_s, retention_priority (null: back
+    to the default). Stored on the conversation; applied at the session's next turn. Checked
+    with what the conversation stores and the defaults (400 naming the field, nothing written).
 
-    A stateless session (`sess_...`) takes max_kv_tokens and max_context_tokens only, applied
-    to its engine session from its next call and held by this process, not stored (a restart
-    forgets them); a history setting is a 400 naming the field, since its client sends the
-    whole history each call."""
+    A stateless session (`sess_...`) takes max_kv_tokens, max_context_tokens, retention_ttl_s
+    and retention_priority only, applied to its engine session from its next call and held by
+    this process, not stored (a restart forgets them); a history setting is a 400 naming the
+    field, since its client sends the whole history each call."""
     return await operators.update_session(state, session_id, body)
 
 
@@ -79,5 +88,5 @@ async def get_defaults(key: AdminKey, state: StateDep) -> dict[str, Any]:
 
 @router.put("/defaults", response_model=SessionSettings)
 async def put_defaults(body: SessionSettings, key: AdminKey, state: StateDep) -> dict[str, Any]:
-    """The budget and history policy of sessions that set none of their own."""
+    """The budget, retention and history policy of sessions that set none of their own."""
     return operators.update_defaults(state, body)

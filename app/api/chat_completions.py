@@ -32,7 +32,8 @@ async def create_chat_completion(
         str | None,
         Header(
             alias="X-Session-Id",
-            description="Pin this session's KV between calls (scoped to the key's owner).",
+            description="Pin this session's KV between calls (scoped to the key's owner); "
+            "wins over a prompt_cache_key.",
         ),
     ] = None,
 ) -> Any:

@@ -12,9 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvchat.app.schemas.conversations import StoredSessionSettings
 from kvchat.app.session_settings import SessionSettings
 
-# kvchat.memory.SessionState's values (tests/app/api/test_openapi.py checks they agree).
-SessionStateName = Literal["empty", "resident", "offloaded", "active"]
+# kvchat.memory.SessionState's values, and the retention policy's classes and tiers
+# (memory/retention.py; tests/app/api/test_openapi.py checks they agree).
+SessionStateName = Literal["empty", "resident", "offloaded", "stored", "active"]
 SessionKind = Literal["conversation", "stateless"]
+SessionClass = Literal["agent", "person"]
+Tier = Literal["device", "host", "disk", "none"]
 
 
 class HistoryCounters(BaseModel):
@@ -35,16 +38,55 @@ class HistoryCounters(BaseModel):
 class SessionBudgetOut(BaseModel):
     max_kv_tokens: int | None
     max_context_tokens: int | None
+    retention_ttl_s: float | None = Field(description="None: as the retention policy predicts.")
+    retention_priority: int | None = Field(description="None: 50.")
+
+
+# What the engine's retention policy makes of a session now (memory/retention.py), in the
+# session views below.
+SessionClassField = Annotated[
+    SessionClass,
+    Field(
+        alias="class",
+        description="agent: its last turn ended in tool calls (its client comes back within "
+        "seconds); person: otherwise (a person reads the reply).",
+    ),
+]
+TierField = Annotated[
+    Tier, Field(description="Where its KV is: device, host, disk (the KV store) or none.")
+]
+NextTurnField = Annotated[
+    float | None,
+    Field(
+        description="The predicted (median) wait for its next turn from now, in seconds; "
+        "None: more likely never."
+    ),
+]
+ValueField = Annotated[
+    float,
+    Field(
+        description="Expected prefill seconds its KV saves, per byte, at its tier (counted many "
+        "times over while held); the lowest moves down a tier first."
+    ),
+]
+HeldField = Annotated[
+    bool, Field(description="Held: mid tool call, its user typing, or inside its retention_ttl_s.")
+]
 
 
 class PinnedSession(BaseModel):
-    """A session the engine holds, as `GET /v1/admin/memory` lists it."""
+    """A session the engine holds, as `GET /v1/admin/memory` and `GET /v1/admin/sessions` list
+    it."""
 
     session_id: str
     kind: SessionKind
     conversation_id: str | None = Field(description="None for a stateless session.")
     state: SessionStateName
-    tier: Literal["gpu", "host"] | None = Field(description="Where its KV is; None: nowhere.")
+    tier: TierField
+    session_class: SessionClassField
+    next_turn_s: NextTurnField
+    value: ValueField
+    held: HeldField
     tokens: int
     device_blocks: int
     host_blocks: int
@@ -167,6 +209,16 @@ class MemoryReportOut(BaseModel):
     replica: str
 
 
+# -- GET /v1/admin/sessions -----------------------------------------------------------------------
+
+
+class SessionList(BaseModel):
+    """`GET /v1/admin/sessions`: every session this replica's engine knows."""
+
+    object: Literal["list"]
+    data: list[PinnedSession]
+
+
 # -- GET /v1/admin/engine -------------------------------------------------------------------------
 
 
@@ -220,6 +272,11 @@ class EngineSessionView(BaseModel):
 
     session_id: str
     state: SessionStateName
+    tier: TierField
+    session_class: SessionClassField
+    next_turn_s: NextTurnField
+    value: ValueField
+    held: HeldField
     tokens: int
     device_blocks: int
     host_blocks: int
@@ -227,6 +284,8 @@ class EngineSessionView(BaseModel):
     idle_seconds: float | None
     max_kv_tokens: int | None
     max_context_tokens: int | None
+    retention_ttl_s: float | None
+    retention_priority: int | None
     history: HistoryCounters
 
 
@@ -246,6 +305,8 @@ class EffectiveSettings(BaseModel):
     low_watermark: float
     max_tool_result_tokens: int | None
     max_summary_tokens: int
+    retention_ttl_s: float | None = Field(description="None: as the retention policy predicts.")
+    retention_priority: int | None = Field(description="None: 50.")
 
 
 class StatelessEffectiveSettings(BaseModel):
@@ -253,6 +314,8 @@ class StatelessEffectiveSettings(BaseModel):
 
     max_context_tokens: int
     max_kv_tokens: int | None
+    retention_ttl_s: float | None = Field(description="None: as the retention policy predicts.")
+    retention_priority: int | None = Field(description="None: 50.")
 
 
 class SettingsError(BaseModel):

@@ -26,6 +26,42 @@ MAX_N = 16
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+    cache_control: Any = Field(
+        None,
+        description='Anthropic\'s `{"type": "ephemeral", "ttl": "5m" | "1h"}`, as LiteLLM and '
+        "OpenRouter send it: a retention hint for the request's session (ttl 5m when absent).",
+    )
+
+
+class CacheControl(BaseModel):
+    """A content part's `cache_control`. Checked by app.turns.cache_hints, with its path
+    (`messages.0.content.1.cache_control.ttl`), not as TextPart's field type: pydantic would
+    name a bad one by the union branch it failed in (`messages.0.content.str`)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+# OpenAI's limit on a prompt_cache_key (a longer one is a 400 there too).
+MAX_PROMPT_CACHE_KEY = 64
+
+
+class PromptCacheHints(BaseModel):
+    """OpenAI's prompt-cache fields, on Chat Completions and Responses (app/turns/cache_hints.py
+    says what they do here)."""
+
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=MAX_PROMPT_CACHE_KEY,
+        description="Names the session the request runs in when it has no X-Session-Id "
+        "(scoped to the key's owner), so requests sharing a prefix reuse its KV; a fleet "
+        "routes by it. Empty: none.",
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None,
+        description="How long the session's KV is held after the turn: in_memory 10 minutes, "
+        "24h a day (in the host pool and the KV store on disk).",
+    )
 
 
 class FunctionCall(BaseModel):
@@ -196,7 +232,7 @@ class SamplingFields(BaseModel):
         return None if self.seed is None else wrap_int64(self.seed + choice)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, PromptCacheHints):
     model: str
     messages: list[Message] = Field(min_length=1)
     n: int = Field(1, ge=1, le=MAX_N)

@@ -92,6 +92,8 @@ class StoredSessionSettings(BaseModel):
     low_watermark: float | None = None
     max_tool_result_tokens: int | None = None
     max_summary_tokens: int | None = None
+    retention_ttl_s: float | None = None
+    retention_priority: int | None = None
 
 
 class ConversationCreate(SessionSettings):

@@ -26,6 +26,8 @@ def conversation_out(conv: ConversationRecord) -> ConversationOut:
         low_watermark=conv.low_watermark,
         max_tool_result_tokens=conv.max_tool_result_tokens,
         max_summary_tokens=conv.max_summary_tokens,
+        retention_ttl_s=conv.retention_ttl_s,
+        retention_priority=conv.retention_priority,
     )
 
 

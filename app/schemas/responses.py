@@ -9,6 +9,8 @@ values; only `message.output_text.logprobs` adds something here (the others name
 tools kvchat does not have). Input items and the items answered are in
 app/schemas/response_items.py.
 
+`prompt_cache_key` and `prompt_cache_retention` are OpenAI's (app/turns/cache_hints.py).
+
 kvchat's extensions, as on Chat Completions: `seed`, `stop`, `top_k`, `min_p`,
 `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `ignore_eos`."""
 
@@ -27,7 +29,7 @@ from pydantic import (
 )
 
 from kvchat.app.ranges import INT32_MAX, INT64_MAX, INT64_MIN
-from kvchat.app.schemas.chat import NAME_PATTERN, token_id_keys
+from kvchat.app.schemas.chat import NAME_PATTERN, PromptCacheHints, token_id_keys
 from kvchat.app.schemas.response_items import FunctionCall, OutputMessage
 
 MAX_METADATA_PAIRS = 16
@@ -99,7 +101,7 @@ class ConversationRef(BaseModel):
     id: str = Field(min_length=1, max_length=64)
 
 
-class ResponseCreate(BaseModel):
+class ResponseCreate(PromptCacheHints):
     """`POST /v1/responses`."""
 
     model_config = ConfigDict(extra="ignore")
@@ -287,6 +289,8 @@ class ResponseObject(BaseModel):
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool = False
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
 
 class ResponseDeleted(BaseModel):

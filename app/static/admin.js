@@ -1,13 +1,15 @@
-// The operator view: GET /v1/admin/memory every REFRESH_MS (pool bars, sessions table),
-// /metrics for TTFT; PUT /v1/admin/sessions/{id} (budget and policy), POST .../evict.
+// The operator view: GET /v1/admin/memory every REFRESH_MS (pool bars, sessions table with
+// what the retention policy makes of each), /metrics for TTFT; PUT /v1/admin/sessions/{id}
+// (budget, retention and policy), POST .../evict.
 "use strict";
 
 const REFRESH_MS = 2000;
 const POLICIES = ["drop", "drop_oldest", "summarize", "none"]; // memory.history.POLICIES
 const FIELDS = ["max_kv_tokens", "max_context_tokens", "history_policy", "max_summary_tokens",
-  "high_watermark", "low_watermark", "max_tool_result_tokens"];
+  "high_watermark", "low_watermark", "max_tool_result_tokens", "retention_ttl_s",
+  "retention_priority"];
 const INTEGER_FIELDS = new Set(["max_kv_tokens", "max_context_tokens", "max_summary_tokens",
-  "max_tool_result_tokens"]);
+  "max_tool_result_tokens", "retention_priority"]);
 
 const ui = {};
 const admin = {
@@ -106,7 +108,15 @@ function bar(node, total, segments) {
 
 function sortValue(session, key) {
   if (key === "max_kv_tokens" || key === "max_context_tokens") return session.budget[key] ?? -1;
+  if (key === "next_turn_s") return session.next_turn_s ?? Infinity; // null: likely never
   return session[key];
+}
+
+function formatWait(seconds) {
+  if (seconds === null || seconds === undefined) return "never?";
+  if (seconds < 60) return `${formatNumber(seconds, seconds < 10 ? 1 : 0)} s`;
+  if (seconds < 3600) return `${formatNumber(seconds / 60, 1)} min`;
+  return `${formatNumber(seconds / 3600, 1)} h`;
 }
 
 function renderSessions() {
@@ -131,9 +141,15 @@ function sessionRow(s) {
     await api("POST", `/v1/admin/sessions/${id}/evict?offload=${offload}`);
     await refresh();
   };
-  return el("tr", { dataset: { id, state: s.state } },
+  return el("tr", { dataset: { id, state: s.state, tier: s.tier, class: s.class,
+    held: String(s.held) } },
     el("td", { class: "id", title: id }, id),
     el("td", {}, el("span", { class: `state ${s.state}` }, s.state)),
+    el("td", { class: "tier" }, s.tier),
+    el("td", { class: "class" }, s.class),
+    el("td", { class: "num next-turn", title: `value ${s.value.toExponential(2)} s/byte` },
+      formatWait(s.next_turn_s)),
+    el("td", { class: "held" }, s.held ? "held" : ""),
     el("td", { class: "num tokens" }, formatNumber(s.tokens)),
     el("td", { class: "num" }, formatNumber(s.device_blocks)),
     el("td", { class: "num" }, formatNumber(s.host_blocks)),

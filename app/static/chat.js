@@ -1,10 +1,11 @@
 // The chat page: conversations over the REST API, replies over the conversation's WebSocket
-// (frames: message / regenerate / stop / resume / ping in; start / delta / tool_call / done /
-// error / pong out). The list is drawn by chat_list.js, the messages by chat_view.js.
+// (frames: message / regenerate / stop / resume / ping / typing in; start / delta / tool_call /
+// done / error / pong out). The list is drawn by chat_list.js, the messages by chat_view.js.
 "use strict";
 
 const SETTINGS_STORAGE = "kvchat.settings";
 const PING_MS = 20000;
+const TYPING_MS = 2000; // at most one typing frame this often
 const MAX_BACKOFF_MS = 5000;
 
 const ui = {};
@@ -18,6 +19,7 @@ const chat = {
   retries: 0,
   pending: [], // frames waiting for the socket to open
   streaming: null, // {messageId, text, offset, body, tools} while a reply comes in
+  typingSentAt: -Infinity, // when the last typing frame went (performance.now())
   renderQueued: false,
   banner: null,
 };
@@ -41,6 +43,7 @@ async function start() {
   ui.input.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); submit(); }
   });
+  ui.input.addEventListener("input", noteTyping);
   ui.stop.addEventListener("click", () => sendFrame({ type: "stop" }));
   ui.newChat.addEventListener("click", () => { location.hash = ""; showNewChat(); });
   ui.moreConversations.addEventListener("click", () => loadConversations(false));
@@ -164,6 +167,16 @@ function regenerate(message, index) {
   chat.branch = chat.branch.slice(0, index);
   beginReply();
   sendFrame({ type: "regenerate", message_id: message.id, ...generationSettings() });
+}
+
+// While the user writes, tell the server (at most every TYPING_MS): the conversation's KV comes
+// back onto the device, if it had moved, before the message arrives. A hint: never queued.
+function noteTyping() {
+  if (!chat.current || !chat.socketOpen || !ui.input.value.trim()) return;
+  const now = performance.now();
+  if (now - chat.typingSentAt < TYPING_MS) return;
+  chat.typingSentAt = now;
+  sendFrame({ type: "typing" });
 }
 
 function beginReply() {

@@ -29,6 +29,8 @@ class ConversationOverrides(TypedDict, total=False):
     low_watermark: float | None
     max_tool_result_tokens: int | None
     max_summary_tokens: int | None
+    retention_ttl_s: float | None
+    retention_priority: int | None
 
 
 # The names checked at run time are the TypedDict's, which mypy checks callers against.
@@ -114,6 +116,8 @@ class ConversationRecord:
     low_watermark: float | None
     max_tool_result_tokens: int | None
     max_summary_tokens: int | None
+    retention_ttl_s: float | None
+    retention_priority: int | None
     current_leaf_id: str | None
     trim_start_id: str | None
     turn_fence: int
@@ -142,6 +146,8 @@ class ConversationRecord:
             low_watermark=row.low_watermark,
             max_tool_result_tokens=row.max_tool_result_tokens,
             max_summary_tokens=row.max_summary_tokens,
+            retention_ttl_s=row.retention_ttl_s,
+            retention_priority=row.retention_priority,
             current_leaf_id=row.current_leaf_id,
             trim_start_id=row.trim_start_id,
             turn_fence=row.turn_fence or 0,

@@ -112,6 +112,8 @@ class Conversation(Base):
     low_watermark: Mapped[float | None] = mapped_column(Float)
     max_tool_result_tokens: Mapped[int | None] = mapped_column(Integer)
     max_summary_tokens: Mapped[int | None] = mapped_column(Integer)
+    retention_ttl_s: Mapped[float | None] = mapped_column(Float)
+    retention_priority: Mapped[int | None] = mapped_column(Integer)
     # Message ids, checked by the store rather than by foreign keys (which would make the
     # two tables refer to each other).
     current_leaf_id: Mapped[str | None] = mapped_column(ID)

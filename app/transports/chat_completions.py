@@ -1,10 +1,13 @@
 """Stateless chat completions (OpenAI's `POST /v1/chat/completions`): the client sends the whole
 history every call. With an `X-Session-Id` the call runs in that session (scoped to the key's
-owner), so its pinned KV is reused exactly as in the conversations API; without one the prefix
-cache still serves, and with KVCHAT_KEYLESS_SESSIONS the call runs in a session named by the
-conversation's opening (app.turns.prompting.opening_session_key). Nothing is stored. Operators
-see such a session, evict it and set its budget by its `sess_...` id
-(app.turns.prompting.session_key)."""
+owner), so its pinned KV is reused exactly as in the conversations API; else with a
+`prompt_cache_key` in the session that key names (app.turns.prompting.prompt_cache_session_key);
+without either the prefix cache still serves, and with KVCHAT_KEYLESS_SESSIONS the call runs in
+a session named by the conversation's opening (app.turns.prompting.opening_session_key). A
+session's replies are remembered by their ids, so a client that sends them back gets them
+spliced in. `prompt_cache_retention` and content parts' `cache_control` hold the session's KV
+after the turn (app.turns.cache_hints). Nothing is stored. Operators see such a session, evict
+it and set its budget by its `sess_...` id (app.turns.prompting.session_key)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvchat.app.errors import APIError, engine_failure
 from kvchat.app.schemas import chat as schema
 from kvchat.app.store import KeyRecord
 from kvchat.app.transports import sse
+from kvchat.app.turns.cache_hints import retention_ttl_s
 from kvchat.app.turns.generation import (
     Done,
     Generated,
@@ -32,6 +36,7 @@ from kvchat.app.turns.generation import (
 from kvchat.app.turns.prompting import (
     chat_messages,
     opening_session_key,
+    prompt_cache_session_key,
     session_key,
 )
 from kvchat.app.turns.requests import AnswerFallback, answer_fallback, offer, prepare_request
@@ -59,6 +64,8 @@ async def create(
     runtime = state.runtime
     check_model(state, body.model)
     skey = session_key(key.owner, session_header)
+    if skey is None:
+        skey = prompt_cache_session_key(key.owner, body.prompt_cache_key)
     if skey is None and state.settings.keyless_sessions:
         skey = opening_session_key(key.owner, body.messages)
     requests, fmt, tool_names = await runtime.run_cpu(_prepare, state, body, skey)
@@ -120,11 +127,12 @@ def _prepare(
     compiles), for a worker thread. A named session's prompt extends its last render; any
     other reuses segments of messages seen."""
     runtime = state.runtime
+    retention = retention_ttl_s(body.prompt_cache_retention, body.messages)
     offered = offer(runtime, body)
     messages = chat_messages(body.messages, offered.tool_names, state.generated, skey)
     prompt = runtime.builder.renderer.render_ids(messages, tools=offered.tools, state_key=skey)
     # The first choice runs in the session, against its budget too (an operator's
-    # max_context_tokens): a 400 now, not an error mid-stream.
+    # max_context_tokens): a 400 now, not an error mid-stream. It carries the retention hint.
     requests = [
         prepare_request(
             runtime,
@@ -134,6 +142,7 @@ def _prepare(
             max_tokens=body.reply_budget,
             seed_offset=i,
             session_id=skey if i == 0 else None,
+            retention_ttl_s=retention if i == 0 else None,
         )
         for i in range(body.n)
     ]

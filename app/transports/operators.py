@@ -1,6 +1,7 @@
-"""What operators see and change: where the KV memory goes, each session's budget and policy
-(stored on the conversation, applied at its next turn, kept across restarts), evictions, the
-defaults of new sessions.
+"""What operators see and change: where the KV memory goes, each session's budget, retention and
+policy (stored on the conversation, applied at its next turn, kept across restarts) and what the
+engine's retention policy makes of it (its tier, class, predicted next turn, value, hold),
+evictions, the defaults of new sessions.
 
 A session is a conversation's (its id, `conv_...`) or a stateless one of `POST
 /v1/chat/completions` with `X-Session-Id` (`sess_...`, see app.turns.prompting.session_key):
@@ -17,18 +18,11 @@ from kvchat.app.coord.leases import lease_name
 from kvchat.app.deps import AppState
 from kvchat.app.errors import invalid_request, not_found
 from kvchat.app.schemas.conversations import InvalidSessionSettings, check_session_settings
-from kvchat.app.session_settings import SessionSettings
+from kvchat.app.session_settings import BUDGET_FIELDS, SessionSettings
 from kvchat.app.store import OVERRIDE_FIELDS, ConversationRecord
 from kvchat.app.turns.prompting import STATELESS_SESSION_PREFIX
 from kvchat.inference import SessionInfo
 from kvchat.memory import CacheStats, HistoryStats, KVStoreStats, SessionState
-
-TIERS = {
-    SessionState.RESIDENT: "gpu",
-    SessionState.OFFLOADED: "host",
-    SessionState.ACTIVE: "gpu",
-    SessionState.EMPTY: None,
-}
 
 
 def engine_report(state: AppState) -> dict[str, Any]:
@@ -36,33 +30,60 @@ def engine_report(state: AppState) -> dict[str, Any]:
     return {"object": "engine", **state.runtime.engine_client.describe()}
 
 
+def retention_view(info: SessionInfo) -> dict[str, Any]:
+    """What the engine's retention policy makes of the session now: its tier, class, the
+    predicted wait for its next turn, the value of its KV, whether it is held."""
+    return {
+        "tier": info.tier,
+        "class": info.klass,
+        "next_turn_s": info.next_turn_s,
+        "value": info.value,
+        "held": info.held,
+    }
+
+
+def occupancy(info: SessionInfo) -> dict[str, Any]:
+    """Where a session's KV is and how much of it, as every session view shows it."""
+    return {
+        "state": info.state.value,
+        **retention_view(info),
+        "tokens": info.num_tokens,
+        "device_blocks": info.num_device_blocks,
+        "host_blocks": info.num_host_blocks,
+        "turns": info.num_turns,
+        "idle_seconds": info.idle_seconds,
+    }
+
+
+def listed_session(info: SessionInfo, history: HistoryStats) -> dict[str, Any]:
+    """A session as the listings show it (`GET /v1/admin/memory`, `GET /v1/admin/sessions`)."""
+    stateless = is_stateless(info.session_id)
+    return {
+        "session_id": info.session_id,
+        "kind": "stateless" if stateless else "conversation",
+        "conversation_id": None if stateless else info.session_id,
+        **occupancy(info),
+        "budget": dataclasses.asdict(info.budget),
+        "history": dataclasses.asdict(history),
+    }
+
+
+async def sessions(state: AppState) -> dict[str, Any]:
+    """Every session this replica's engine knows."""
+    report = await state.runtime.engine_client.memory_report()
+    history = state.runtime.history
+    return {
+        "object": "list",
+        "data": [listed_session(i, history.session(i.session_id)) for i in report.sessions],
+    }
+
+
 async def memory(state: AppState) -> dict[str, Any]:
     report = await state.runtime.engine_client.memory_report()
     history = state.runtime.history
     stats, cache = report.stats, report.stats.cache
     per_block, block_size = report.bytes_per_block, report.block_size
-    sessions = []
-    for info in report.sessions:
-        stateless = is_stateless(info.session_id)
-        sessions.append(
-            {
-                "session_id": info.session_id,
-                "kind": "stateless" if stateless else "conversation",
-                "conversation_id": None if stateless else info.session_id,
-                "state": info.state.value,
-                "tier": TIERS[info.state],
-                "tokens": info.num_tokens,
-                "device_blocks": info.num_device_blocks,
-                "host_blocks": info.num_host_blocks,
-                "turns": info.num_turns,
-                "idle_seconds": info.idle_seconds,
-                "budget": {
-                    "max_kv_tokens": info.budget.max_kv_tokens,
-                    "max_context_tokens": info.budget.max_context_tokens,
-                },
-                "history": dataclasses.asdict(history.session(info.session_id)),
-            }
-        )
+    sessions = [listed_session(i, history.session(i.session_id)) for i in report.sessions]
     return {
         "object": "memory",
         "kv_cache_dtype": report.kv_cache_dtype,
@@ -162,14 +183,8 @@ def engine_view(info: SessionInfo, history: HistoryStats) -> dict[str, Any]:
     """A session's engine state as the admin API shows it, with its history counters."""
     return {
         "session_id": info.session_id,
-        "state": info.state.value,
-        "tokens": info.num_tokens,
-        "device_blocks": info.num_device_blocks,
-        "host_blocks": info.num_host_blocks,
-        "turns": info.num_turns,
-        "idle_seconds": info.idle_seconds,
-        "max_kv_tokens": info.budget.max_kv_tokens,
-        "max_context_tokens": info.budget.max_context_tokens,
+        **occupancy(info),
+        **dataclasses.asdict(info.budget),
         "history": dataclasses.asdict(history),
     }
 
@@ -253,6 +268,8 @@ def stateless_session(state: AppState, info: SessionInfo) -> dict[str, Any]:
         "effective": {
             "max_context_tokens": min(limit, context) if context else limit,
             "max_kv_tokens": info.budget.max_kv_tokens,
+            "retention_ttl_s": info.budget.retention_ttl_s,
+            "retention_priority": info.budget.retention_priority,
         },
         "error": None,
         "engine": _engine_view(state, info),
@@ -281,7 +298,7 @@ async def update_session(state: AppState, session_id: str, body: SessionSettings
     return await session(state, session_id, info)
 
 
-STATELESS_SETTINGS = ("max_kv_tokens", "max_context_tokens")
+STATELESS_SETTINGS = BUDGET_FIELDS  # the engine's SessionBudget: no history settings
 
 
 async def update_stateless(
@@ -298,7 +315,7 @@ async def update_stateless(
         if name not in STATELESS_SETTINGS and value is not None:
             raise invalid_request(
                 f"{name} does not apply to a stateless session (its client sends the whole "
-                f"history each call); it takes {' and '.join(STATELESS_SETTINGS)}",
+                f"history each call); it takes {', '.join(STATELESS_SETTINGS)}",
                 name,
             )
     changes = {

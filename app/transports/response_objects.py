@@ -40,12 +40,25 @@ from kvchat.inference import Tokenizer
 
 @dataclass(frozen=True)
 class Stateless:
-    """A `store: false` response being generated."""
+    """A `store: false` response being generated (in the session its prompt_cache_key
+    names, if any)."""
 
     id: str
     generation: Generation
     record: dict[str, Any]
     created_at: int
+    session_key: str | None = None
+
+
+def remember(state: AppState, stateless: Stateless, result: Generated) -> None:
+    """Keep a finished reply's ids for its session, keyed as its client sends it back (its
+    output_text and function calls), so they are spliced in (app.turns.prompting.spliced)."""
+    if stateless.session_key is None or result.finish_reason == "cancelled":
+        return
+    reply = Reply.generated(stateless, result)
+    state.generated.remember(
+        stateless.session_key, reply.content, reply.tool_calls, result.token_ids
+    )
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,8 @@ def response_object(reply: Reply, model: str, *, failure: APIError | None = None
         usage=usage,
         user=record.get("user"),
         metadata=record.get("metadata") or {},
+        prompt_cache_key=record.get("prompt_cache_key"),
+        prompt_cache_retention=record.get("prompt_cache_retention"),
     )
 
 

@@ -159,4 +159,6 @@ def response_record(body: ResponseCreate, model: str, input_start: str | None) -
         "max_output_tokens": body.max_output_tokens,
         "truncation": body.truncation or "disabled",
         "user": body.user,
+        "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention,
     }

@@ -15,9 +15,14 @@
   `truncation` "auto" plans under the conversation's history policy, "disabled" (OpenAI's
   default) needs the whole branch to fit, else 400 context_length_exceeded.
 - `store: false`: run like a stateless chat completion (nothing written; the prompt is the
-  branch `previous_response_id` or `conversation` names, then the input), in no session,
-  under the owner's cache salt, so the prefix cache serves it and keeps its blocks. Its id is
-  not retrievable.
+  branch `previous_response_id` or `conversation` names, then the input), under the owner's
+  cache salt, so the prefix cache serves it and keeps its blocks; with a `prompt_cache_key`
+  in the session it names (app.turns.prompting.prompt_cache_session_key), whose replies are
+  spliced back by their ids when the client sends them again (Codex resends its whole
+  history so), else in no session. Its id is not retrievable.
+- `prompt_cache_retention` holds the session's KV after the turn (app.turns.cache_hints); a
+  stored response's session is its conversation's, and its `prompt_cache_key` only routes
+  (a fleet's HAProxy reads it).
 - What a stored response was asked with (instructions, tools, text format, metadata, where its
   input starts) is kept with the reply (`messages.response`), so retrieve, input_items and
   the stream read the tree.
@@ -72,6 +77,7 @@ from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
     output_logprobs,
+    remember,
     response_object,
     skeleton,
     stored_response,
@@ -92,10 +98,12 @@ from kvchat.app.transports.responses_stream import (
     stateless_stream,
     watched,
 )
+from kvchat.app.turns.cache_hints import retention_ttl_s
 from kvchat.app.turns.events import TurnDelta, TurnEvent
 from kvchat.app.turns.generation import Generation
 from kvchat.app.turns.idempotency import Replayed, run_once
 from kvchat.app.turns.pipeline import as_chat, turn_system, usable
+from kvchat.app.turns.prompting import prompt_cache_session_key, spliced
 from kvchat.app.turns.requests import AnswerFallback, answer_fallback, offer, prepare_request
 from kvchat.app.turns.service import EndHook
 from kvchat.app.turns.turn import Turn
@@ -198,10 +206,13 @@ async def start(
     check_model(state, body.model or model)
     check_supported(body)
     fields = sampling_fields(body)
+    retention = retention_ttl_s(body.prompt_cache_retention)
     placement = await place(state, key.owner, body)
     system, messages = await input_messages(state, body, placement)
     if body.store is False:
-        return await _start_stateless(state, key, body, fields, placement, messages, system)
+        return await _start_stateless(
+            state, key, body, fields, placement, messages, system, retention
+        )
     conv, created = placement.conversation, False
     instructions = body.instructions
     if conv is None:  # its system messages are the new conversation's system prompt
@@ -230,6 +241,7 @@ async def start(
             reply_fields={"response": record},
             on_end=on_end,
             key_verified=True,
+            retention_ttl_s=retention,
         )
     except BaseException as e:
         # Nothing of a request that did not start stays behind: also when its client went
@@ -269,8 +281,10 @@ async def _start_stateless(
     placement: Placement,
     messages: list[ChatMessage],
     input_system: str | None,
+    retention: float | None,
 ) -> Stateless:
     runtime = state.runtime
+    skey = prompt_cache_session_key(key.owner, body.prompt_cache_key)
     conv = placement.conversation
     system = turn_system(conv, body.instructions) if conv is not None else body.instructions
     system = joined(system, input_system)
@@ -281,7 +295,7 @@ async def _start_stateless(
     )
     try:
         request, fallback, fmt, names = await runtime.run_cpu(
-            _prepare_stateless, state, fields, chat
+            _prepare_stateless, state, fields, chat, skey, retention
         )
         state.limits.check_capacity()
     except Exception as e:
@@ -297,18 +311,34 @@ async def _start_stateless(
     )
     hex_id = uuid.uuid4().hex
     record = response_record(body, runtime.model_name, None) | {"store": False}
-    return Stateless(f"msg_{hex_id}", generation, record, int(time.time()))
+    return Stateless(f"msg_{hex_id}", generation, record, int(time.time()), skey)
 
 
 def _prepare_stateless(
-    state: AppState, fields: SamplingFields, chat: list[ChatMessage]
+    state: AppState,
+    fields: SamplingFields,
+    chat: list[ChatMessage],
+    skey: str | None,
+    retention: float | None,
 ) -> tuple[CheckedRequest, AnswerFallback | None, str | None, set[str] | None]:
     """The checked engine request (prompt ids and sampling parameters), its answer fallback, the
-    tool-call format and the tool names (CPU-bound: a worker thread runs it)."""
+    tool-call format and the tool names (CPU-bound: a worker thread runs it). In a session
+    (`skey`) the replies it generated are spliced in, its prompt extends its last render, and
+    the request carries the retention hint."""
     runtime = state.runtime
     offered = offer(runtime, fields)
-    prompt = runtime.builder.renderer.render_ids(chat, tools=offered.tools)
-    request = prepare_request(runtime, fields, offered, prompt, max_tokens=fields.reply_budget)
+    if skey is not None:
+        chat = spliced(chat, state.generated, skey)
+    prompt = runtime.builder.renderer.render_ids(chat, tools=offered.tools, state_key=skey)
+    request = prepare_request(
+        runtime,
+        fields,
+        offered,
+        prompt,
+        max_tokens=fields.reply_budget,
+        session_id=skey,
+        retention_ttl_s=retention,
+    )
     fallback = answer_fallback(runtime, fields, offered, chat, request)
     return request, fallback, offered.tool_format, offered.tool_names
 
@@ -402,6 +432,7 @@ async def create(
         result_, logprobs = await sse.run_unless_disconnected(
             request, drained(generation), generation.stop
         )
+        remember(state, started, result_)
         whole = response_object(Reply.generated(started, result_), model)
         return with_logprobs(whole, output_logprobs(tokenizer, logprobs))
     turn = started
@@ -447,6 +478,7 @@ async def _rerun(
             reply_fields={"response": record},
             on_end=on_end,
             key_verified=True,
+            retention_ttl_s=retention_ttl_s(body.prompt_cache_retention),
         )
     except Exception as e:
         raise renamed(api_error(e)) from e

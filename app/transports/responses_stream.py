@@ -35,6 +35,7 @@ from kvchat.app.transports.response_objects import (
     Reply,
     Stateless,
     output_logprobs,
+    remember,
     response_object,
     skeleton,
     stored_response,
@@ -353,6 +354,7 @@ async def stateless_stream(state: AppState, stateless: Stateless) -> AsyncIterat
             yield TurnFailed(message_id, error.code or "engine_error", error.message)
             return
         result = generation.result
+        remember(state, stateless, result)  # before the client has the end and sends again
         yield TurnDone(message_id, "complete", result.finish_reason, {}, {})
 
     async def final(event: TurnEvent) -> ResponseObject:

@@ -1,10 +1,13 @@
 """One WebSocket of a conversation: JSON text frames in, the turn's events out.
 
-Client -> server: message, regenerate, stop, resume, ping. Server -> client: start, delta
-(`offset`: characters of the reply sent before it), tool_call, done, error (`code`), pong.
-A bad frame gets an error frame (`invalid_json`, `unknown_type`, `invalid_request`,
+Client -> server: message, regenerate, stop, resume, ping, typing. Server -> client: start,
+delta (`offset`: characters of the reply sent before it), tool_call, done, error (`code`),
+pong. A bad frame gets an error frame (`invalid_json`, `unknown_type`, `invalid_request`,
 `frame_too_large`) and the socket stays usable; a second message while a reply is being
 generated gets `busy`.
+
+The sockets tell the engine's retention policy of the conversation's session
+(app/transports/presence.py): present while one is open, and its user typing (`typing`).
 
 A reply belongs to its conversation, not to the socket: when the socket drops, the reply goes
 on for a grace period; a client that reconnects and sends `resume` with the last offset it saw
@@ -24,7 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import WebSocket
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from kvchat.app.deps import AppState, bearer_token
@@ -34,6 +37,7 @@ from kvchat.app.ranges import INT32_MAX
 from kvchat.app.schemas.chat import SamplingFields, TextPart
 from kvchat.app.schemas.json_input import JSONInputError, parse_json
 from kvchat.app.store import KeyRecord
+from kvchat.app.transports import presence
 from kvchat.app.turns.events import TurnEvent
 from kvchat.app.turns.turn import Turn
 from kvchat.inference import ChatMessage
@@ -80,12 +84,20 @@ class PingFrame(BaseModel):
     type: Literal["ping"]
 
 
+class TypingFrame(BaseModel):
+    """Its user is typing (no other fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["typing"]
+
+
 Frame = Annotated[
-    MessageFrame | RegenerateFrame | StopFrame | ResumeFrame | PingFrame,
+    MessageFrame | RegenerateFrame | StopFrame | ResumeFrame | PingFrame | TypingFrame,
     Field(discriminator="type"),
 ]
 FRAME = TypeAdapter(Frame)
-TYPES = ("message", "regenerate", "stop", "resume", "ping")
+TYPES = ("message", "regenerate", "stop", "resume", "ping", "typing")
 
 
 def error_frame(code: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -130,13 +142,19 @@ async def serve(state: AppState, websocket: WebSocket, conversation_id: str) -> 
         return
     state.websockets[key.id] = state.websockets.get(key.id, 0) + 1
     state.runtime.metrics.websocket_connections.inc()
-    socket = Socket(state, websocket, key, conversation_id)
+    socket = Socket(state, websocket, key, conv.id)
+    arrival = presence.arrive(state, conv.id)
     try:
+        if arrival is not None:
+            await asyncio.shield(arrival)
         await socket.run()
     finally:
         state.websockets[key.id] -= 1
         state.runtime.metrics.websocket_connections.dec()
+        leaving = presence.leave(state, conv.id)
         await socket.detach()
+        if leaving is not None:
+            await asyncio.shield(leaving)
 
 
 class Socket:
@@ -151,6 +169,7 @@ class Socket:
         self.turn: Turn | None = None  # the reply this socket streams (generated here)
         self.streaming: asyncio.Task[None] | None = None
         self.last_activity = time.monotonic()
+        self.typing = presence.TypingPace()
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -209,11 +228,15 @@ class Socket:
             param = _param(tuple(first.get("loc", ()))[1:])
             await self.send(error_frame("invalid_request", str(first.get("msg")), param=param))
             return
+        if isinstance(frame, TypingFrame) and not self.typing.due():
+            return  # one was noted moments ago: accepted, nothing to do
         try:
             if not isinstance(frame, PingFrame):
                 await self.state.turns.check_key(self.key)
             if isinstance(frame, PingFrame):
                 await self.send({"type": "pong"})
+            elif isinstance(frame, TypingFrame):
+                await presence.note_typing(self.state, self.conversation_id)
             elif isinstance(frame, StopFrame):
                 await self.state.turns.stop(self.key.owner, self.conversation_id)
             elif isinstance(frame, ResumeFrame):

@@ -222,6 +222,7 @@ class TurnPlanner:
         parent_id: str | None,
         instructions: str | None = None,
         truncation: bool = True,
+        retention_ttl_s: float | None = None,
     ) -> PreparedTurn:
         """Plan a turn (the caller holds the conversation's turn lock). `new_message` None
         regenerates the reply to `parent_id` (a user or tool message). Raises the request's
@@ -230,6 +231,7 @@ class TurnPlanner:
         `instructions`: this turn's system prompt in place of the conversation's (not stored).
         `truncation` False: the whole branch must fit the budget, or ContextLengthExceeded
         (the Responses API's `truncation: "disabled"`); True plans under the history policy.
+        `retention_ttl_s`: the client's retention hint, sent in the session's budget.
 
         The branch is read in one query, or not at all when this process ran the conversation's
         last turn and its tree has not changed since (BranchCache); everything CPU-bound (tools
@@ -291,6 +293,7 @@ class TurnPlanner:
             parent,
             instructions,
             truncation,
+            retention_ttl_s,
         )
         self.limits.check_capacity()
         return replace(prepared, path=tuple(stored), summary_record=summary_record)
@@ -306,6 +309,7 @@ class TurnPlanner:
         parent: str | None,
         instructions: str | None = None,
         truncation: bool = True,
+        retention_ttl_s: float | None = None,
     ) -> PreparedTurn:
         """The CPU-bound part of prepare_turn (a worker thread runs it): the request's tools and
         schema, then the one planning step (inference.text.turn_planner), then the engine's
@@ -351,6 +355,7 @@ class TurnPlanner:
             max_tokens=planned.max_tokens,
             session_id=conv.id,
             budget=self.session_budget(conv),
+            retention_ttl_s=retention_ttl_s,
         )
         turn_chat = [*chat, *([new_message] if new_message is not None else [])]
         fallback = answer_fallback(runtime, fields, offered, turn_chat, request)

@@ -9,6 +9,7 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvchat.app.errors import invalid_request
@@ -17,7 +18,8 @@ from kvchat.app.turns.structured import check_json_schema
 from kvchat.inference import ChatMessage, Grammar, SamplingParams
 
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-STATELESS_SESSION_PREFIX = "sess_"  # engine sessions of X-Session-Id (conversations': conv_)
+# Engine sessions of X-Session-Id, prompt_cache_key and openings (conversations': conv_).
+STATELESS_SESSION_PREFIX = "sess_"
 
 
 # -- tools -----------------------------------------------------------------------------------------
@@ -222,6 +224,22 @@ class GeneratedIds:
         return replies.get(self._key(content, calls))
 
 
+def spliced(
+    messages: Sequence[ChatMessage], generated: GeneratedIds, session_key: str
+) -> list[ChatMessage]:
+    """`messages` with each assistant message this server generated for the session (and
+    still remembers) as its exact ids; the others as they are."""
+    out = []
+    for m in messages:
+        ids = (
+            generated.lookup(session_key, m.content, m.tool_calls or ())
+            if m.role == "assistant" and m.token_ids is None
+            else None
+        )
+        out.append(m if ids is None else replace(m, content=None, token_ids=ids))
+    return out
+
+
 def session_key(owner: str, session_id: str | None) -> str | None:
     """The engine session of a stateless call's X-Session-Id, scoped to the key's owner:
     `sess_` and the first 32 hex digits of sha256(owner, NUL, X-Session-Id). It is also the
@@ -235,6 +253,20 @@ def session_key(owner: str, session_id: str | None) -> str | None:
             "X-Session-Id",
         )
     digest = hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()
+    return f"{STATELESS_SESSION_PREFIX}{digest[:32]}"
+
+
+def prompt_cache_session_key(owner: str, prompt_cache_key: str | None) -> str | None:
+    """The engine session of a stateless call's `prompt_cache_key` (OpenAI's name for the
+    requests that share a prefix; Codex sends its conversation's id) when it gives no
+    X-Session-Id, scoped to the key's owner: `sess_` and the first 32 hex digits of
+    sha256(owner, NUL, SOH, prompt_cache_key): never an X-Session-Id's session (a header has
+    no control characters) nor an opening's (a NUL follows the owner's NUL there). It is the
+    session's id in the admin API, as session_key's, and two owners' equal keys are two
+    sessions. An empty key names none (None)."""
+    if not prompt_cache_key:
+        return None
+    digest = hashlib.sha256(f"{owner}\0\x01{prompt_cache_key}".encode()).hexdigest()
     return f"{STATELESS_SESSION_PREFIX}{digest[:32]}"
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvchat.app.runtime import Runtime
 from kvchat.app.schemas.chat import SamplingFields
+from kvchat.app.turns.cache_hints import with_retention
 from kvchat.app.turns.prompting import offered_tools, sampling_params
 from kvchat.app.turns.structured import content_schema, output_grammar
 from kvchat.inference import (
@@ -56,14 +57,21 @@ def prepare_request(
     seed_offset: int = 0,
     session_id: str | None = None,
     budget: SessionBudget | None = None,
+    retention_ttl_s: float | None = None,
 ) -> CheckedRequest:
     """The engine request: the prompt with the request's sampling, checked (a 400 naming the
     field now, not an error mid-stream). In a session it is held to the session's budget
-    (`budget` when the caller owns it, sent with the request)."""
+    (`budget` when the caller owns it, sent with the request). `retention_ttl_s`, the client's
+    hint (app.turns.cache_hints), goes into that budget, or into the one the engine holds for
+    the session, and is sent with the request."""
     params = sampling_params(
         fields, max_tokens=max_tokens, seed_offset=seed_offset, grammar=offered.grammar
     )
-    return runtime.engine_client.check(prompt_ids, params, session_id=session_id, budget=budget)
+    client = runtime.engine_client
+    if session_id is not None and retention_ttl_s is not None:
+        held = budget if budget is not None else client.session_budget(session_id)
+        budget = with_retention(held, retention_ttl_s)
+    return client.check(prompt_ids, params, session_id=session_id, budget=budget)
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,7 @@ class TurnService:
         truncation: bool = True,
         reply_fields: dict[str, Any] | None = None,
         key_verified: bool = False,
+        retention_ttl_s: float | None = None,
     ) -> Turn:
         """Plan, commit and start a turn. `new_message` None regenerates the reply to
         `parent_id` (a user or tool message). `on_end` runs when the turn has ended, before
@@ -207,7 +208,8 @@ class TurnService:
         For the Responses API (the defaults change nothing): `instructions` is this turn's
         system prompt instead of the conversation's, `truncation` False refuses a turn whose
         history does not fit whole (pipeline.prepare_turn), `reply_fields` are stored with
-        the reply when it is committed (its `response` record)."""
+        the reply when it is committed (its `response` record), `retention_ttl_s` is the
+        client's retention hint for the session (app.turns.cache_hints)."""
         if not key_verified:
             await self.check_key(key)
         conv = await self.conversation(key.owner, conversation_id)
@@ -232,6 +234,7 @@ class TurnService:
                 parent_id=parent_id,
                 instructions=instructions,
                 truncation=truncation,
+                retention_ttl_s=retention_ttl_s,
             )
             try:
                 user, reply = await self.store.start_reply(

@@ -57,12 +57,19 @@ def make_store(
     )
 
 
-def turn(store: SessionStore, sid: str, num_tokens: int, end: str = "stop", first: int = 0) -> None:
+def turn(
+    store: SessionStore,
+    sid: str,
+    num_tokens: int,
+    end: str = "stop",
+    first: int = 0,
+    salt: str | None = None,
+) -> None:
     """One turn of `num_tokens` tokens, all computed, then released (pinned per the mode); its
     blocks made room for as the scheduler does."""
     tokens = list(range(first, first + num_tokens))
-    kv = KVState()
-    store.claim(sid, None, f"{sid}-{store.clock()}", tokens, kv)
+    kv = KVState(salt=salt)
+    store.claim(sid, salt, f"{sid}-{store.clock()}", tokens, kv)
     assert store.make_room(store.manager.num_new_blocks(kv, num_tokens))
     store.manager.allocate_slots(kv, num_tokens)
     store.manager.commit(kv, tokens, num_tokens)
@@ -148,6 +155,26 @@ def test_predictive_evicts_the_person_before_the_agent_lru_the_other_way() -> No
         assert store.make_room(4)
         dropped = [sid for sid, t in tiers(store).items() if t in ("empty", "stored")]
         assert dropped == [victim], mode
+
+
+def test_a_session_noted_before_its_first_turn_is_its_first_turns_tenants() -> None:
+    """A conversation's WebSocket opens before its first turn: the note makes the session, and
+    the turn (in its tenant's salt) still pins its KV for the next; another tenant's claim of
+    the id shares nothing."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=8)
+    store.note("conv", present=True)
+    turn(store, "conv", 2 * BS, salt="alice")
+    session = store.get("conv")
+    assert session is not None and session.state is SessionState.RESIDENT
+    assert session.signals.present and session.signals.owner == "alice"
+    tokens = [*range(2 * BS), 99]
+    assert (
+        store.claim("conv", "mallory", "r-mallory", tokens, KVState(salt="mallory")).from_session
+        == 0
+    )
+    reuse = store.claim("conv", "alice", "r-alice", tokens, KVState(salt="alice"))
+    assert reuse.from_session == 2 * BS
 
 
 def test_the_service_reports_tool_calls_the_engine_could_not_see() -> None:

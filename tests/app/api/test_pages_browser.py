@@ -9,7 +9,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,61 @@ def test_a_dropped_socket_reconnects_and_resumes_without_gaps(tab: Tab, server: 
     assert stored_branch(server, conv)[-1]["content"] == streamed
 
 
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Until `condition()` holds; the bound only catches a hang, the wait is on the condition."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_typing_sends_typing_frames_that_bring_the_kv_back(tab: Tab, server: Server) -> None:
+    """The page's socket goes through a proxy in the test. As its user writes, the page sends
+    `typing` frames, at most one per 2 s; the first brings the conversation's KV, evicted to
+    the host pool, back onto the device before any message is sent."""
+    conv = api(server, "POST", "/v1/conversations", {"title": "typing"})["id"]
+    api(server, "POST", f"/v1/conversations/{conv}/messages", {"content": "Hi", "max_tokens": 4})
+
+    def engine() -> dict[str, Any]:
+        return api(server, "GET", f"/v1/admin/sessions/{conv}")["engine"]  # type: ignore[no-any-return]
+
+    wait_for(lambda: engine()["state"] == "resident", "the session's KV pinned")
+    evicted = api(server, "POST", f"/v1/admin/sessions/{conv}/evict?offload=true")
+    assert evicted["state"] == "offloaded" and engine()["tier"] == "host"
+
+    page = tab.page
+    typing: list[float] = []  # when each typing frame passed the proxy
+
+    def proxy(ws: WebSocketRoute) -> None:
+        upstream = ws.connect_to_server()
+
+        def up(message: str | bytes) -> None:
+            if json.loads(message)["type"] == "typing":
+                typing.append(time.monotonic())
+            upstream.send(message)
+
+        ws.on_message(up)
+        upstream.on_message(lambda message: ws.send(message))
+
+    page.route_web_socket(re.compile(r".*/ws\?access_token=.*"), proxy)
+    tab.enter_key(f"/#{conv}")
+    expect(page.locator(".message")).to_have_count(2)
+    # Keystrokes before the socket is open send nothing; the first one after it does.
+    deadline = time.monotonic() + 120
+    while not typing:
+        assert time.monotonic() < deadline, "no typing frame"
+        page.type("#input", "x")
+    wait_for(lambda: engine()["tier"] == "device", "the KV back on the device")
+    branch = stored_branch(server, conv)
+    assert [m["role"] for m in branch] == ["user", "assistant"]  # the hint alone brought it
+
+    # A burst of keystrokes sends at most one frame per 2 s of it, not one per key.
+    before, start = len(typing), time.monotonic()
+    page.type("#input", " and then a few more words")
+    elapsed = time.monotonic() - start
+    assert len(typing) - before <= 1 + elapsed / 2, (len(typing) - before, elapsed)
+
+
 def test_conversation_list_pages_newest_first_and_deletes(tab: Tab, server: Server) -> None:
     made = [
         api(server, "POST", "/v1/conversations", {"title": f"paged {i}"})["id"] for i in range(21)
@@ -396,6 +452,15 @@ def test_operator_view_shows_tunes_and_evicts_sessions(tab: Tab, server: Server)
     page.wait_for_selector(f"#sessions tr[data-id='{large}']")
     sessions = {s["conversation_id"]: s for s in api(server, "GET", "/v1/admin/memory")["sessions"]}
     assert row.get_attribute("data-state") == sessions[small]["state"] == "resident"
+    # What the retention policy makes of it: where its KV is, who comes back, when, held.
+    assert row.locator(".tier").text_content() == sessions[small]["tier"] == "device"
+    assert row.locator(".class").text_content() == sessions[small]["class"] == "person"
+    assert row.locator(".held").text_content() == ("held" if sessions[small]["held"] else "")
+    wait = row.locator(".next-turn").text_content() or ""
+    if sessions[small]["next_turn_s"] is None:  # more likely never than not
+        assert wait == "never?"
+    else:
+        assert re.fullmatch(r"[\d.,]+ (s|min|h)", wait), wait
     assert (
         int((row.locator(".tokens").text_content() or "").replace(",", ""))
         == sessions[small]["tokens"]
@@ -442,6 +507,7 @@ def test_operator_view_shows_tunes_and_evicts_sessions(tab: Tab, server: Server)
     # Evict: offload to the host pool, and the row's state changes.
     row.locator(".offload").click()
     page.wait_for_selector(f"#sessions tr[data-id='{small}'][data-state='offloaded']")
+    assert page.locator(f"#sessions tr[data-id='{small}'] .tier").text_content() == "host"
     assert page.locator(f"#sessions tr[data-id='{small}'] .state").text_content() == "offloaded"
     sessions = {s["conversation_id"]: s for s in api(server, "GET", "/v1/admin/memory")["sessions"]}
     assert sessions[small]["state"] == "offloaded"

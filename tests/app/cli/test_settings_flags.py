@@ -173,6 +173,22 @@ def test_list_and_optional_flags() -> None:
     assert show()["cors_origins"] == []
     assert show("--max-kv-tokens", "4096")["max_kv_tokens"] == 4096
     assert show()["max_kv_tokens"] is None
+    retention = show("--retention-ttl-s", "604800", "--retention-priority", "0")
+    assert (retention["retention_ttl_s"], retention["retention_priority"]) == (604800.0, 0)
+    assert (show()["retention_ttl_s"], show()["retention_priority"]) == (None, None)
+
+
+def test_retention_defaults_are_variables_and_reach_the_engines_default_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVCHAT_RETENTION_TTL_S", "90.5")
+    monkeypatch.setenv("KVCHAT_RETENTION_PRIORITY", "100")
+    settings = Settings()
+    budget = settings.engine_config().cache.default_budget
+    assert (budget.retention_ttl_s, budget.retention_priority) == (90.5, 100)
+    assert settings.session_defaults().budget(512) == budget.__class__(
+        max_context_tokens=512, retention_ttl_s=90.5, retention_priority=100
+    )
 
 
 @pytest.mark.parametrize(
@@ -200,6 +216,14 @@ def test_list_and_optional_flags() -> None:
             ["--keyless-sessions", "maybe"],
             "error: --keyless-sessions: Input should be a valid boolean, unable to interpret "
             "input (got 'maybe')",
+        ),
+        (
+            ["--retention-priority", "101"],
+            "error: --retention-priority: Input should be less than or equal to 100 (got '101')",
+        ),
+        (
+            ["--retention-ttl-s", "604801"],
+            "error: --retention-ttl-s: Input should be less than or equal to 604800 (got '604801')",
         ),
         (
             ["--history-policy", "forget"],

@@ -1,8 +1,9 @@
 """Routing with affinity through real HAProxy in front of three replicas: a conversation's turns
-stay on one replica and reuse its whole history; so do a keyless stateless client's calls;
-conversations spread over the replicas; a WebSocket streams, stops and resumes through the
-proxy; and a replica whose pinned copy of a session went stale (another replica served turns
-in between) reuses only the prefix both share and produces what a recompute does.
+stay on one replica and reuse its whole history; so do a keyless stateless client's calls, and
+those of a client naming a prompt_cache_key; conversations and keys spread over the replicas;
+a WebSocket streams, stops and resumes through the proxy; and a replica whose pinned copy of a
+session went stale (another replica served turns in between) reuses only the prefix both share
+and produces what a recompute does.
 
 These replicas run without the KV store, so every reuse seen here is a replica's own memory
 (the store's part is test_fleet_failover's)."""
@@ -94,6 +95,76 @@ def test_a_keyless_client_resending_its_history_stays_on_one_replica(fleet: Flee
             {"role": "user", "content": f"And then {i}?"},
         ]
     assert len(set(replicas)) == 1, replicas
+
+
+def test_a_prompt_cache_key_keeps_its_calls_on_one_replica(fleet: Fleet) -> None:
+    """The openai client with a prompt_cache_key and no session header: HAProxy routes each call
+    by the key, whatever its messages open with, and the replica runs it in the session the key
+    names, reusing the previous call's KV; a store-false response with the key lands there too.
+    Twenty keys of fixed names land on more than one replica (a consistent hash of fixed names:
+    deterministic), each always on the same one; an X-Session-Id still wins."""
+    client = OpenAI(base_url=f"{fleet.url}/v1", api_key=fleet.admin_key, max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Hello from a client with a key."}]
+    replicas, previous = [], None
+    for i in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model="dev",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            prompt_cache_key="fleet-agent",
+            prompt_cache_retention="24h",
+        )
+        completion = raw.parse()
+        assert raw.headers["x-kvchat-route"] == "cache_key"
+        replicas.append(raw.headers["x-kvchat-replica"])
+        usage = completion.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        if previous is not None:
+            # All of the last turn (its last sampled token is pinned a step after the reply).
+            whole = previous.prompt_tokens + previous.completion_tokens
+            assert usage.prompt_tokens_details.cached_tokens in (whole - 1, whole)
+        previous = usage
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": f"And then {i}?"},
+        ]
+    response = client.responses.with_raw_response.create(
+        model="dev",
+        input="A different opening, the same key.",
+        store=False,
+        max_output_tokens=4,
+        temperature=0,
+        prompt_cache_key="fleet-agent",
+    )
+    assert response.headers["x-kvchat-route"] == "cache_key"
+    replicas.append(response.headers["x-kvchat-replica"])
+    assert len(set(replicas)) == 1, replicas
+
+    by_key: dict[str, set[str]] = {}
+    for round_ in range(2):
+        for n in range(20):
+            key = f"cache-key-{n}"
+            raw = client.chat.completions.with_raw_response.create(
+                model="dev",
+                max_tokens=2,
+                temperature=0,
+                messages=[{"role": "user", "content": f"Round {round_} of {key}."}],
+                prompt_cache_key=key,
+            )
+            assert raw.headers["x-kvchat-route"] == "cache_key"
+            by_key.setdefault(key, set()).add(raw.headers["x-kvchat-replica"])
+    assert all(len(r) == 1 for r in by_key.values()), by_key
+    assert len({next(iter(r)) for r in by_key.values()}) > 1, by_key
+    header = client.chat.completions.with_raw_response.create(
+        model="dev",
+        max_tokens=2,
+        temperature=0,
+        messages=[{"role": "user", "content": "Both named."}],
+        prompt_cache_key="cache-key-0",
+        extra_headers={"X-Session-Id": "cache-key-header"},
+    )
+    assert header.headers["x-kvchat-route"] == "header"
 
 
 def test_conversations_spread_over_the_replicas(fleet: Fleet) -> None:

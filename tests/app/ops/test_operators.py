@@ -251,6 +251,20 @@ def readable(service: Service, conv: str) -> None:
     assert page.status_code == 200 and conv in [c["id"] for c in page.json()["data"]]
 
 
+WEEK_S = 7 * 86_400
+
+
+def engine_of(service: Service, conv: str, admin: str) -> dict[str, Any]:
+    """The session as the engine holds it, once its last turn has ended."""
+    engine = settled(service, conv, admin)["engine"]
+    assert engine is not None
+    return engine  # type: ignore[no-any-return]
+
+
+def retention(view: dict[str, Any]) -> tuple[Any, Any]:
+    return view["retention_ttl_s"], view["retention_priority"]
+
+
 def test_put_checks_settings_with_what_the_conversation_stores(service: Service) -> None:
     admin = admin_key(service)
     conv = service.post("/v1/conversations", {"low_watermark": 0.6}).json()["id"]
@@ -361,6 +375,11 @@ def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(service:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
     back = put(service, path, {"max_kv_tokens": None}, admin)
     assert back.json()["effective"]["max_kv_tokens"] == service.state.defaults.max_kv_tokens
+    # ...and retention: the engine holds it to its TTL and rank from its next call.
+    kept = put(service, path, {"retention_ttl_s": 60, "retention_priority": 90}, admin).json()
+    assert retention(kept["effective"]) == retention(kept["engine"]) == (60, 90)
+    call()
+    assert settled(service, session_id, admin)["engine"]["held"] is True
     # Another owner's equal header is another session; an unknown id is not found.
     call(service.other_key)
     other = stateless_id("bob", "agent-7")
@@ -369,3 +388,89 @@ def test_stateless_sessions_are_listed_evicted_and_budgeted_by_their_id(service:
     assert service.get(f"/v1/admin/sessions/{unknown}", key=admin).status_code == 404
     assert service.post(f"/v1/admin/sessions/{unknown}/evict", {}, key=admin).status_code == 404
     assert put(service, f"/v1/admin/sessions/{unknown}", {}, admin).status_code == 404
+
+
+def test_retention_settings_are_checked_stored_and_reach_the_engine(service: Service) -> None:
+    admin = admin_key(service)
+    # Checked as every setting is, on each route that takes them: a 400 naming the field.
+    conv = service.post("/v1/conversations", {}).json()["id"]
+    for bad in (
+        {"retention_ttl_s": -0.5},
+        {"retention_ttl_s": WEEK_S + 1},
+        {"retention_ttl_s": "soon"},
+        {"retention_priority": -1},
+        {"retention_priority": 101},
+        {"retention_priority": 50.5},
+    ):
+        (name,) = bad
+        for method, path, key in (
+            ("POST", "/v1/conversations", None),
+            ("PATCH", f"/v1/conversations/{conv}", None),
+            ("PUT", f"/v1/admin/sessions/{conv}", admin),
+            ("PUT", "/v1/admin/defaults", admin),
+        ):
+            r = service.client.request(method, path, headers=service.headers(key), json=bad)
+            assert r.status_code == 400, (method, path, bad, r.text)
+            assert r.json()["error"]["param"] == name, (method, path, r.text)
+    settings = service.get(f"/v1/admin/sessions/{conv}", key=admin).json()["settings"]
+    assert set(settings.values()) == {None}  # nothing was written
+    assert retention(service.get("/v1/admin/defaults", key=admin).json()) == (None, None)
+
+    # The bounds are settings (a week's hold, the top rank), stored and read back as given.
+    both = {"retention_ttl_s": WEEK_S, "retention_priority": 100}
+    conv = service.post("/v1/conversations", both).json()["id"]
+    assert retention(service.get(f"/v1/conversations/{conv}").json()) == (WEEK_S, 100)
+    view = service.get(f"/v1/admin/sessions/{conv}", key=admin).json()
+    assert retention(view["settings"]) == retention(view["effective"]) == (WEEK_S, 100)
+    # A turn carries them to the engine, whose retention policy holds the session (its TTL).
+    turn(service, conv, "Hold my cache for a week, please.")
+    engine = engine_of(service, conv, admin)
+    assert retention(engine) == (WEEK_S, 100)
+    assert (engine["tier"], engine["class"], engine["held"]) == ("device", "person", True)
+    listed = service.get("/v1/admin/sessions", key=admin).json()
+    (row,) = [s for s in listed["data"] if s["session_id"] == conv]
+    assert retention(row["budget"]) == (WEEK_S, 100)
+    assert (row["tier"], row["class"], row["held"]) == ("device", "person", True)
+    assert row["next_turn_s"] is None or row["next_turn_s"] >= 0
+
+    # PUT (null: back to the default; 0: a setting, the lowest rank) reaches the engine at
+    # once, and the policy at the next turn: no TTL, no hold.
+    changed = {"retention_ttl_s": None, "retention_priority": 0}
+    r = put(service, f"/v1/admin/sessions/{conv}", changed, admin)
+    assert r.status_code == 200, r.text
+    assert retention(r.json()["settings"]) == retention(r.json()["engine"]) == (None, 0)
+    turn(service, conv, "Never mind.")
+    assert engine_of(service, conv, admin)["held"] is False
+
+    # The server's defaults are what a conversation that sets none runs with.
+    try:
+        defaults = {"retention_ttl_s": 3600, "retention_priority": 70}
+        r = put(service, "/v1/admin/defaults", defaults, admin)
+        assert r.status_code == 200 and retention(r.json()) == (3600, 70), r.text
+        plain = service.post("/v1/conversations", {}).json()["id"]
+        view = service.get(f"/v1/admin/sessions/{plain}", key=admin).json()
+        assert retention(view["settings"]) == (None, None)
+        assert retention(view["effective"]) == (3600, 70)
+        turn(service, plain, "Defaults, please.")
+        engine = engine_of(service, plain, admin)
+        assert retention(engine) == (3600, 70) and engine["held"] is True
+    finally:
+        unset = {"retention_ttl_s": None, "retention_priority": None}
+        put(service, "/v1/admin/defaults", unset, admin)
+
+    # A row out of range (written by hand) reads as unset in every view, and a turn on it is
+    # refused naming the field until PUT repairs it.
+    service.client.portal.call(
+        lambda: service.state.store.update_conversation("alice", conv, retention_priority=500)
+    )
+    view = service.get(f"/v1/admin/sessions/{conv}", key=admin).json()
+    assert view["settings"]["retention_priority"] == 500
+    assert view["effective"]["retention_priority"] is None  # the default's
+    assert view["error"]["param"] == "retention_priority"
+    readable(service, conv)
+    refused = service.post(f"/v1/conversations/{conv}/messages", {"content": "Hi"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "retention_priority"
+    repaired = put(service, f"/v1/admin/sessions/{conv}", {"retention_priority": 20}, admin)
+    assert repaired.status_code == 200 and repaired.json()["error"] is None, repaired.text
+    assert turn(service, conv, "Hi")["status"] == "complete"
+    assert engine_of(service, conv, admin)["retention_priority"] == 20

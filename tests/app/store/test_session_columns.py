@@ -39,6 +39,8 @@ def test_the_declaration_is_what_the_mirrors_are_checked_against() -> None:
         "low_watermark": float,
         "max_tool_result_tokens": int,
         "max_summary_tokens": int,
+        "retention_ttl_s": float,
+        "retention_priority": int,
     } == DECLARED
     assert records.OVERRIDE_FIELDS == SESSION_FIELDS
 

@@ -26,6 +26,8 @@ OVERRIDES = dict(
     low_watermark=0.5,
     max_tool_result_tokens=256,
     max_summary_tokens=128,
+    retention_ttl_s=5400.25,
+    retention_priority=85,
 )
 
 
@@ -130,9 +132,14 @@ async def test_update_sets_fields_clears_with_none_and_bumps_updated_at(store: S
         history_policy="drop",
         trim_start_id=message.id,
         current_leaf_id=message.id,
+        retention_ttl_s=0.0,
+        retention_priority=0,
     )
     assert updated is not None
     assert (updated.title, updated.metadata, updated.max_kv_tokens) == ("new", {"k": "v"}, None)
+    # zero is a setting (hold nothing, rank lowest), not the default
+    assert (updated.retention_ttl_s, updated.retention_priority) == (0.0, 0)
+    assert updated.overrides["retention_priority"] == 0
     assert updated.history_policy == "drop" and updated.trim_start_id == message.id
     assert updated.updated_at > created.updated_at and updated.created_at == created.created_at
     assert await store.get_conversation("alice", created.id) == updated

@@ -199,6 +199,7 @@ def test_bad_frames_get_error_frames_and_the_socket_stays_usable(ws_service: Ser
             (json.dumps({"type": "resume", "message_id": "msg_nope", "offset": 0}), "not_found"),
             (json.dumps({"type": "message", "content": "x" * 300_000}), "frame_too_large"),
             (json.dumps({"type": "regenerate"}), "invalid_request"),
+            (json.dumps({"type": "typing", "text": 5}), "invalid_request"),
         ]
         for text, code in cases:
             ws.send_text(text)
@@ -404,3 +405,107 @@ def test_sampling_knobs_reach_the_engine(ws_service: Service) -> None:
         return (400 if error["code"] == "invalid_request" else 0), error.get("param")
 
     check_sampling_knobs(ws_service.state.runtime.tokenizer, reply, refused)
+
+
+# -- the session's presence and its user typing (the retention policy's hints) --------------------
+
+
+def wait_for(condition: Any, what: str, timeout: float = 120.0) -> None:
+    """Until `condition()` holds; the bound only catches a hang, the wait is on the condition."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.01)
+
+
+def signals(service: Service, conv: str) -> Any:
+    """What the engine's session store knows of the conversation's next turn (read from this
+    thread: the test looks, the engine thread writes)."""
+    session = service.state.runtime.engine_client.engine.sessions.get(conv)
+    return None if session is None else session.signals
+
+
+def pong(ws: Any) -> None:
+    """A round trip: every frame the socket got before the ping has been handled."""
+    ws.send_json({"type": "ping"})
+    assert ws.receive_json() == {"type": "pong"}
+
+
+def test_a_conversation_is_present_while_a_socket_of_it_is_open(ws_service: Service) -> None:
+    conv = conversation(ws_service)
+    sockets = ws_service.state.conversation_sockets
+    assert signals(ws_service, conv) is None  # the engine has not heard of it
+    with socket(ws_service, conv) as first:
+        pong(first)  # the open is noted before the socket reads a frame
+        assert signals(ws_service, conv).present is True and sockets[conv] == 1
+        with socket(ws_service, conv) as second:
+            pong(second)
+            assert sockets[conv] == 2
+        wait_for(lambda: sockets[conv] == 1, "the second socket's close")
+        pong(first)
+        assert signals(ws_service, conv).present is True  # one is still open
+    wait_for(lambda: signals(ws_service, conv).present is False, "the last socket's close")
+    assert conv not in sockets
+
+
+def admin_view(service: Service, conv: str, admin: str) -> dict[str, Any]:
+    r = service.get(f"/v1/admin/sessions/{conv}", key=admin)
+    assert r.status_code == 200, r.text
+    engine: dict[str, Any] = r.json()["engine"]
+    return engine
+
+
+def test_typing_brings_an_evicted_session_back_onto_the_device(
+    ws_service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvchat.app.transports import presence
+
+    # Typing notes are one a second per socket; here none comes due twice, whatever the
+    # machine's speed, so the frames past the first are the ignored ones.
+    monkeypatch.setattr(presence, "TYPING_NOTE_INTERVAL_S", 3600.0)
+    state, portal = ws_service.state, ws_service.client.portal
+    _, admin = portal.call(lambda: state.store.create_key("ws-ops", admin=True))
+    # An owner of its own: nothing learned from other tests' sessions predicts its return.
+    _, typist = portal.call(lambda: state.store.create_key("typist"))
+    conv = conversation(ws_service, typist)
+    with socket(ws_service, conv, typist) as ws:
+        ws.send_json({"type": "message", "content": "Remember me", "max_tokens": 4})
+        assert until(ws, "done")[-1]["status"] == "complete"
+        wait_for(lambda: admin_view(ws_service, conv, admin)["state"] == "resident", "pinning")
+        evicted = ws_service.post(f"/v1/admin/sessions/{conv}/evict?offload=true", {}, key=admin)
+        assert evicted.json()["state"] == "offloaded", evicted.text
+        before = admin_view(ws_service, conv, admin)
+        assert (before["tier"], before["held"]) == ("host", False)
+        assert before["host_blocks"] > 0 and before["device_blocks"] == 0
+
+        ws.send_json({"type": "typing"})
+        wait_for(lambda: admin_view(ws_service, conv, admin)["tier"] == "device", "the restore")
+        after = admin_view(ws_service, conv, admin)
+        assert after["state"] == "resident"
+        assert after["device_blocks"] > 0 and after["tokens"] == before["tokens"]
+        noted_at = signals(ws_service, conv).typing_at
+        assert noted_at is not None
+
+        # More typing frames are accepted and ignored: no answer, no note.
+        for _ in range(3):
+            ws.send_json({"type": "typing"})
+        pong(ws)  # the next frame the socket sends answers the ping: nothing came before it
+        assert signals(ws_service, conv).typing_at == noted_at
+        # A bad one is answered and the socket stays open.
+        ws.send_json({"type": "typing", "text": "hello"})
+        error = ws.receive_json()
+        assert (error["type"], error["code"], error["param"]) == (
+            "error",
+            "invalid_request",
+            "text",
+        )
+        pong(ws)
+        # Another socket has its own pace: its first typing frame is noted.
+        with socket(ws_service, conv, typist) as other:
+            other.send_json({"type": "typing"})
+            pong(other)
+        assert signals(ws_service, conv).typing_at > noted_at
+        # The message finds its KV on the device: every token of the history is reused.
+        ws.send_json({"type": "message", "content": "Here I am", "max_tokens": 4})
+        done = until(ws, "done")[-1]
+        assert done["usage"]["cached_tokens"] >= after["tokens"]
