@@ -157,7 +157,9 @@ class RetentionPolicy:
         signals.end, signals.ended_at = end, now
 
     def turn_began(self, signals: Signals, now: float) -> None:
-        """The session's next turn arrived: its gap is learned."""
+        """The session's next turn arrived: its gap is learned, and its user is no longer
+        typing (the message they typed is this turn)."""
+        signals.typing_at = None
         if signals.ended_at is None:
             return
         gap = max(now - signals.ended_at, 0.0)

@@ -341,23 +341,29 @@ class SessionStore:
 
     # -- pressure ---------------------------------------------------------------------------------
 
-    def make_room(self, num_blocks: int) -> bool:
+    def make_room(self, num_blocks: int, *, spare_held: bool = False) -> bool:
         """Offload (or drop) idle resident sessions until `num_blocks` blocks are free, the
-        least worth keeping first. Returns whether they are."""
+        least worth keeping first. Returns whether they are. `spare_held`: held sessions stay
+        (room for a prefetch; a running request's room breaks holds)."""
         if self.pool.can_allocate(num_blocks):
             return True
+        spare_held = spare_held and self.mode == "predictive"  # only its policy holds
+        now = self.clock()
         for victim in self._victims(SessionState.RESIDENT):
+            if spare_held and self.retention.held(victim.signals, now):
+                continue
             self.evict(victim.session_id)
             if self.pool.can_allocate(num_blocks):
                 return True
         return False
 
     def maintain(self) -> None:
-        """Between steps: below the low watermark, evict idle sessions up to the high one; and
-        (predictive) bring up the sessions whose next turn is near."""
+        """Between steps: below the low watermark, evict idle sessions up to the high one (held
+        ones stay: their turn is seconds away, and a running request's room still breaks a
+        hold); and (predictive) bring up the sessions whose next turn is near."""
         total = self.pool.num_blocks
         if self.pool.num_free_blocks < self.config.watermark_low * total:
-            self.make_room(int(self.config.watermark_high * total))
+            self.make_room(int(self.config.watermark_high * total), spare_held=True)
         if self.mode == "predictive" and (
             self._prefetch_queue or self.clock() >= self._next_prefetch
         ):
@@ -508,13 +514,15 @@ class SessionStore:
 
     def _prefetch(self, session: Session, now: float, *, urgent: bool) -> bool:
         """Bring the session's KV onto the device ahead of its turn: from the host pool, or
-        from the KV store. `urgent` (its user is typing): make room by moving sessions worth
-        less down; otherwise only into free blocks above the low watermark."""
+        from the KV store. `urgent` (its user is typing): make room by moving sessions that are
+        not held down; otherwise only into free blocks above the low watermark."""
         if session.state not in (SessionState.OFFLOADED, SessionState.STORED):
             return False
         need = len(session.kv.host_block_ids) or -(-session.num_tokens // self.block_size)
         reserve = int(self.config.watermark_low * self.pool.num_blocks)
-        if not self.pool.can_allocate(need + reserve) and not (urgent and self.make_room(need)):
+        if not self.pool.can_allocate(need + reserve) and not (
+            urgent and self.make_room(need, spare_held=True)
+        ):
             return False
         fresh = KVState(salt=session.salt)
         if session.state is SessionState.OFFLOADED:

@@ -348,3 +348,54 @@ def test_the_policy_costs_little_with_a_thousand_idle_sessions() -> None:
     assert store.make_room(2100 - 100 + 20)
     assert calls == 1000  # one ordering, then evictions in it
     assert SessionState.RESIDENT in {s.state for s in store.sessions.values()}
+
+
+def test_a_typing_prefetch_never_breaks_a_hold() -> None:
+    """Room for a typing user's session is made from sessions that are not held: an agent
+    mid tool call stays on the device, and the prefetch waits for free room."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=8, host_blocks=8)
+    turn(store, "reader", 4 * BS)
+    assert store.evict("reader") == "offloaded"
+    turn(store, "agent", 4 * BS, end="tool_calls", first=100)
+    turn(store, "idle", 4 * BS, first=200)  # moves the reader's room: device full
+    assert tiers(store)["agent"] == "resident"
+    clock.advance(1.0)
+    store.note("reader", typing=True)
+    # The idle person's session made the room; the agent's held session did not.
+    assert tiers(store) == {"reader": "resident", "agent": "resident", "idle": "offloaded"}
+    assert store.stats.holds_broken == 0
+    # Another typing user, and nothing left that is not held: it waits on the host.
+    store.note("idle", typing=True)
+    assert tiers(store)["idle"] == "offloaded" and tiers(store)["agent"] == "resident"
+    assert store.stats.holds_broken == 0
+
+
+def test_typing_ends_when_the_turn_begins() -> None:
+    """A typing user's session is held until their message comes; once that turn has run,
+    the session is judged by its gaps again, not held by the typing of a message it has."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=16)
+    turn(store, "p", 4 * BS)
+    clock.advance(60.0)
+    store.note("p", typing=True)
+    session = store.get("p")
+    assert session is not None and store.retention.held(session.signals, clock())
+    clock.advance(2.0)
+    turn(store, "p", 5 * BS)
+    assert not store.retention.held(session.signals, clock())
+    assert store.predict(session).next_turn_s != 0.0
+
+
+def test_the_watermarks_spare_held_sessions() -> None:
+    """Below the low watermark, idle sessions are moved out up to the high one, but not an
+    agent mid tool call: its turn is seconds away. The pinned mode holds nothing."""
+    for mode, kept in (("predictive", "resident"), ("pinned", "offloaded")):
+        clock = Clock()
+        store = make_store(clock, num_blocks=8, host_blocks=8, mode=mode)
+        turn(store, "agent", 4 * BS, end="tool_calls")
+        turn(store, "person", 4 * BS, first=100)
+        assert store.pool.num_free_blocks == 0
+        store.maintain()
+        assert tiers(store)["agent"] == kept, mode
+        assert store.stats.holds_broken == 0
