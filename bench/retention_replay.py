@@ -400,16 +400,25 @@ class Replayer:
 
 
 async def ws_turn(
-    endpoint: Endpoint, conv: str, text: str, max_tokens: int, *, typing_lead_s: float | None = None
+    endpoint: Endpoint,
+    conv: str,
+    text: str,
+    max_tokens: int,
+    *,
+    typing_lead_s: float | None = None,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """One turn over the conversation's WebSocket (a typing frame `typing_lead_s` before the
-    message when given): the done frame, with the client's TTFT added (`client_ttft_s`)."""
+    message when given, else `pause_s` of silence after connecting): the done frame, with the
+    client's TTFT added (`client_ttft_s`)."""
     headers = {"Authorization": f"Bearer {endpoint.person_key}"}
     url = f"{endpoint.ws_url}/v1/conversations/{conv}/ws"
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
         if typing_lead_s is not None:
             await ws.send(json.dumps({"type": "typing"}))
             await asyncio.sleep(typing_lead_s)
+        elif pause_s > 0:
+            await asyncio.sleep(pause_s)
         sent = time.perf_counter()
         await ws.send(
             json.dumps(
@@ -466,7 +475,9 @@ async def typing_probe(
 ) -> TypingProbe:
     """Three conversations with the same opening (a long first message), then `repeats` later
     turns each, in turn: one pushed to disk (POST /v1/admin/sessions/{id}/evict?offload=false)
-    whose user types first, one left on the device, one pushed to disk without typing."""
+    whose user types first, one left on the device, one pushed to disk without typing. Each
+    message is sent `lead_s` after its socket opens, typed or not: an idle engine's first step
+    is slower, and every variant waits as long."""
     import random
 
     rng = random.Random(plan.config.seed + 7)
@@ -504,6 +515,8 @@ async def typing_probe(
                     text,
                     plan.config.reply_tokens,
                     typing_lead_s=lead_s if i == 0 else None,
+                    # The others wait as long, silent: every turn finds the server idle as long.
+                    pause_s=lead_s,
                 )
                 times[i].append(float(done["timings"]["ttft_ms"]) / 1e3)
                 bar.update(1)
