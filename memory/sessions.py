@@ -380,7 +380,9 @@ class SessionStore:
                 return "dropped"
             return "noop"
         self._note_leaving(session)
-        if offload and self.host_room(len(session.kv.block_ids)):
+        # A session that is not held never pushes a held one off the host: it goes on down.
+        spare_held = not self.retention.held(session.signals, self.clock())
+        if offload and self.host_room(len(session.kv.block_ids), spare_held=spare_held):
             self.manager.swap_out(session.kv)
             session.state = SessionState.OFFLOADED
             self._idle[session_id] = None  # still idle, now on host
@@ -402,14 +404,18 @@ class SessionStore:
         self._stored.pop(session_id, None)
         del self.sessions[session_id]
 
-    def host_room(self, num_blocks: int) -> bool:
+    def host_room(self, num_blocks: int, *, spare_held: bool = False) -> bool:
         """Whether `num_blocks` host blocks are free, dropping offloaded sessions (the least
-        worth keeping first) to free them if need be."""
+        worth keeping first) to free them if need be; `spare_held`: not held ones only."""
         if num_blocks > self.host_pool.num_blocks:
             return False
         if self.host_pool.can_allocate(num_blocks):
             return True
+        spare_held = spare_held and self.mode == "predictive"  # only its policy holds
+        now = self.clock()
         for victim in self._victims(SessionState.OFFLOADED):
+            if spare_held and self.retention.held(victim.signals, now):
+                continue
             self._note_leaving(victim)
             self._drop(victim)
             if self.host_pool.can_allocate(num_blocks):

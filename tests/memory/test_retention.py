@@ -399,3 +399,22 @@ def test_the_watermarks_spare_held_sessions() -> None:
         store.maintain()
         assert tiers(store)["agent"] == kept, mode
         assert store.stats.holds_broken == 0
+
+
+def test_a_session_not_held_never_pushes_a_held_one_off_the_host() -> None:
+    """An agent mid tool call waits on the host; a person's session moved out of the device
+    after it goes on down (dropped), rather than pushing the agent to nowhere."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=16, host_blocks=4)
+    turn(store, "agent", 4 * BS, end="tool_calls")
+    assert store.evict("agent") == "offloaded"  # (an operator's move: a hold broken)
+    broken = store.stats.holds_broken
+    turn(store, "person", 4 * BS, first=100)
+    assert store.evict("person") == "dropped"
+    assert tiers(store) == {"agent": "offloaded", "person": "empty"}
+    assert store.stats.holds_broken == broken
+    # A held session still takes the room of one that is not.
+    turn(store, "agent2", 4 * BS, end="tool_calls", first=200)
+    clock.advance(60.0)  # the first agent's hold is over
+    assert store.evict("agent2") == "offloaded"
+    assert tiers(store)["agent"] == "empty"
