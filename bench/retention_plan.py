@@ -396,6 +396,7 @@ class ClassSummary:
     ttft_p50_s: float
     ttft_p90_s: float
     decode_tok_s: float  # per request, p50
+    later_ttft_p90_s: float = float("nan")  # turns after the first: where retention acts
     quick_returns: int = 0  # agents: returns within RETURN_WINDOW_S
     quick_on_device: int = 0  # of those, found on the device just before
 
@@ -429,6 +430,9 @@ def summarize(records: Sequence[TurnRecord], klass: str | None) -> ClassSummary:
         ttft_p50_s=quantile(ttft, 0.5),
         ttft_p90_s=quantile(ttft, 0.9),
         decode_tok_s=quantile(decode, 0.5),
+        later_ttft_p90_s=quantile(
+            [r.ttft_s for r in ok if r.ttft_s is not None and r.turn > 1], 0.9
+        ),
         quick_returns=len(quick),
         quick_on_device=sum(r.tier_before == "device" for r in quick),
     )
