@@ -4,6 +4,7 @@ requests with `tools`, one server at a time.
 
     python bench/tool_calls.py                  # every case: 1,240 per server
     python bench/tool_calls.py --limit 5        # the first 5 of each category, a smoke run
+    python bench/tool_calls.py --runs replies.json  # kept as each category ends; resumable
 
 The cases, the tools offered and the verdicts are BFCL's own (bfcl-eval, installed once in a venv
 of its own under models/.peers, never in kvchat's: bench/bfcl_cases.py runs there and says what
@@ -334,6 +335,44 @@ class CategoryRun:
     category: str
     replies: list[Reply]
     seconds: float
+    ended: str = ""  # UTC, when its last reply came
+
+    def to_json(self) -> dict[str, Any]:
+        replies = [r.__dict__ | {"offered": sorted(r.offered)} for r in self.replies]
+        return self.__dict__ | {"replies": replies}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CategoryRun:
+        replies = [Reply(**(r | {"offered": frozenset(r["offered"])})) for r in d["replies"]]
+        return cls(d["server"], d["category"], replies, d["seconds"], d["ended"])
+
+
+def load_runs(path: Path | None) -> list[CategoryRun]:
+    """The category runs a `--runs` file holds (none when it does not exist yet)."""
+    if path is None or not path.is_file():
+        return []
+    return [CategoryRun.from_json(d) for d in json.loads(path.read_text())]
+
+
+def save_runs(path: Path, runs: list[CategoryRun]) -> None:
+    """Every category run so far, replacing the file whole (written aside, then renamed)."""
+    aside = path.with_name(path.name + ".partial")
+    aside.write_text(json.dumps([run.to_json() for run in runs]))
+    aside.replace(path)
+
+
+def reusable(
+    saved: list[CategoryRun], server: str, category: str, cases: list[dict[str, Any]]
+) -> CategoryRun | None:
+    """A saved run of this server and category over exactly these cases, every one answered
+    or failed for good (none missing)."""
+    ids = [c["id"] for c in cases]
+    for run in saved:
+        if (run.server, run.category) == (server, category) and [
+            r.case_id for r in run.replies
+        ] == ids:
+            return run
+    return None
 
 
 def main() -> int:
@@ -353,7 +392,14 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=8192, help="llama-server's context per slot")
     ap.add_argument("--dtype", default="auto", help="kvchat's KVCHAT_DTYPE")
     ap.add_argument("--out", type=Path, default=RESULTS / "tool_calls.md")
-    ap.add_argument("--save-replies", type=Path, default=None, help="every reply, as JSON")
+    ap.add_argument(
+        "--runs",
+        type=Path,
+        default=None,
+        help="a JSON file of every reply, written as each category ends; a server's category "
+        "already there (the same cases) is reused, not asked again: an interrupted run resumes, "
+        "and a server can be run apart from the others",
+    )
     args = ap.parse_args()
     servers = [s for s in args.servers.split(",") if s]
     categories = [c for c in args.categories.split(",") if c]
@@ -369,11 +415,25 @@ def main() -> int:
     binary = server_binary() if set(servers) & set(LLAMA_TEMPLATES) else None
     about: dict[str, object] = {}
     runs: list[CategoryRun] = []
+    saved = load_runs(args.runs)
+    reused: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvchat-tool-calls-") as tmp:
         work = Path(tmp)
         cases = bfcl_cases(python, categories, args.limit, work)
+        by_category = {c: [x for x in cases if x["category"] == c] for c in categories}
         with tqdm(total=len(cases) * len(servers), desc="cases", unit="case") as bar:
             for name in servers:
+                todo = []
+                for category in categories:
+                    earlier = reusable(saved, name, category, by_category[category])
+                    if earlier is None:
+                        todo.append(category)
+                        continue
+                    runs.append(earlier)
+                    reused.append(f"{name} {category} (ended {earlier.ended})")
+                    bar.update(len(earlier.replies))
+                if not todo:
+                    continue
                 server = start_server(name, model_dir, gguf, binary, args, work)
                 if isinstance(server, ToolLlamaServer):
                     template = LLAMA_TEMPLATES[name]
@@ -384,19 +444,18 @@ def main() -> int:
                 try:
                     warm = Reply(name, "warm-up", categories[0], frozenset())
                     asyncio.run(warm_up(server, cases[0], args, warm))
-                    for category in categories:
-                        mine = [c for c in cases if c["category"] == category]
+                    for category in todo:
+                        mine = by_category[category]
                         replies, seconds = asyncio.run(run_category(server, mine, args, bar))
-                        runs.append(CategoryRun(name, category, replies, seconds))
+                        ended = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                        runs.append(CategoryRun(name, category, replies, seconds, ended))
+                        if args.runs is not None:
+                            save_runs(args.runs, [*runs, *unused(saved, runs)])
                 finally:
                     server.stop()
         bfcl_verdicts(python, [r for run in runs for r in run.replies], work)
-    if args.save_replies is not None:
-        args.save_replies.write_text(
-            json.dumps(
-                [r.__dict__ | {"offered": sorted(r.offered)} for x in runs for r in x.replies]
-            )
-        )
+    if args.runs is not None:
+        save_runs(args.runs, [*runs, *unused(saved, runs)])
     about |= {
         "model": f"{model_dir.name} (kvchat: its import of {gguf.name}; llama-server: that file)",
         "bfcl-eval": f"{BFCL_PACKAGE} {BFCL_VERSION}, categories {', '.join(categories)}"
@@ -410,6 +469,8 @@ def main() -> int:
         f"{args.threads} threads",
         "command": " ".join(["python bench/tool_calls.py", *sys.argv[1:]]),
     }
+    if reused:
+        about["reused from --runs"] = "; ".join(reused)
     header = machine_header(
         "Tool calls scored by BFCL: kvchat against llama-server",
         about,
@@ -422,6 +483,12 @@ def main() -> int:
     print(report)
     plot(runs, servers, categories, args.out.with_suffix(".png"), model_dir.name)
     return 0
+
+
+def unused(saved: list[CategoryRun], runs: list[CategoryRun]) -> list[CategoryRun]:
+    """The saved runs this run neither reused nor redid (kept in the file)."""
+    done = {(r.server, r.category) for r in runs}
+    return [r for r in saved if (r.server, r.category) not in done]
 
 
 def start_server(

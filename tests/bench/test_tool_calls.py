@@ -14,7 +14,17 @@ from typing import Any
 import pytest
 from filelock import FileLock
 
-from kvchat.bench.tool_calls import Reply, bfcl_python, read_reply, request_body
+from kvchat.bench.tool_calls import (
+    CategoryRun,
+    Reply,
+    bfcl_python,
+    load_runs,
+    read_reply,
+    request_body,
+    reusable,
+    save_runs,
+    unused,
+)
 from kvchat_testing.real_model import cache_dir
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -226,3 +236,25 @@ def test_real_cases_and_bfcl_verdicts(tmp_path: Path) -> None:
             assert verdict["valid"], verdict
         else:
             assert not verdict["valid"] and verdict["error_type"].startswith(expected), verdict
+
+
+def test_runs_are_kept_and_reused_only_for_the_same_cases(tmp_path: Path) -> None:
+    """A --runs file round-trips every reply; a saved category is reused for the same server
+    and the very same cases, and runs neither reused nor redone stay in the file."""
+    body = response([("math_factorial", '{"number":5}')])
+    answered = reply_to("simple_python_1", body)
+    failed = Reply("kvchat", "simple_python_2", "simple_python", frozenset({"f"}))
+    failed.error, failed.error_type = "HTTP 500: boom", "http_error"
+    kept = CategoryRun("kvchat", "simple_python", [answered, failed], 12.5, "2026-12-07 21:00 UTC")
+    other = CategoryRun("llama-server", "irrelevance", [], 3.0, "2026-12-07 22:00 UTC")
+    path = tmp_path / "runs.json"
+    assert load_runs(path) == []
+    save_runs(path, [kept, other])
+    saved = load_runs(path)
+    assert saved == [kept, other] and saved[0].replies[0].offered == answered.offered
+    assert saved[0].replies[0].result == answered.result
+    cases = [{"id": "simple_python_1"}, {"id": "simple_python_2"}]
+    assert reusable(saved, "kvchat", "simple_python", cases) == kept
+    assert reusable(saved, "llama-server", "simple_python", cases) is None
+    assert reusable(saved, "kvchat", "simple_python", cases[:1]) is None  # other cases
+    assert unused(saved, [kept]) == [other]
