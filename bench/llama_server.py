@@ -96,6 +96,14 @@ def server_binary(cache_dir: Path = CACHE, version: str = VERSION, jobs: int | N
     return binary
 
 
+def cpu_args() -> list[str]:
+    """llama-server arguments this CPU needs. With AMX, ggml's AMX matmul (its weights in an
+    AMX buffer, a repacked layout) crashes at the first decode on some kernels (SIGSEGV in
+    ggml_backend_amx_mul_mat, seen on a 2-core Xeon VM that lists amx_tile): --no-repack keeps
+    the weights in their plain layout, on the AVX512 kernels."""
+    return ["--no-repack"] if "amx_tile" in cpu_flags().split() else []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -58,7 +58,15 @@ from kvchat.bench.common import (
     serve_command,
 )
 from kvchat.bench.contention import neighbours
-from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
+from kvchat.bench.llama_server import (
+    CACHE,
+    PACKAGE,
+    VERSION,
+    cpu_args,
+    free_port,
+    server_binary,
+    wait_ready,
+)
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 WORDS = (
@@ -405,6 +413,7 @@ class LlamaServer(Server):
             str(ctx),
             "-np",
             str(slots),
+            *cpu_args(),
             "--cache-reuse",
             "256",
             "--cache-ram",

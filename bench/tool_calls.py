@@ -62,7 +62,15 @@ from tqdm import tqdm
 
 from kvchat.bench.bfcl_cases import CATEGORIES, model_result
 from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
-from kvchat.bench.llama_server import CACHE, PACKAGE, VERSION, free_port, server_binary, wait_ready
+from kvchat.bench.llama_server import (
+    CACHE,
+    PACKAGE,
+    VERSION,
+    cpu_args,
+    free_port,
+    server_binary,
+    wait_ready,
+)
 from kvchat.bench.peers_serving import KVChatServer, Server
 
 BFCL_PACKAGE = "bfcl-eval"
@@ -291,6 +299,7 @@ class ToolLlamaServer(Server):
             *("-t", str(threads), "-tb", str(threads), "-np", str(slots)),
             *("-c", str(ctx * slots), "--jinja", "--no-webui"),
             *(("--chat-template-file", str(template)) if template else ()),
+            *cpu_args(),
         ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
@@ -466,7 +475,7 @@ def main() -> int:
         "warm-up request per server first",
         "kvchat": f"kvchat serve, defaults, KVCHAT_DTYPE {args.dtype}, {args.threads} threads",
         "llama-server": f"--jinja, -np {args.concurrency}, -c {args.ctx * args.concurrency}, "
-        f"{args.threads} threads",
+        f"{args.threads} threads" + "".join(f", {a}" for a in cpu_args()),
         "command": " ".join(["python bench/tool_calls.py", *sys.argv[1:]]),
     }
     if reused:
