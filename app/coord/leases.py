@@ -1,8 +1,9 @@
 """Session ownership leases: which process holds a conversation's newest pinned KV. A lease is
 taken when a turn leaves its session pinned — taken over from another replica if that one
 held it (the turn ran under the conversation's fenced turn lock, so this replica's copy is now
-the newest) — renewed while the session holds KV (on the device or the host), and released
-when the session is dropped or evicted, and at shutdown. A replica whose lease was taken over
+the newest) — renewed while the session holds KV (on the device, the host, or only in this
+replica's KV store, token ids kept to load it back), and released when it holds none (dropped
+for good, closed), and at shutdown. A replica whose lease was taken over
 stops renewing it and keeps its copy for the LRU to age out.
 
 Why a replica's copy that another replica's turns made stale is harmless: KV is a function of

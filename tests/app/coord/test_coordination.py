@@ -20,6 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvchat.app.coord import Coordinator, LocalCoordinator, ProcessIdentity
+from kvchat.app.coord.leases import lease_name
 from kvchat.app.coord.locks import HeldLock, Locks
 from kvchat.app.coord.redis import RedisCoordinator
 from kvchat_testing.app_service import Service, service_settings
@@ -376,9 +377,24 @@ def test_the_lease_is_held_renewed_and_released_on_evict(
     assert holder() == "replica-a"
     time.sleep(2.5)  # longer than the 1.5 s TTL: only renewal keeps it
     assert holder() == "replica-a"
+    # Dropped from memory, its KV stays in this replica's KV store ("stored": the predictive
+    # policy keeps its token ids to load it back), so the lease stays here, renewed.
     evicted = a.post(f"/v1/admin/sessions/{conv}/evict?offload=false", {}).json()
-    assert evicted["state"] == "empty"
-    assert holder() is None
+    assert evicted["state"] == "stored"
+    time.sleep(2.5)
+    assert holder() == "replica-a"
+    # Closed for good (deleted), it holds nothing anywhere: released.
+    deleted = a.client.delete(f"/v1/conversations/{conv}", headers=a.headers())
+    assert deleted.status_code in (200, 204), deleted.text
+
+    def lease() -> str | None:
+        return b.client.portal.call(b.state.coord.lease_holder, lease_name(conv))
+
+    for _ in range(100):
+        if lease() is None:
+            break
+        time.sleep(0.05)
+    assert lease() is None
 
 
 def test_rate_limits_answer_429_and_a_socket_error_frame(dev_model: Path, tmp_path: Path) -> None:
