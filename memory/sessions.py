@@ -73,6 +73,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)  # when a turn last ended
     signals: Signals = field(default_factory=Signals)  # what predicts its next turn
     prefetched_at: float | None = None  # brought up ahead of its turn, not claimed since
+    moved_down: bool = False  # an operator moved it out: no prefetch before its next turn
 
     @property
     def num_tokens(self) -> int:
@@ -218,6 +219,7 @@ class SessionStore:
         self._idle.pop(session_id, None)
         self._stored.pop(session_id, None)
         session.active_request_id = request_id
+        session.moved_down = False
         state = session.state
         session.state = SessionState.ACTIVE
         if session.prefetched_at is not None:
@@ -369,11 +371,15 @@ class SessionStore:
         ):
             self._prefetch_near()
 
-    def evict(self, session_id: str, *, offload: bool = True) -> str:
+    def evict(self, session_id: str, *, offload: bool = True, operator: bool = False) -> str:
         """Move an idle session's KV out of the device pool: to host when `offload` and room
         allows, else drop it (to the KV store's copy, under the predictive policy). Returns
-        what happened: offloaded | dropped | noop."""
+        what happened: offloaded | dropped | noop. `operator`: an operator's move, which the
+        policy's prefetch leaves be until the session's next turn (its user typing still
+        brings it up)."""
         session = self.sessions.get(session_id)
+        if operator and session is not None:
+            session.moved_down = True
         if session is None or session.state is not SessionState.RESIDENT:
             if session is not None and session.state is SessionState.OFFLOADED and not offload:
                 self._drop(session)
@@ -514,6 +520,8 @@ class SessionStore:
                 SessionState.OFFLOADED,
                 SessionState.STORED,
             ):
+                continue
+            if session.moved_down and not self.retention.typing(session.signals, now):
                 continue
             if self.retention.wants_prefetch(session.signals, now):
                 self._prefetch(session, now, urgent=False)

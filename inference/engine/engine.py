@@ -477,7 +477,7 @@ class Engine:
 
         def evict() -> SessionEviction:
             before = self.session_info(session_id)
-            self.sessions.evict(session_id, offload=offload)
+            self.sessions.evict(session_id, offload=offload, operator=True)
             return SessionEviction(before, self.session_info(session_id))
 
         return self.submit(evict)

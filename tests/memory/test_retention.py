@@ -418,3 +418,22 @@ def test_a_session_not_held_never_pushes_a_held_one_off_the_host() -> None:
     clock.advance(60.0)  # the first agent's hold is over
     assert store.evict("agent2") == "offloaded"
     assert tiers(store)["agent"] == "empty"
+
+
+def test_an_operators_move_is_not_undone_by_a_prefetch() -> None:
+    """A session whose gaps say it is back in seconds is prefetched when it leaves the device
+    under pressure, but not when an operator moved it out: that stays until its next turn (or
+    its user types)."""
+    for operator, after in ((False, "resident"), (True, "offloaded")):
+        clock = Clock()
+        store = make_store(clock, num_blocks=16, host_blocks=16)
+        for i in range(6):  # a session that answers every 2 s
+            turn(store, "quick", (4 + i) * BS)
+            clock.advance(2.0)
+        turn(store, "quick", 10 * BS)
+        assert store.evict("quick", operator=operator) == "offloaded"
+        clock.advance(1.0)
+        store.maintain()
+        assert tiers(store)["quick"] == after, operator
+    store.note("quick", typing=True)
+    assert tiers(store)["quick"] == "resident"
