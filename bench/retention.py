@@ -25,12 +25,13 @@ policy runs the workload a second time without typing frames (the other two igno
 Per class and policy: prompt tokens computed (prompt - cached, from each reply's usage)
 against the ideal (the tokens no earlier turn of the session had), the server's TTFT p50 and
 p90, decode tokens/s per request; per run, from /metrics deltas: bytes moved between tiers,
-session hits by tier, prefetches used and wasted, holds broken; for agents, the share of returns
-within 5 s whose session was on the device just before (GET /v1/admin/sessions/{id}). Two
-probes on a fresh predictive server: a typing person whose session was pushed to disk (TTFT
-against a session left on the device), and a keyless client (`prompt_cache_key`,
-`prompt_cache_retention: "24h"`) whose server restarts between its two turns (the share of the
-second prompt served from cache). The goals are printed with pass or fail.
+session hits by tier, prefetches used and wasted, holds broken (and requests that waited on
+one); for agents, the share of returns within 5 s whose session was on the device just before
+(GET /v1/admin/sessions/{id}). Two probes on a fresh predictive server: a typing person
+whose session was pushed to disk (TTFT against a session left on the device), and a keyless
+client (`prompt_cache_key`, `prompt_cache_retention: "24h"`) whose server restarts between its
+two turns (the share of the second prompt served from cache). The goals are printed with pass
+or fail.
 
 Each run stops at `--time-limit`; all traffic is to loopback. Writes bench/results/retention.md
 (or the `--out` path) and the plot beside it (retention.png)."""
@@ -429,7 +430,8 @@ def tier_rows(runs: Sequence[Run]) -> list[list[object]]:
                 " / ".join(
                     f"{run.metric(pre, outcome=o):.0f}" for o in ("issued", "used", "wasted")
                 ),
-                f"{run.metric('kvchat:session_holds_broken_total'):.0f}",
+                f"{run.metric('kvchat:session_holds_broken_total'):.0f} / "
+                f"{run.metric('kvchat:admissions_held_back_total'):.0f}",
                 f"{run.metric('kvchat:num_preemptions_total'):.0f}",
                 " / ".join(
                     f"{run.metric('kvchat:cached_tokens_total', source=s):,.0f}"
@@ -450,7 +452,7 @@ TIER_HEADER = [
     "MiB moved device>host / host>device / device>disk / disk>device",
     "session hits device / host / disk",
     "prefetches issued / used / wasted",
-    "holds broken",
+    "holds broken / requests that waited on one",
     "preemptions",
     "cached tokens: session / prefix cache / host / KV store",
     "prompt tokens computed (engine, incl. recomputed)",

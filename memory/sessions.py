@@ -359,6 +359,46 @@ class SessionStore:
                 return True
         return False
 
+    def is_idle_on_device(self, session_id: str | None) -> bool:
+        """Whether the session's KV is on the device, no turn of it running."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        return session is not None and session.state is SessionState.RESIDENT
+
+    def should_wait(self, num_blocks: int, waited_s: float) -> bool:
+        """Whether a waiting request that needs `num_blocks` more should stay waiting rather
+        than break holds (predictive only). Idle sessions that are not held make room first;
+        if held ones are all that stand in the way, the request waits for as long as breaking
+        their holds would cost their own next turns (the reload each would need, times how
+        likely its turn is: Continuum's trade of a tool call's wait against its recompute),
+        and then goes ahead and breaks them. A running request never waits on a hold."""
+        if self.mode != "predictive" or self.make_room(num_blocks, spare_held=True):
+            return False
+        cost = self.hold_cost_s(num_blocks)
+        return cost is not None and waited_s < cost
+
+    def hold_cost_s(self, num_blocks: int) -> float | None:
+        """The expected reload seconds that freeing `num_blocks` by breaking holds would cost
+        the held resident sessions it takes (in the order they would leave); None when the
+        idle resident sessions cannot free that many at all."""
+        now = self.clock()
+        free = self.pool.num_free_blocks
+        cost = 0.0
+        for victim in self._victims(SessionState.RESIDENT):
+            blocks = len(victim.kv.block_ids)
+            if self.retention.held(victim.signals, now):
+                below = self._below(DEVICE, blocks)
+                p = self.retention.p_return_within(
+                    victim.signals, self.config.retention.horizon_s[0], now
+                )
+                reload_s = self.retention.reload_s(
+                    below, victim.num_tokens, blocks * self.bytes_per_block
+                )
+                cost += p * reload_s
+            free += blocks
+            if free >= num_blocks:
+                return cost
+        return None
+
     def maintain(self) -> None:
         """Between steps: below the low watermark, evict idle sessions up to the high one (held
         ones stay: their turn is seconds away, and a running request's room still breaks a

@@ -34,7 +34,7 @@ class CacheStats:
     # Retention (memory.retention): turns whose session's KV was on the device, on the host,
     # or on disk when they came; sessions brought up ahead of their turn, and of those the
     # ones their turn used and the ones that left the device unused; blocks such prefetches
-    # moved; holds broken under pressure.
+    # moved; holds broken under pressure; admissions that first waited on held sessions.
     session_hits_device: int = 0
     session_hits_host: int = 0
     session_hits_disk: int = 0
@@ -44,6 +44,7 @@ class CacheStats:
     prefetch_blocks_from_host: int = 0
     prefetch_blocks_from_store: int = 0
     holds_broken: int = 0
+    admissions_held_back: int = 0
 
     @property
     def reused(self) -> int:

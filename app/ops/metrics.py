@@ -302,6 +302,12 @@ def _retention_metrics(report: EngineStats) -> Iterator[Metric]:
         "under pressure all the same.",
         value=stats.holds_broken,
     )
+    yield CounterMetricFamily(
+        PREFIX + "admissions_held_back",
+        "Requests that waited to start rather than break a held session's hold at once (for "
+        "at most what breaking it would cost that session's next turn).",
+        value=stats.admissions_held_back,
+    )
 
 
 class Metrics:

@@ -267,10 +267,16 @@ class Scheduler:
         return short
 
     def _admit(self, candidates: list[Sequence], step: _Step) -> None:
-        """Admit waiting sequences in order while budget, sequence slots and blocks allow."""
+        """Admit waiting sequences in order while budget, sequence slots and blocks allow.
+        One that waits on held sessions (SessionStore.should_wait) lets only the turns of idle
+        sessions on the device pass it: their KV is there already, and their admission is
+        what a hold waits for."""
+        held_back = False
         for seq in candidates:
             if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if held_back and not self.sessions.is_idle_on_device(seq.session_id):
+                continue
             if seq.session_id is not None and any(
                 f.session_id == seq.session_id for f in self.finishing
             ):
@@ -286,9 +292,15 @@ class Scheduler:
                 )
             if self._prefix_in_flight(seq):
                 continue  # a running prefill is computing its next blocks: wait for them
+            if self._holds_back(seq):
+                held_back = True
+                continue
             n = seq.chunk(min(seq.num_uncomputed_tokens, step.budget))
             if not self._reserve(seq, n):
                 return
+            if seq.held_back_since is not None:
+                seq.held_back_since = None
+                self.stats.admissions_held_back += 1
             self.waiting.remove(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -296,6 +308,20 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.plan(seq, n)
+
+    def _holds_back(self, seq: Sequence) -> bool:
+        """Whether `seq` (a normal request) waits rather than break holds for its whole prompt's
+        blocks; from its first such wait on, it counts how long it has waited."""
+        if seq.priority != PRIORITY_NORMAL or seq.was_admitted:
+            return False  # background requests take free blocks only; a preempted one resumes
+        need = self.kv_manager.blocks_to_reserve(seq.kv, seq.num_prompt_tokens)
+        now = self.sessions.clock()
+        waited = 0.0 if seq.held_back_since is None else now - seq.held_back_since
+        if not self.sessions.should_wait(need, waited):
+            return False
+        if seq.held_back_since is None:
+            seq.held_back_since = now
+        return True
 
     # -- reuse -----------------------------------------------------------------------------------
 

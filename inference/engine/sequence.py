@@ -56,6 +56,9 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it was first admitted to run
+    # When it first stayed waiting so as not to break a held session's KV (the sessions'
+    # clock; see SessionStore.should_wait).
+    held_back_since: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     accounting: PrefillAccounting = field(default_factory=PrefillAccounting)

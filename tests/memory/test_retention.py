@@ -10,6 +10,9 @@ import random
 import pytest
 import torch
 
+from kvchat.inference.engine.scheduler import Scheduler, SchedulerConfig
+from kvchat.inference.engine.sequence import Sequence
+from kvchat.inference.model.sampling_params import SamplingParams
 from kvchat.memory.block_pool import BlockPool
 from kvchat.memory.config import CacheConfig, MemoryConfigError, RetentionConfig, SessionBudget
 from kvchat.memory.kv_cache import KVCache
@@ -45,9 +48,11 @@ def make_store(
     num_blocks: int = 16,
     host_blocks: int = 0,
     mode: str = "predictive",
+    retention: dict[str, float] | None = None,
     **config: object,
 ) -> SessionStore:
-    cfg = CacheConfig(block_size=BS, retention=RetentionConfig(mode=mode), **config)  # type: ignore[arg-type]
+    policy = RetentionConfig(mode=mode, **(retention or {}))  # type: ignore[arg-type]
+    cfg = CacheConfig(block_size=BS, retention=policy, **config)  # type: ignore[arg-type]
     spec = KVCacheSpec(1, 1, 2, BS, torch.float32)
     kv = KVCache(spec, num_blocks, torch.device("cpu"), host_blocks)
     pool, host = BlockPool(num_blocks), BlockPool(host_blocks)
@@ -437,3 +442,61 @@ def test_an_operators_move_is_not_undone_by_a_prefetch() -> None:
         assert tiers(store)["quick"] == after, operator
     store.note("quick", typing=True)
     assert tiers(store)["quick"] == "resident"
+
+
+def waiting(rid: str, tokens: list[int], session_id: str | None = None) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), 1_000, session_id=session_id)
+
+
+@pytest.mark.parametrize("agent_returns", [True, False])
+def test_a_new_request_waits_on_a_tool_calls_hold_for_what_breaking_it_would_cost(
+    agent_returns: bool,
+) -> None:
+    """An agent mid tool call holds half the pool; a new request needs more than the free half.
+    Under predictive it waits (its wait bounded by the agent's expected recompute: 32 tokens x
+    0.1 s, times how likely the agent is back), the agent's next turn passes it and finds its KV
+    on the device; if the agent does not come, the request goes ahead once it has waited that
+    long and breaks the hold. pinned and lru break it (or never hold) at once."""
+    retention = {"prefill_s_per_token": 0.1}
+    for mode in ("predictive", "pinned", "lru"):
+        clock = Clock()
+        store = make_store(clock, num_blocks=16, mode=mode, retention=retention)
+        agent = list(range(8 * BS))
+        turn(store, "a", len(agent), end="tool_calls")
+        scheduler = Scheduler(SchedulerConfig(), store.manager, store, store.stats)
+        scheduler.add(waiting("r", list(range(500, 500 + 12 * BS))))
+        batch = scheduler.schedule()
+        if mode != "predictive":
+            assert [s.request_id for s in scheduler.running] == ["r"], mode
+            continue
+        assert not scheduler.running and tiers(store)["a"] == "resident"
+        assert store.stats.holds_broken == 0 and batch.is_empty
+        cost = store.hold_cost_s(12)
+        assert cost is not None and 0.5 * 32 * 0.1 < cost <= 32 * 0.1
+        clock.advance(cost / 2)
+        scheduler.schedule()
+        assert not scheduler.running
+        if agent_returns:
+            scheduler.add(waiting("a2", [*agent, 900, 901, 902], session_id="a"))
+            scheduler.schedule()
+            assert [s.request_id for s in scheduler.running] == ["a2"]
+            assert store.stats.session_hits_device == 1 and store.stats.holds_broken == 0
+            assert [s.request_id for s in scheduler.waiting] == ["r"]
+        else:
+            clock.advance(cost / 2 + 0.01)
+            scheduler.schedule()
+            assert [s.request_id for s in scheduler.running] == ["r"]
+            assert store.stats.holds_broken == 1 and store.stats.admissions_held_back == 1
+            assert tiers(store)["a"] == "empty"
+
+
+def test_a_request_never_waits_on_holds_that_could_not_make_its_room() -> None:
+    """Held sessions that could not free enough even all together are no reason to wait: the
+    request goes the usual way (here: too big for the pool, refused at once)."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=16, retention={"prefill_s_per_token": 0.1})
+    turn(store, "a", 4 * BS, end="tool_calls")
+    assert store.hold_cost_s(17) is None
+    assert not store.should_wait(17, 0.0)
+    assert store.should_wait(14, 0.0)  # 12 free + the agent's 4
+    assert not store.should_wait(12, 0.0)  # free already
