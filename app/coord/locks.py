@@ -19,6 +19,8 @@ from kvchat.app.coord.base import Coordinator, LockHolder, ProcessIdentity
 
 log = logging.getLogger(__name__)
 
+RENEWER_EXIT_S = 10.0  # the most release() waits for the renewer to stop
+
 
 class HeldLock:
     """A lock held by this process, renewed every `ttl / 3` until `release()`. When a renewal
@@ -43,13 +45,19 @@ class HeldLock:
         return self.holder.fence
 
     async def _renew(self) -> None:
+        # It also stops at `_released`: a cancellation that lands as a command's own timeout
+        # fires is turned into that TimeoutError (asyncio.timeout's race), which the loop
+        # below would take for a failed renewal and go on.
         coord, ttl = self.locks.coord, self.locks.ttl
-        while True:
+        while not self._released:
             await asyncio.sleep(ttl / 3)
+            if self._released:
+                return
             try:
                 renewed = await coord.lock_renew(self.key, self.token, ttl)
             except Exception:
-                log.exception("renewing lock %s failed", self.key)
+                if not self._released:
+                    log.exception("renewing lock %s failed", self.key)
                 continue
             if not renewed and await coord.healthy():
                 log.warning("lock %s was lost (expired or taken over)", self.key)
@@ -65,7 +73,8 @@ class HeldLock:
         self._released = True
         self._renewer.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._renewer
+            # bounded: a renewal in flight ends by its command's timeout at the latest
+            await asyncio.wait_for(asyncio.shield(self._renewer), RENEWER_EXIT_S)
         try:
             await self.locks.coord.lock_release(self.key, self.token)
         except Exception:

@@ -42,6 +42,7 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.Timeout
 # close() cancels each background task this many times, a second apart, before leaving it:
 # the process is exiting, and a task that swallows its cancellation must not hold it.
 CLOSE_ATTEMPTS = 5
+CLOSE_TIMEOUT_S = 5.0  # the most close() waits for the connection pool to close
 
 # Delete a key only if it still holds our token (locks and leases).
 RELEASE = """
@@ -226,7 +227,7 @@ class RedisCoordinator(Coordinator):
                     CLOSE_ATTEMPTS,
                 )
         with contextlib.suppress(Exception):
-            await self.redis.aclose()
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
 
     async def healthy(self) -> bool:
         return self._up

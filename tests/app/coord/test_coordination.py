@@ -162,6 +162,36 @@ async def test_held_locks_are_renewed_and_dead_holders_taken_over(coord: Coordin
     assert await coord.lock_holder("turn:e") is None
 
 
+class CancelTurnedTimeout(LocalCoordinator):
+    """Injected fault: a renewal whose cancellation lands as its command's own timeout fires
+    comes out as that TimeoutError (asyncio.timeout's race, which redis-py's socket timeouts
+    can hit), not as a cancellation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewing = asyncio.Event()
+
+    async def lock_renew(self, key: str, token: str, ttl: float) -> bool:
+        self.renewing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise TimeoutError from None
+        return True
+
+
+@pytest.mark.anyio
+async def test_releasing_a_lock_ends_its_renewer_even_when_the_cancellation_is_lost() -> None:
+    coord = CancelTurnedTimeout()
+    held = await Locks(coord, ME, ttl=0.3).acquire("turn:r", purpose="turn")
+    assert isinstance(held, HeldLock)
+    await asyncio.wait_for(coord.renewing.wait(), 60)
+    # a safety deadline only: without the fix the renewer loops on and release() never returns
+    await asyncio.wait_for(held.release(), 60)
+    assert held._renewer.done()
+    assert await coord.lock_holder("turn:r") is None
+
+
 @pytest.mark.anyio
 async def test_idempotency_records(coord: Coordinator) -> None:
     assert await coord.idempotency_begin("idem:k", "fp1", 60) is None
