@@ -93,7 +93,14 @@ from kvchat.bench.agent_tasks import (
     malformed,
     missing,
 )
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    stop_servers_on_sigterm,
+)
 
 CHAT = "chat completions"
 RESPONSES = "responses"
@@ -622,6 +629,7 @@ def report(
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=REPO / "models" / PRESET)
     parser.add_argument("--max-turns", type=int, default=8)

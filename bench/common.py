@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +25,16 @@ PROCESS_START: tuple[time.struct_time, tuple[float, float, float]] = (
     time.gmtime(),
     os.getloadavg(),
 )
+
+
+def stop_servers_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a CI job's end) exits as Ctrl-C does, through the `finally` blocks
+    that stop the servers a bench started, instead of leaving them running."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def machine_header(

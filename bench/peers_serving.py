@@ -56,6 +56,7 @@ from kvchat.bench.common import (
     machine_header,
     markdown_table,
     serve_command,
+    stop_servers_on_sigterm,
 )
 from kvchat.bench.contention import neighbours
 from kvchat.bench.llama_server import (
@@ -546,6 +547,7 @@ COLORS = {"kvchat": "#2a7ab9", "vllm": "#d95f02", "llama-server": "#999999"}
 
 
 def main() -> int:
+    stop_servers_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "smollm2-135m-instruct")
     ap.add_argument(

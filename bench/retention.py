@@ -62,6 +62,7 @@ from kvchat.bench.common import (
     machine_header,
     markdown_table,
     serve_command,
+    stop_servers_on_sigterm,
 )
 from kvchat.bench.retention_plan import (
     AGENT,
@@ -731,6 +732,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 
 
 def main() -> int:
+    stop_servers_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / PRESET)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))

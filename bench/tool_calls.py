@@ -61,7 +61,14 @@ import torch
 from tqdm import tqdm
 
 from kvchat.bench.bfcl_cases import CATEGORIES, model_result
-from kvchat.bench.common import REPO, RESULTS, ensure_model, machine_header, markdown_table
+from kvchat.bench.common import (
+    REPO,
+    RESULTS,
+    ensure_model,
+    machine_header,
+    markdown_table,
+    stop_servers_on_sigterm,
+)
 from kvchat.bench.llama_server import (
     CACHE,
     PACKAGE,
@@ -385,6 +392,7 @@ def reusable(
 
 
 def main() -> int:
+    stop_servers_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / PRESET)
     ap.add_argument(
