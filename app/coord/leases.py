@@ -29,6 +29,7 @@ import socket
 from collections.abc import Callable
 
 from kvchat.app.coord import Coordinator
+from kvchat.app.coord.locks import RENEWER_EXIT_S
 from kvchat.app.engine_client import EngineClient
 from kvchat.inference import EngineDeadError
 
@@ -59,15 +60,19 @@ class LeaseKeeper:
         self.ttl = ttl
         self.held: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._renew_forever())
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                # bounded: a cancellation lost in a command's timeout still ends the loop at
+                # `_closing` (see HeldLock._renew)
+                await asyncio.wait_for(asyncio.shield(self._task), RENEWER_EXIT_S)
         for conversation_id in list(self.held):
             await self.release(conversation_id)
 
@@ -110,9 +115,12 @@ class LeaseKeeper:
                 self.held.discard(conversation_id)
 
     async def _renew_forever(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.ttl / 3)
+            if self._closing:
+                return
             try:
                 await self.sync()
             except Exception:
-                log.exception("renewing session leases failed")
+                if not self._closing:
+                    log.exception("renewing session leases failed")

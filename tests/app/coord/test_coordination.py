@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvchat.app.coord import Coordinator, LocalCoordinator, ProcessIdentity
-from kvchat.app.coord.leases import lease_name
+from kvchat.app.coord.leases import LeaseKeeper, lease_name
 from kvchat.app.coord.locks import HeldLock, Locks
 from kvchat.app.coord.redis import RedisCoordinator
 from kvchat_testing.app_service import Service, service_settings
@@ -190,6 +190,35 @@ async def test_releasing_a_lock_ends_its_renewer_even_when_the_cancellation_is_l
     await asyncio.wait_for(held.release(), 60)
     assert held._renewer.done()
     assert await coord.lock_holder("turn:r") is None
+
+
+class SessionInfoCancelTurnedTimeout:
+    """Injected fault: the engine's answer to a lease renewal, cancelled, comes out as a
+    TimeoutError instead."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    async def session_info(self, conversation_id: str) -> None:
+        self.asked.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise TimeoutError from None
+
+
+@pytest.mark.anyio
+async def test_closing_the_lease_keeper_ends_its_renewals_even_when_the_cancellation_is_lost() -> (
+    None
+):
+    engine = SessionInfoCancelTurnedTimeout()
+    keeper = LeaseKeeper(LocalCoordinator(), engine, "replica-test", ttl=0.3)  # type: ignore[arg-type]
+    keeper.held.add("c")
+    keeper.start()
+    await asyncio.wait_for(engine.asked.wait(), 60)
+    keeper.held.clear()
+    await asyncio.wait_for(keeper.close(), 60)  # a safety deadline only
+    assert keeper._task is not None and keeper._task.done()
 
 
 @pytest.mark.anyio
