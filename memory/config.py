@@ -54,7 +54,8 @@ class RetentionConfig:
     prefetch_horizon_s / prefetch_probability: a session not on the device is brought up when
         its next turn is at least this likely within the horizon (or its user is typing).
     prefill_s_per_token, host_bytes_per_s, disk_bytes_per_s: what reloading costs, until the
-        engine has measured it.
+        engine has measured it (prefill steps' time per token, on the CPU; the seconds its
+        copies from host and loads from the KV store took).
     """
 
     mode: str = "predictive"

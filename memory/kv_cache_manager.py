@@ -105,6 +105,17 @@ class Restored:
     from_prefix_cache: int = 0
 
 
+@dataclass
+class CopyTimes:
+    """Blocks copied onto the device from each lower tier, and the seconds it took (the
+    retention policy's reload rates are these, once there are enough of them)."""
+
+    host_blocks: int = 0
+    host_s: float = 0.0
+    store_blocks: int = 0
+    store_s: float = 0.0
+
+
 class KVCacheError(RuntimeError):
     """A KV movement could not be made (an internal invariant broke); never a user error."""
 
@@ -127,6 +138,7 @@ class KVCacheManager:
         self.kv = kv
         self.block_size = block_size
         self.prefix_cache = PrefixCache(pool, block_size, enable_prefix_caching)
+        self.copy_times = CopyTimes()
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -196,6 +208,7 @@ class KVCacheManager:
             return 0
         kv = self._kv()
         loaded = 0
+        start = time.perf_counter()
         while (index + 1) * bs <= len(token_ids) - 1 and self.pool.can_allocate(1):
             chunk = token_ids[index * bs : (index + 1) * bs]
             parent = state.block_hashes[-1] if state.block_hashes else None
@@ -217,6 +230,9 @@ class KVCacheManager:
             state.block_hashes.append(block_hash)
             state.num_computed_tokens += bs
             index += 1
+        if loaded:
+            self.copy_times.store_blocks += loaded // bs
+            self.copy_times.store_s += time.perf_counter() - start
         return loaded
 
     def persist(self, state: KVState, token_ids: Sequence[int]) -> int:
@@ -353,8 +369,7 @@ class KVCacheManager:
         host_ids = state.host_block_ids
         assert not state.block_ids and host_ids, "not on the host"
         device_ids = self.pool.allocate(len(host_ids))
-        self._kv().swap_in(host_ids, device_ids)
-        self.stats.blocks_from_host += len(host_ids)
+        self._copy_in(host_ids, device_ids)
         self.host_pool.release(host_ids)
         state.host_block_ids = []
         state.block_ids = device_ids
@@ -398,12 +413,19 @@ class KVCacheManager:
                 dst.block_hashes.append(hashes[i])
             restored = end
         if copies:
-            self._kv().swap_in([h for h, _ in copies], [d for _, d in copies])
-            self.stats.blocks_from_host += len(copies)
+            self._copy_in([h for h, _ in copies], [d for _, d in copies])
         self.free(src)
         dst.num_computed_tokens = restored
         del dst.block_hashes[restored // bs :]
         return Restored(from_host=restored - from_cache, from_prefix_cache=from_cache)
+
+    def _copy_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+        """Host blocks copied into device blocks, counted and timed."""
+        start = time.perf_counter()
+        self._kv().swap_in(host_ids, device_ids)
+        self.copy_times.host_s += time.perf_counter() - start
+        self.copy_times.host_blocks += len(host_ids)
+        self.stats.blocks_from_host += len(host_ids)
 
     def _kv(self) -> KVCache:
         if self.kv is None:

@@ -40,6 +40,11 @@ CLASSES = (AGENT, PERSON)
 # How a turn ended, as the service reports it.
 TURN_ENDS = ("tool_calls", "stop", "length", "cancelled")
 
+# Measured reload costs: how far each prefill step moves the per-token average, and how many
+# bytes copied from a tier it takes before their rate replaces the configured one.
+RATE_WEIGHT = 0.1
+MIN_MEASURED_BYTES = 4 * 1024**2
+
 # The tiers a session's KV lives in, top first.
 DEVICE, HOST, DISK, NOWHERE = "device", "host", "disk", "none"
 TIERS = (DEVICE, HOST, DISK, NOWHERE)
@@ -239,6 +244,25 @@ class RetentionPolicy:
         if signals.end == "tool_calls" and elapsed < self.config.agent_hold_s:
             return True
         return signals.ttl_s is not None and elapsed < signals.ttl_s
+
+    # -- what reloading costs ----------------------------------------------------------------------
+
+    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
+        """A prefill step's time over its tokens: the per-token recompute cost, a moving
+        average (its prompts' lengths and the machine's load move it)."""
+        if num_tokens > 0 and seconds > 0:
+            rate = seconds / num_tokens
+            self.prefill_s_per_token += RATE_WEIGHT * (rate - self.prefill_s_per_token)
+
+    def observe_copies(
+        self, host_bytes: int, host_s: float, disk_bytes: int, disk_s: float
+    ) -> None:
+        """The bytes brought onto the device from host and from the KV store so far, and the
+        seconds it took: their rates, once there are MIN_MEASURED_BYTES of each."""
+        if host_bytes >= MIN_MEASURED_BYTES and host_s > 0:
+            self.host_bytes_per_s = host_bytes / host_s
+        if disk_bytes >= MIN_MEASURED_BYTES and disk_s > 0:
+            self.disk_bytes_per_s = disk_bytes / disk_s
 
     # -- value ----------------------------------------------------------------------------------
 

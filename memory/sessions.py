@@ -403,6 +403,13 @@ class SessionStore:
         """Between steps: below the low watermark, evict idle sessions up to the high one (held
         ones stay: their turn is seconds away, and a running request's room still breaks a
         hold); and (predictive) bring up the sessions whose next turn is near."""
+        copied = self.manager.copy_times
+        self.retention.observe_copies(
+            copied.host_blocks * self.bytes_per_block,
+            copied.host_s,
+            copied.store_blocks * self.bytes_per_block,
+            copied.store_s,
+        )
         total = self.pool.num_blocks
         if self.pool.num_free_blocks < self.config.watermark_low * total:
             self.make_room(int(self.config.watermark_high * total), spare_held=True)

@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 # Steps in a row that may raise before the engine counts itself broken and stops (its loop
 # then dies, /healthz fails, a supervisor restarts the process).
 MAX_FAILED_STEPS = 3
+# A step with at least this many prompt tokens times the per-token prefill (retention).
+MEASURED_PREFILL_TOKENS = 64
 
 T = TypeVar("T")
 
@@ -373,7 +375,11 @@ class Engine:
         threads = self.cpu_threads.choose(shape)
         start = time.perf_counter()
         result = self.runner.execute(batch)
-        self.cpu_threads.record(shape, threads, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cpu_threads.record(shape, threads, seconds)
+        if batch.num_tokens - batch.num_decode >= MEASURED_PREFILL_TOKENS:
+            # what recomputing a session's KV costs, for the retention policy
+            self.sessions.retention.observe_prefill(seconds, batch.num_tokens)
         return result
 
     def _postprocess(

@@ -335,3 +335,17 @@ def test_each_step_publishes_its_stats_for_other_threads(tiny_llama: tuple[Path,
     assert (after.num_running, after.num_waiting, after.num_used_blocks) == (0, 0, 0)
     assert after.cache.prompt_tokens == 24
     assert stats.cache.prompt_tokens == 16
+
+
+def test_prefill_steps_measure_what_recomputing_a_session_costs(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    """The retention policy prices a dropped session's KV at the engine's own prefill rate:
+    a prefill step moves it off the configured figure, decode steps do not."""
+    engine = make_engine(tiny_llama[0])
+    policy = engine.sessions.retention
+    configured = policy.prefill_s_per_token
+    engine.generate([random_prompt(8, seed=3)], SamplingParams(max_tokens=4, temperature=0))
+    assert policy.prefill_s_per_token == configured  # 8 prompt tokens: too few to go by
+    engine.generate([random_prompt(200, seed=4)], SamplingParams(max_tokens=1, temperature=0))
+    assert policy.prefill_s_per_token != configured and policy.prefill_s_per_token > 0

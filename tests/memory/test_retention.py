@@ -313,6 +313,7 @@ def test_a_session_dropped_to_disk_keeps_its_tokens_for_a_prefetch(tmp_path) -> 
     assert tiers(sessions)["reader"] == "resident"
     assert sessions.get("reader").num_tokens == 4 * BS  # type: ignore[union-attr]
     assert sessions.stats.prefetch_blocks_from_store == 4  # read back from disk
+    assert manager.copy_times.store_blocks == 4 and manager.copy_times.store_s > 0  # timed
     disk.close()
 
 
@@ -500,3 +501,28 @@ def test_a_request_never_waits_on_holds_that_could_not_make_its_room() -> None:
     assert not store.should_wait(17, 0.0)
     assert store.should_wait(14, 0.0)  # 12 free + the agent's 4
     assert not store.should_wait(12, 0.0)  # free already
+
+
+def test_reload_costs_are_measured_not_assumed() -> None:
+    """Copies from host are counted and timed where they happen; their rate replaces the
+    configured one once there are enough bytes, and prefill steps move the per-token cost."""
+    clock = Clock()
+    store = make_store(clock, num_blocks=12, host_blocks=8)
+    turn(store, "reader", 4 * BS)
+    assert store.evict("reader") == "offloaded"
+    turn(store, "other", 12 * BS, first=1000)  # reuses the blocks the prefix cache still had
+    store.note("reader", typing=True)  # brought back up from host: four blocks copied
+    copied = store.manager.copy_times
+    assert copied.host_blocks == 4 and copied.host_s > 0 and copied.store_blocks == 0
+    policy = RetentionPolicy(RetentionConfig(), clock)
+    configured_host, configured_disk = policy.host_bytes_per_s, policy.disk_bytes_per_s
+    policy.observe_copies(1024, 1.0, 0, 0.0)  # too few bytes to go by
+    assert policy.host_bytes_per_s == configured_host
+    policy.observe_copies(8 * 1024**2, 0.5, 64 * 1024**2, 2.0)
+    assert policy.host_bytes_per_s == 16 * 1024**2 and policy.disk_bytes_per_s == 32 * 1024**2
+    assert policy.disk_bytes_per_s != configured_disk
+    before = policy.prefill_s_per_token
+    for _ in range(200):
+        policy.observe_prefill(0.5, 100)  # 5 ms a token
+    assert policy.prefill_s_per_token == pytest.approx(5e-3, rel=1e-3) and before < 5e-3
+    assert policy.reload_s("none", 300, 0) == pytest.approx(1.5, rel=1e-3)
