@@ -47,6 +47,9 @@ from .thread import EngineThread
 
 log = logging.getLogger(__name__)
 
+# How often a stepping thread whose requests all wait (nothing to run) looks again.
+WAITING_POLL_S = 0.01
+
 T = TypeVar("T")
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -274,6 +277,11 @@ class AsyncEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out)
+                if self.engine.stepped_nothing:
+                    # Requests wait and nothing runs (a held session's hold, say): no spinning;
+                    # a new request or command wakes the loop at once.
+                    self._wake.wait(timeout=WAITING_POLL_S)
+                    self._wake.clear()
         except BaseException as e:  # an engine bug: fail every open stream, loudly
             log.exception("engine loop stopped")
             with self._lock:

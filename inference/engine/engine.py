@@ -183,6 +183,7 @@ class Engine:
         self.num_failed_steps = 0  # steps that raised (their requests failed, the engine went on)
         self.num_failed_requests = 0
         self.published_stats: EngineStats = self._stats()
+        self.stepped_nothing = False  # the last step ran nothing (see step)
         if self.device.type == "cpu":
             release_freed_memory()  # what loading and the linear probe left behind
 
@@ -328,6 +329,9 @@ class Engine:
         for call in calls:
             call.run()
         self.published_stats = self._stats()
+        # Nothing ran and nothing came out: the waiting requests wait (on a held session, or
+        # for blocks), and the next step would do the same unless something arrives.
+        self.stepped_nothing = batch.is_empty and not outputs and not calls
         return outputs
 
     def _take_inbox(self) -> tuple[list[RequestOutput], list[Call[Any]]]:

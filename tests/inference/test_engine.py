@@ -349,3 +349,15 @@ def test_prefill_steps_measure_what_recomputing_a_session_costs(
     assert policy.prefill_s_per_token == configured  # 8 prompt tokens: too few to go by
     engine.generate([random_prompt(200, seed=4)], SamplingParams(max_tokens=1, temperature=0))
     assert policy.prefill_s_per_token != configured and policy.prefill_s_per_token > 0
+
+
+def test_a_step_that_runs_nothing_says_so(tiny_llama: tuple[Path, Any]) -> None:
+    """The stepping thread waits (instead of spinning) after a step that ran nothing and
+    gave nothing, as when every waiting request waits on a held session."""
+    engine = make_engine(tiny_llama[0])
+    engine.step()
+    assert engine.stepped_nothing
+    engine.add_request("r", random_prompt(8, seed=1), GREEDY)
+    engine.step()
+    assert not engine.stepped_nothing
+    run_until_done(engine)
