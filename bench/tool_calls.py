@@ -494,7 +494,7 @@ def main() -> int:
         started=started,
         load_start=load_start,
     )
-    report = header + build_report(runs, servers, categories)
+    report = header + build_report(runs, servers, categories, args.out.with_suffix(".png").name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)
@@ -564,7 +564,9 @@ def summary_row(label: str, server: str, replies: list[Reply], seconds: float) -
     ]
 
 
-def build_report(runs: list[CategoryRun], servers: list[str], categories: list[str]) -> str:
+def build_report(
+    runs: list[CategoryRun], servers: list[str], categories: list[str], plot_name: str
+) -> str:
     def pick(server: str, category: str | None = None) -> list[CategoryRun]:
         return [r for r in runs if r.server == server and category in (None, r.category)]
 
@@ -651,7 +653,7 @@ def build_report(runs: list[CategoryRun], servers: list[str], categories: list[s
         why_rows += [[server, "malformed", k, n] for k, n in malformed.most_common()]
         why_rows += [[server, "error", k, n] for k, n in errors.most_common(3)]
     out += markdown_table(["server", "kind", "what", "cases"], why_rows)
-    return out + "\n![accuracy by category](tool_calls.png)\n"
+    return out + f"\n![accuracy by category]({plot_name})\n"
 
 
 COLORS = {"kvchat": "#2a7ab9", "llama-server": "#999999", "llama-server+hermes": "#d95f02"}
